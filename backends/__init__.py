@@ -1,0 +1,25 @@
+"""Built-in storage backends, installed as ``hicache_storage.backends``.
+
+Each backend lives in its own private module and imports only the core
+(``hicache_storage``) and, lazily, its own client library. Classes are re-exported here
+lazily, so importing this package imports no backend module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["FileBackend"]
+
+_LAZY = {
+    "FileBackend": "hicache_storage.backends._file",
+    "FileOptions": "hicache_storage.backends._file",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

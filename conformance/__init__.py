@@ -1,0 +1,1 @@
+"""Conformance kit for hicache-storage backends (installed as ``hicache_storage.conformance``)."""

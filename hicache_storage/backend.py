@@ -1,0 +1,667 @@
+"""The backend protocol: :class:`HiCacheStorage`.
+
+This is the contract every store implements, built-in or vendor. It matches the method
+names and argument order of SGLang's HiCache L3 interface, with its faults fixed.
+
+**What an implementer writes.** Three abstract methods, ``get``, ``set`` and ``exists``.
+Everything else has a correct default that loops over them; override a default when the
+store has a faster native form (``batch_set_pages``/``batch_get_pages`` for zero-copy
+page I/O, ``batch_exists`` for pipelined existence checks, ``delete``, ``clear``).
+
+**What the engine gets, whatever the implementer wrote.** The methods below are
+*engine-facing*; the class wraps every implementation of them (yours included, through
+``__init_subclass__``) so that:
+
+* keys are validated before your code runs (:func:`~hicache_storage.keys.validate_key`);
+  invalid keys and other bad arguments raise :class:`~hicache_storage.errors.InvalidArgumentError`;
+* any other exception, from the store or from a bug, becomes the call's *failure shape*
+  (``None``, ``False``, ``0``, ``[False] * n``, ``[None] * n``), is logged (rate limited)
+  and is counted in :meth:`get_stats`. The engine's prefetch and backup threads never die
+  because of storage;
+* results of the wrong shape (a list of the wrong length, ``None`` where a list is due,
+  a bool from ``batch_set``) are replaced by a safe shape and counted as contract
+  violations; in strict mode (``HICACHE_STORAGE_STRICT=1``) they raise
+  :class:`~hicache_storage.errors.ContractViolationError` instead;
+* after :meth:`close`, every call returns its failure shape.
+
+=====================  ==========================================  ==================
+method                 returns                                     failure shape
+=====================  ==========================================  ==================
+``get``                the filled target, a new uint8 tensor, or   ``None``
+                       ``None`` (miss or stored-size mismatch)
+``set``                ``True`` once stored (or already present)   ``False``
+``exists``             ``bool``                                    ``False``
+``batch_get``          ``list`` of ``get`` results, one per key    ``[None] * n``
+``batch_set``          ``list[bool]``, one per key                 ``[False] * n``
+``batch_exists``       number of *leading* keys present            ``0``
+``batch_get_v1``       ``list[bool]``, one per page                ``[False] * n``
+``batch_set_v1``       ``list[bool]``, one per page                ``[False] * n``
+``batch_get_pages``    ``list[bool]``, one per page                ``[False] * n``
+``batch_set_pages``    ``list[bool]``, one per page                ``[False] * n``
+=====================  ==========================================  ==================
+
+**Thread safety.** Every method may be called from several threads at once (the engine
+runs one prefetch and one backup thread against one instance), and several processes
+(ranks) may share one store.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, ClassVar
+
+from hicache_storage.buffers import PageBuffer, Segment, memoryview_at, source_views, total_nbytes
+from hicache_storage.config import StorageConfig
+from hicache_storage.errors import (
+    BackendClosedError,
+    BackendError,
+    ContractViolationError,
+    HostIndicesError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NamespaceMismatchError,
+    NotSupportedError,
+)
+from hicache_storage.keys import DEFAULT_NAMESPACE, ObjectName, normalize_dtype, object_name, validate_key, validate_keys
+from hicache_storage.stats import StatsRecorder, StorageStats
+
+__all__ = ["ALL_LAYOUTS", "Capabilities", "HiCacheStorage"]
+
+logger = logging.getLogger(__name__)
+
+#: Every host-pool layout the SDK knows.
+ALL_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports, declared (never guessed from method names).
+
+    Attributes:
+        zero_copy: ``batch_set_pages``/``batch_get_pages`` move bytes between host memory
+            and the store without an intermediate copy.
+        delete: ``delete(key)`` and ``clear()`` are supported.
+        persistent: objects survive the process (and a restart of it).
+        shared: other processes (ranks) see the same objects.
+        max_object_bytes: largest object accepted, ``None`` if unbounded.
+        layouts: host-pool layouts ``register_mem_pool_host`` accepts.
+        mla: MLA (rank-replicated) pools are supported.
+    """
+
+    zero_copy: bool = False
+    delete: bool = False
+    persistent: bool = False
+    shared: bool = False
+    max_object_bytes: int | None = None
+    layouts: frozenset[str] = field(default_factory=lambda: ALL_LAYOUTS)
+    mla: bool = True
+
+    def claimed(self) -> list[str]:
+        """Names of the boolean capabilities this backend claims."""
+        return [n for n in ("zero_copy", "delete", "persistent", "shared") if getattr(self, n)]
+
+
+# --------------------------------------------------------------------------- the guard
+
+
+@dataclass(frozen=True)
+class _Op:
+    """How to guard one engine-facing method."""
+
+    kind: str  # "single" (key first) or "batch" (keys first)
+    failure: Callable[[int], Any]
+    check: Callable[[Any, int], tuple[Any, str | None]]
+    count_ok: Callable[[Any], int]
+
+
+def _check_any(result: Any, n: int) -> tuple[Any, str | None]:
+    return result, None
+
+
+def _check_bool(result: Any, n: int) -> tuple[Any, str | None]:
+    if isinstance(result, bool):
+        return result, None
+    return result is True, f"returned {type(result).__name__}, expected bool"
+
+
+def _check_count(result: Any, n: int) -> tuple[Any, str | None]:
+    if isinstance(result, bool) or not isinstance(result, int):
+        if isinstance(result, list) and len(result) == n:
+            # A per-key list: the engine needs the leading run.
+            lead = 0
+            while lead < n and result[lead] is True:
+                lead += 1
+            return lead, "returned a list, expected the int count of leading hits"
+        return 0, f"returned {type(result).__name__}, expected int"
+    if not 0 <= result <= n:
+        return 0, f"returned {result} for {n} keys (must be in [0, {n}])"
+    return result, None
+
+
+def _check_bools(result: Any, n: int) -> tuple[Any, str | None]:
+    if isinstance(result, list) and len(result) == n:
+        if all(isinstance(x, bool) for x in result):
+            return result, None
+        return [x is True for x in result], "returned non-bool entries"
+    if isinstance(result, bool):
+        return [result] * n, f"returned a bool, expected a list of {n} bools"
+    if isinstance(result, list):
+        return [False] * n, f"returned {len(result)} results for {n} keys"
+    return [False] * n, f"returned {type(result).__name__}, expected a list of {n} bools"
+
+
+def _check_gets(result: Any, n: int) -> tuple[Any, str | None]:
+    if isinstance(result, list) and len(result) == n:
+        return result, None
+    if isinstance(result, list):
+        return [None] * n, f"returned {len(result)} results for {n} keys"
+    return [None] * n, f"returned {type(result).__name__}, expected a list of {n} results"
+
+
+def _ok_truthy(result: Any) -> int:
+    return 1 if result is True else 0
+
+
+def _ok_not_none(result: Any) -> int:
+    return 0 if result is None else 1
+
+
+_OPS: dict[str, _Op] = {
+    "get": _Op("single", lambda n: None, _check_any, _ok_not_none),
+    "set": _Op("single", lambda n: False, _check_bool, _ok_truthy),
+    "exists": _Op("single", lambda n: False, _check_bool, _ok_truthy),
+    "batch_get": _Op("batch", lambda n: [None] * n, _check_gets, lambda r: sum(x is not None for x in r)),
+    "batch_set": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
+    "batch_exists": _Op("batch", lambda n: 0, _check_count, lambda r: int(r)),
+    "batch_get_v1": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
+    "batch_set_v1": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
+    "batch_get_pages": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
+    "batch_set_pages": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
+}
+
+#: Exceptions that reach the caller: bad arguments and unsupported operations.
+_PASS_THROUGH = (InvalidArgumentError, NotSupportedError, ContractViolationError)
+
+_local = threading.local()
+
+
+def _active_calls() -> dict[int, int]:
+    """This thread's guarded calls in progress: instance id -> item errors so far."""
+    active: dict[int, int] | None = getattr(_local, "active", None)
+    if active is None:
+        active = _local.active = {}
+    return active
+
+
+class _RateLimitedLog:
+    """Logs a failure at most once per ``interval`` seconds per key, counting the rest."""
+
+    def __init__(self, interval: float = 5.0) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.interval:
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
+                return
+            self._last[key] = now
+            suppressed = self._suppressed.pop(key, 0)
+        if suppressed:
+            msg += " (%d similar messages suppressed)"
+            args = (*args, suppressed)
+        logger.warning(msg, *args, exc_info=exc_info)
+
+
+def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an engine-facing method with validation, failure shapes and stats."""
+    spec = _OPS[name]
+    batch = spec.kind == "batch"
+
+    @functools.wraps(fn)
+    def wrapper(self: HiCacheStorage, *args: Any, **kwargs: Any) -> Any:
+        active = _active_calls()
+        me = id(self)
+        if me in active:
+            # Nested call on this instance (a default batch loop calling get, or super()):
+            # the outermost call validated the arguments and records the stats.
+            try:
+                return fn(self, *args, **kwargs)
+            except _PASS_THROUGH:
+                raise
+            except Exception as exc:
+                active[me] += 1
+                self._log_failure(name, exc)
+                n = len(args[0]) if batch and args else 1
+                return spec.failure(n)
+
+        # Outermost call: validate keys (first argument), run, check the result's shape.
+        if args:
+            first = args[0]
+        elif batch and "keys" in kwargs:
+            first = kwargs.pop("keys")
+        elif not batch and "key" in kwargs:
+            first = kwargs.pop("key")
+        else:
+            raise InvalidTypeError(f"{name}() needs {'keys' if batch else 'a key'}")
+        if batch:
+            first = validate_keys(first)
+            n = len(first)
+        else:
+            validate_key(first)
+            n = 1
+        args = (first, *args[1:])
+        state = self._hicache_state()
+        if state.closed:
+            self._log_failure(name, BackendClosedError(f"{type(self).__name__} is closed"))
+            state.stats.record(name, n, 0, n, 0.0)
+            return spec.failure(n)
+        active[me] = 0
+        t0 = time.perf_counter()
+        errors = 0
+        try:
+            result = fn(self, *args, **kwargs)
+        except _PASS_THROUGH:
+            raise
+        except Exception as exc:
+            self._log_failure(name, exc)
+            result = spec.failure(n)
+            errors = n
+        finally:
+            inner_errors = active.pop(me, 0)
+        elapsed = time.perf_counter() - t0
+        errors = min(n, max(errors, inner_errors))
+        result, problem = spec.check(result, n)
+        if problem is not None:
+            state.stats.add(contract_violations=1)
+            message = f"{type(self).__name__}.{name} {problem}"
+            if state.strict:
+                raise ContractViolationError(message)
+            state.log("violation:" + name, "contract violation: %s; replaced by a safe result", message)
+        state.stats.record(name, n, spec.count_ok(result), errors, elapsed)
+        return result
+
+    wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _guard_close(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``close`` idempotent: the body runs once, later calls return at once."""
+
+    @functools.wraps(fn)
+    def wrapper(self: HiCacheStorage) -> None:
+        state = self._hicache_state()
+        if state.closed or state.closing:
+            return
+        state.closing = True
+        try:
+            fn(self)
+        finally:
+            state.closed = True
+
+    wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _State:
+    """Per-instance bookkeeping of the protocol layer."""
+
+    def __init__(self) -> None:
+        self.stats = StatsRecorder()
+        self.closed = False
+        self.closing = False
+        self.strict = os.environ.get("HICACHE_STORAGE_STRICT", "") not in ("", "0", "false")
+        self.log = _RateLimitedLog()
+
+
+# --------------------------------------------------------------------------- the ABC
+
+
+class HiCacheStorage(abc.ABC):
+    """Base class of every L3 backend (see the module docstring for the contract).
+
+    Constructor convention: ``Backend(config: StorageConfig | None = None, **options)``.
+    Subclasses call ``super().__init__(config)`` and parse their options (see
+    :func:`hicache_storage.config.parse_options`).
+
+    Class attributes:
+        name: registry name (``"file"``, ``"redis"``...).
+        capabilities: what the backend supports.
+    """
+
+    name: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        if options:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} takes no options, got {sorted(options)}"
+            )
+        self.config = config if config is not None else StorageConfig()
+        self.namespace = self.config.namespace
+        self.mem_pool_host: Any = None
+        self._hicache_state()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for op in _OPS:
+            fn = cls.__dict__.get(op)
+            if callable(fn) and not getattr(fn, "__hicache_guarded__", False):
+                setattr(cls, op, _guard(op, fn))
+        fn = cls.__dict__.get("close")
+        if callable(fn) and not getattr(fn, "__hicache_guarded__", False):
+            cls.close = _guard_close(fn)  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _hicache_state(self) -> _State:
+        state: _State | None = self.__dict__.get("_hicache")
+        if state is None:
+            state = self.__dict__.setdefault("_hicache", _State())
+        return state
+
+    @property
+    def strict_contract(self) -> bool:
+        """Raise on contract violations instead of replacing the result."""
+        return self._hicache_state().strict
+
+    @strict_contract.setter
+    def strict_contract(self, value: bool) -> None:
+        self._hicache_state().strict = bool(value)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._hicache_state().closed
+
+    def _log_failure(self, op: str, exc: BaseException) -> None:
+        unexpected = not isinstance(exc, (BackendError, OSError, TimeoutError, ConnectionError))
+        self._hicache_state().log(
+            "fail:" + op,
+            "%s.%s failed (%s: %s); returning its failure result",
+            type(self).__name__,
+            op,
+            type(exc).__name__,
+            exc,
+            exc_info=unexpected,
+        )
+
+    def _record(self, **counters: int) -> None:
+        """Add to this backend's scalar counters (``bytes_read``, ``corrupt_objects``...)."""
+        self._hicache_state().stats.add(**counters)
+
+    def _add_item_errors(self, count: int) -> None:
+        """Count ``count`` items that failed inside the current call (call from its thread).
+
+        A backend that catches per-item failures itself (in worker threads, say) logs them
+        with :meth:`_log_failure` and reports how many here, so the stats stay right.
+        """
+        active = _active_calls()
+        if id(self) in active:
+            active[id(self)] += count
+
+    def object_name(self, key: str) -> ObjectName:
+        """The stored name of ``key`` for this backend's namespace and shard."""
+        return object_name(self.namespace.digest, key, self.config.shard)
+
+    def get_stats(self, reset: bool = True) -> StorageStats:
+        """Return the counters since the last reset; by default reset them (reference semantics)."""
+        return self._hicache_state().stats.snapshot(reset=reset)
+
+    # ------------------------------------------------------------------ abstract core
+
+    @abc.abstractmethod
+    def get(self, key: str, target: Any = None) -> Any:
+        """Read ``key``.
+
+        Args:
+            key: a valid key.
+            target: where to put the bytes: a CPU tensor, a writable buffer, a
+                :class:`~hicache_storage.buffers.PageBuffer`, or ``None``.
+
+        Returns:
+            ``target`` filled completely, or (``target=None``) a new 1-D uint8 tensor;
+            ``None`` on a miss **and** when the stored size differs from the target's, in
+            which case the target is left untouched. Never a partial fill.
+        """
+
+    @abc.abstractmethod
+    def set(self, key: str, value: Any) -> bool:
+        """Store ``value`` under ``key``.
+
+        ``value`` is a CPU tensor (its bytes), a bytes-like object or a PageBuffer. If
+        ``key`` is already stored this is a no-op that returns True and refreshes its
+        recency: the first writer wins and stored bytes are never replaced. No reader may
+        ever observe a partially written value.
+        """
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """True if ``key`` is stored (completely: a value being written does not exist)."""
+
+    # ------------------------------------------------------------------ defaults
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True if it was stored. Default: not supported."""
+        raise NotSupportedError(f"{type(self).__name__} does not support delete")
+
+    def clear(self) -> None:
+        """Remove every object of this backend's namespace, and only those.
+
+        The backend stays usable. Default: not supported.
+        """
+        raise NotSupportedError(f"{type(self).__name__} does not support clear")
+
+    def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
+        """``get`` each key; one result per key, in order.
+
+        Note for implementers: the default loops over :meth:`get`, one round trip per key.
+        """
+        if targets is None:
+            return [self.get(k) for k in keys]
+        if len(targets) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(targets)} targets")
+        return [self.get(k, t) for k, t in zip(keys, targets)]
+
+    def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
+        """``set`` each key; one bool per key, in order.
+
+        Note for implementers: the default loops over :meth:`set` and is not atomic as a
+        whole; each key is atomic on its own.
+        """
+        if values is None or len(values) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {0 if values is None else len(values)} values")
+        return [self.set(k, v) for k, v in zip(keys, values)]
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """Return the number of consecutive keys present, from the start.
+
+        A gap at index ``i`` returns ``i`` even if later keys exist. Note for implementers:
+        the default stops at the first miss.
+        """
+        for i, k in enumerate(keys):
+            if not self.exists(k):
+                return i
+        return len(keys)
+
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        """Read each key into its page buffer; True where the page landed completely.
+
+        Note for implementers: this is the native zero-copy path behind ``batch_get_v1``.
+        The default calls :meth:`get` with each PageBuffer as target.
+        """
+        if len(pages) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
+        out: list[bool] = []
+        for k, page in zip(keys, pages):
+            r = self.get(k, page)
+            if r is None:
+                out.append(False)
+            elif r is page:
+                out.append(True)
+            else:
+                out.append(_copy_into_page(r, page))
+        return out
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        """Store each page buffer under its key; True where the page is stored.
+
+        Note for implementers: this is the native zero-copy path behind ``batch_set_v1``.
+        The default calls :meth:`set` for each page.
+        """
+        if len(pages) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
+        return [self.set(k, p) for k, p in zip(keys, pages)]
+
+    # ------------------------------------------------------------------ zero-copy v1
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Attach the host KV pool that v1 host indices refer to.
+
+        Raises :class:`NotSupportedError` for a layout the backend does not support and
+        :class:`NamespaceMismatchError` when the pool contradicts the namespace (page
+        size, dtype, layout, MLA), so a mismatch fails at attach time, not as silent
+        collisions later.
+        """
+        layout = getattr(mem_pool_host, "layout", None)
+        caps = self.capabilities
+        if layout is not None and layout not in caps.layouts:
+            raise NotSupportedError(
+                f"{type(self).__name__} does not support the {layout!r} host layout; "
+                f"supported: {sorted(caps.layouts)}"
+            )
+        is_mla = bool(getattr(mem_pool_host, "mla", getattr(mem_pool_host, "is_mla", False)))
+        if is_mla and not caps.mla:
+            raise NotSupportedError(f"{type(self).__name__} does not support MLA host pools")
+        self._check_pool_namespace(mem_pool_host, layout, is_mla)
+        self.mem_pool_host = mem_pool_host
+
+    def _check_pool_namespace(self, pool: Any, layout: str | None, is_mla: bool) -> None:
+        ns = self.namespace
+        if ns == DEFAULT_NAMESPACE:
+            return
+        problems = []
+        page_size = getattr(pool, "page_size", None)
+        if page_size is not None and page_size != ns.page_size:
+            problems.append(f"page_size {page_size} != namespace page_size {ns.page_size}")
+        dtype = getattr(pool, "dtype", None)
+        if dtype is not None and normalize_dtype(dtype) != ns.dtype:
+            problems.append(f"dtype {normalize_dtype(dtype)} != namespace dtype {ns.dtype}")
+        if layout is not None and ns.object_layout != "opaque" and layout != ns.object_layout:
+            problems.append(f"layout {layout} != namespace object_layout {ns.object_layout}")
+        if is_mla != ns.rank_replicated:
+            problems.append(f"MLA pool={is_mla} but namespace rank_replicated={ns.rank_replicated}")
+        if problems:
+            raise NamespaceMismatchError(
+                "host pool does not match the backend's namespace: "
+                + "; ".join(problems)
+                + ". Build the namespace from the pool: KVCacheNamespace.for_pool(pool, model_id=...)"
+            )
+
+    def _resolve_pages(self, keys: list[str], host_indices: Any) -> list[PageBuffer] | None:
+        pool = self.mem_pool_host
+        if pool is None:
+            self._hicache_state().log(
+                "v1:nopool", "%s: v1 call before register_mem_pool_host(); all pages fail", type(self).__name__
+            )
+            return None
+        try:
+            if hasattr(pool, "page_buffers"):
+                pages: list[PageBuffer] = pool.page_buffers(host_indices, expected_pages=len(keys))
+                return pages
+            return _pages_from_meta(pool, host_indices, len(keys))
+        except HostIndicesError as exc:
+            self._hicache_state().log("v1:indices", "%s: %s; all pages fail", type(self).__name__, exc)
+            return None
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Store the host-pool pages at ``host_indices`` under ``keys`` (zero-copy).
+
+        ``len(host_indices)`` must be ``len(keys) * page_size`` and page aligned; otherwise
+        every page fails (logged). Returns one bool per page, never None, never 2N.
+        """
+        pages = self._resolve_pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        return self.batch_set_pages(keys, pages)
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Read ``keys`` into the host-pool pages at ``host_indices`` (zero-copy).
+
+        Same index rules as :meth:`batch_set_v1`. The caller uses the leading run of True.
+        """
+        pages = self._resolve_pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        return self.batch_get_pages(keys, pages)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Release resources. Idempotent; afterwards every call returns its failure shape."""
+
+    def __enter__(self) -> HiCacheStorage:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(namespace={self.namespace.digest}, shard={self.config.shard})"
+
+
+for _op in _OPS:
+    setattr(HiCacheStorage, _op, _guard(_op, getattr(HiCacheStorage, _op)))
+HiCacheStorage.close = _guard_close(HiCacheStorage.close)  # type: ignore[method-assign]
+
+
+def _copy_into_page(value: Any, page: PageBuffer) -> bool:
+    """Copy a ``get`` result that is not the page itself into the page, if sizes match."""
+    views = source_views(value)
+    if total_nbytes(views) != page.nbytes:
+        return False
+    src = memoryview(b"".join(views)) if len(views) > 1 else views[0]
+    off = 0
+    for seg in page.segments:
+        seg.memoryview[:] = src[off : off + seg.nbytes]
+        off += seg.nbytes
+    return True
+
+
+def _pages_from_meta(pool: Any, host_indices: Any, n: int) -> list[PageBuffer]:
+    """Page buffers from a reference-style pool's ``get_page_buffer_meta``."""
+    page_size = int(pool.page_size)
+    count = len(host_indices)
+    if count != n * page_size:
+        raise HostIndicesError(f"got {count} host indices for {n} keys; expected {n * page_size}")
+    if n == 0:
+        return []
+    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+    if len(ptrs) % n or len(ptrs) != len(sizes):
+        raise HostIndicesError(f"pool returned {len(ptrs)} segments for {n} pages")
+    per = len(ptrs) // n
+    owner = getattr(pool, "kv_buffer", pool)
+    return [
+        PageBuffer(
+            [Segment(int(p), int(s), memoryview_at(int(p), int(s), owner)) for p, s in zip(ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per])]
+        )
+        for i in range(n)
+    ]

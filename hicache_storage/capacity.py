@@ -1,0 +1,222 @@
+"""LRU capacity accounting shared by every backend that bounds its own size.
+
+The tracker knows each committed object's size and recency. A writer first *reserves*
+room (evicting least-recently-used objects if needed), writes, then *commits*; a failed
+write *releases* its reservation, so no reservation ever leaks. Use the reservation as a
+context manager and that happens by itself::
+
+    with tracker.reserve(name, nbytes) as r:   # None-safe: see reserve()
+        write(...)
+        r.commit()
+    # leaving the block without commit() releases the bytes
+
+Eviction runs when a reservation would push the total over ``max_bytes``, and then goes
+down to the watermark ``max_bytes * eviction_ratio`` so that it does not run on every
+write. Objects being written are never evicted (they are reservations, not entries). A
+free-space floor (``min_free_bytes``) is honoured the same way using ``free_space()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from types import TracebackType
+
+from hicache_storage.errors import ConfigError
+
+__all__ = ["CapacityTracker", "Reservation"]
+
+logger = logging.getLogger(__name__)
+
+
+class Reservation:
+    """Bytes held for one object being written. Commit it, or it is released on exit."""
+
+    __slots__ = ("_done", "_tracker", "name", "nbytes")
+
+    def __init__(self, tracker: CapacityTracker, name: str, nbytes: int) -> None:
+        self._tracker = tracker
+        self.name = name
+        self.nbytes = nbytes
+        self._done = False
+
+    def commit(self) -> None:
+        """The object is stored: account it as the most recently used entry."""
+        if not self._done:
+            self._done = True
+            self._tracker._commit(self)
+
+    def release(self) -> None:
+        """The write failed or was not needed: give the bytes back."""
+        if not self._done:
+            self._done = True
+            self._tracker._release(self)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class CapacityTracker:
+    """Thread-safe LRU accounting of stored objects under a byte cap.
+
+    Args:
+        max_bytes: cap on committed plus reserved bytes; ``None`` for no cap.
+        evict: callback that deletes one object by name; returns True when it is gone
+            (also when it was already gone). It runs with the tracker's lock held.
+        eviction_ratio: evict down to ``max_bytes * eviction_ratio`` once over the cap.
+        min_free_bytes: keep at least this much free space (needs ``free_space``).
+        free_space: callback returning the store's free bytes now.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int | None,
+        evict: Callable[[str], bool],
+        *,
+        eviction_ratio: float = 0.9,
+        min_free_bytes: int = 0,
+        free_space: Callable[[], int] | None = None,
+    ) -> None:
+        if max_bytes is not None and max_bytes <= 0:
+            raise ConfigError(f"max size must be > 0, got {max_bytes}")
+        if not 0.0 < eviction_ratio <= 1.0:
+            raise ConfigError(f"eviction_ratio must be in (0, 1], got {eviction_ratio}")
+        if min_free_bytes < 0:
+            raise ConfigError("min free space must be >= 0")
+        if min_free_bytes and free_space is None:
+            raise ConfigError("min_free_bytes needs a free_space callback")
+        self.max_bytes = max_bytes
+        self.eviction_ratio = eviction_ratio
+        self.min_free_bytes = min_free_bytes
+        self._evict = evict
+        self._free_space = free_space
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[str, int] = OrderedDict()  # oldest first
+        self._used = 0
+        self._reserved = 0
+        self.evictions = 0
+
+    @property
+    def enabled(self) -> bool:
+        """True when a cap or a free-space floor is set."""
+        return self.max_bytes is not None or self.min_free_bytes > 0
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of committed objects."""
+        return self._used
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes held by writes in flight."""
+        return self._reserved
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._lru
+
+    def load(self, entries: Iterable[tuple[str, int, float]]) -> None:
+        """Add existing objects ``(name, nbytes, last_use_time)``, oldest use first."""
+        with self._lock:
+            for name, nbytes, _ in sorted(entries, key=lambda e: e[2]):
+                old = self._lru.pop(name, None)
+                if old is not None:
+                    self._used -= old
+                self._lru[name] = nbytes
+                self._used += nbytes
+
+    def names_oldest_first(self) -> list[str]:
+        """Committed names, least recently used first."""
+        with self._lock:
+            return list(self._lru)
+
+    def touch(self, name: str) -> None:
+        """Mark ``name`` as just used."""
+        with self._lock:
+            if name in self._lru:
+                self._lru.move_to_end(name)
+
+    def discard(self, name: str) -> None:
+        """Forget ``name`` (deleted by the caller)."""
+        with self._lock:
+            nbytes = self._lru.pop(name, None)
+            if nbytes is not None:
+                self._used -= nbytes
+
+    def clear(self) -> None:
+        """Forget every committed object (reservations in flight stay)."""
+        with self._lock:
+            self._lru.clear()
+            self._used = 0
+
+    def reserve(self, name: str, nbytes: int) -> Reservation | None:
+        """Hold ``nbytes`` for ``name``, evicting LRU objects if needed.
+
+        Returns None when the object cannot fit: larger than the cap, or no evictable
+        objects left to make room (the rest are writes in flight).
+        """
+        if not self.enabled:
+            return Reservation(self, name, 0)
+        with self._lock:
+            if self.max_bytes is not None:
+                if nbytes > self.max_bytes:
+                    logger.warning("object %s (%d B) is larger than max_size %d B", name, nbytes, self.max_bytes)
+                    return None
+                if self._used + self._reserved + nbytes > self.max_bytes:
+                    target = max(int(self.max_bytes * self.eviction_ratio), nbytes)
+                    self._evict_until(lambda: self._used + self._reserved + nbytes <= target)
+                    if self._used + self._reserved + nbytes > self.max_bytes:
+                        return None
+            if self.min_free_bytes and self._free_space is not None:
+                free_space = self._free_space
+                if free_space() - nbytes < self.min_free_bytes:
+                    self._evict_until(lambda: free_space() - nbytes >= self.min_free_bytes)
+                    if free_space() - nbytes < self.min_free_bytes:
+                        logger.warning("free-space floor %d B cannot be kept; refusing %s", self.min_free_bytes, name)
+                        return None
+            self._reserved += nbytes
+            return Reservation(self, name, nbytes)
+
+    def _evict_until(self, done: Callable[[], bool]) -> None:
+        while self._lru and not done():
+            name, nbytes = next(iter(self._lru.items()))
+            try:
+                gone = self._evict(name)
+            except Exception:
+                logger.exception("evicting %s failed", name)
+                gone = False
+            if not gone:
+                # Keep the accounting honest (the bytes are still there); stop here rather
+                # than loop on an object that cannot be removed.
+                self._lru.move_to_end(name)
+                break
+            del self._lru[name]
+            self._used -= nbytes
+            self.evictions += 1
+
+    def _commit(self, r: Reservation) -> None:
+        with self._lock:
+            self._reserved -= r.nbytes
+            if not self.enabled:
+                return
+            old = self._lru.pop(r.name, None)
+            if old is not None:
+                self._used -= old
+            self._lru[r.name] = r.nbytes
+            self._used += r.nbytes
+
+    def _release(self, r: Reservation) -> None:
+        with self._lock:
+            self._reserved -= r.nbytes

@@ -1,0 +1,271 @@
+"""Configuration: :class:`StorageConfig`, backend options, sizes, extra-config parsing.
+
+A backend is built from a :class:`StorageConfig` (namespace and rank facts, the same for
+every rank) plus options (a dict, as the reference's
+``--hicache-storage-backend-extra-config``). Each backend declares its options as a
+dataclass; :func:`parse_options` fills it from the dict, then from environment variables
+``HICACHE_STORAGE_<BACKEND>_<OPTION>``, then from the defaults, and rejects unknown keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hicache_storage.errors import ConfigError
+from hicache_storage.keys import DEFAULT_NAMESPACE, KVCacheNamespace
+
+__all__ = [
+    "CONTROLLER_KEYS",
+    "Size",
+    "StorageConfig",
+    "load_extra_config",
+    "parse_options",
+    "parse_size",
+]
+
+#: Keys of the extra config that belong to the engine's controller or to the reference
+#: factory, never to a backend. They are dropped before a backend sees its options.
+CONTROLLER_KEYS = frozenset(
+    {
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+        "interface_v1",
+        "backend_name",
+        "module_path",
+        "class_name",
+    }
+)
+
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3, "kb": 10**3,
+    "m": 10**6, "mb": 10**6,
+    "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12,
+    "ki": 2**10, "kib": 2**10,
+    "mi": 2**20, "mib": 2**20,
+    "gi": 2**30, "gib": 2**30,
+    "ti": 2**40, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(value: object) -> int:
+    """Parse a byte size: an int, or a string with an SI or IEC suffix.
+
+    ``"512MiB"`` -> 536870912, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096. Invalid values
+    raise :class:`ConfigError` (they never silently disable a limit).
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"invalid size {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"size must be >= 0, got {value}")
+        return value
+    if isinstance(value, float):
+        if value < 0 or value != value:
+            raise ConfigError(f"invalid size {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"invalid size {value!r}")
+    m = _SIZE_RE.fullmatch(value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(
+            f"invalid size {value!r}: use a number with an optional suffix such as 4096, "
+            "512MiB, 1.5G, 200GB or 1Ti"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class Size(int):
+    """Marker type for option fields that accept size strings (``"512MiB"``)."""
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """What every rank's backend is built from.
+
+    Attributes:
+        namespace: the KV identity; pages of different namespaces never mix.
+        tp_rank, tp_size: attention tensor-parallel rank and size.
+        pp_rank, pp_size: pipeline stage and number of stages.
+        extra_config: backend options (the parsed ``--hicache-storage-backend-extra-config``).
+    """
+
+    namespace: KVCacheNamespace = DEFAULT_NAMESPACE
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.namespace, KVCacheNamespace):
+            raise ConfigError(f"namespace must be a KVCacheNamespace, got {type(self.namespace).__name__}")
+        for rank, size, what in ((self.tp_rank, self.tp_size, "tp"), (self.pp_rank, self.pp_size, "pp")):
+            if size < 1 or not 0 <= rank < size:
+                raise ConfigError(f"{what}_rank={rank} must be in [0, {what}_size={size})")
+        object.__setattr__(self, "extra_config", dict(self.extra_config or {}))
+
+    @property
+    def is_rank_replicated(self) -> bool:
+        """True when every TP rank holds the same bytes (MLA)."""
+        return self.namespace.rank_replicated
+
+    @property
+    def is_storage_writer(self) -> bool:
+        """False for the ranks that skip writes of rank-replicated pages (all but rank 0)."""
+        return not self.is_rank_replicated or self.tp_rank == 0
+
+    @property
+    def shard(self) -> str | None:
+        """The shard coordinate of this rank's objects, ``None`` when rank-replicated.
+
+        With ``total_kv_heads`` in the namespace it names the KV heads this rank holds
+        (``"h0-3"``), so deployments that hold the same heads share objects whatever their
+        TP size; otherwise it names the rank (``"tp1of4"``). A pipeline stage whose layer
+        range is not in the namespace adds ``"-pp<r>of<n>"``.
+        """
+        ns = self.namespace
+        parts: list[str] = []
+        if not ns.rank_replicated and self.tp_size > 1:
+            if ns.total_kv_heads:
+                if ns.total_kv_heads >= self.tp_size:
+                    per = ns.total_kv_heads // self.tp_size
+                    first = self.tp_rank * per
+                    parts.append(f"h{first}-{first + per - 1}")
+                else:  # fewer heads than ranks: ranks replicate heads
+                    head = self.tp_rank * ns.total_kv_heads // self.tp_size
+                    parts.append(f"h{head}-{head}")
+            else:
+                parts.append(f"tp{self.tp_rank}of{self.tp_size}")
+        if self.pp_size > 1 and ns.layer_range is None:
+            parts.append(f"pp{self.pp_rank}of{self.pp_size}")
+        return "-".join(parts) if parts else None
+
+    def backend_options(self) -> dict[str, Any]:
+        """The extra config minus the controller's and the reference factory's keys."""
+        return {k: v for k, v in self.extra_config.items() if k not in CONTROLLER_KEYS}
+
+
+def load_extra_config(text: str | None) -> dict[str, Any]:
+    """Parse ``--hicache-storage-backend-extra-config``: a JSON object, or ``@path`` to one.
+
+    ``@path`` files may be JSON, or TOML when they end in ``.toml``.
+    """
+    if text is None or not text.strip():
+        return {}
+    source = "the extra config"
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        source = str(path)
+        try:
+            body = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read extra config file {path}: {exc}") from exc
+        if path.suffix == ".toml":
+            import tomllib  # noqa: PLC0415 - Python 3.11+, only needed for TOML files
+
+            try:
+                return dict(tomllib.loads(body))
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+        text = body
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], name)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"option {name}={value!r} must be one of {list(args)}")
+        return value
+    if annotation is Size:
+        return parse_size(value)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"option {name}={value!r} must be a boolean")
+    if annotation is int:
+        try:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"option {name}={value!r} must be an integer") from exc
+    if annotation is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"option {name}={value!r} must be a number") from exc
+    if annotation is str:
+        if not isinstance(value, (str, os.PathLike)):
+            raise ConfigError(f"option {name}={value!r} must be a string")
+        return os.fspath(value)
+    return value
+
+
+def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
+    """Build the options dataclass ``cls`` of ``backend`` from ``options``.
+
+    Precedence: ``options`` > environment ``HICACHE_STORAGE_<BACKEND>_<NAME>`` > default.
+    Unknown option names raise :class:`ConfigError` that lists the valid ones.
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = set(options) - set(known) - CONTROLLER_KEYS
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {sorted(unknown)} for backend {backend!r}; valid options: {sorted(known)}"
+        )
+    kwargs: dict[str, Any] = {}
+    env_prefix = f"HICACHE_STORAGE_{backend.upper().replace('-', '_')}_"
+    for name, f in known.items():
+        if name in options:
+            raw = options[name]
+        elif (env := os.environ.get(env_prefix + name.upper())) is not None:
+            raw = env
+        else:
+            continue
+        kwargs[name] = _coerce(raw, hints[name], name)
+    return cls(**kwargs)

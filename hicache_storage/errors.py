@@ -1,0 +1,148 @@
+"""Typed errors of hicache-storage.
+
+The tree::
+
+    HiCacheStorageError
+    ├── InvalidArgumentError (ValueError)         the caller passed something wrong
+    │   ├── InvalidKeyError                       key empty, too long, or unsafe characters
+    │   ├── InvalidTypeError (TypeError)          wrong type (e.g. a non-contiguous tensor)
+    │   ├── HostIndicesError                      host indices not page aligned / wrong count
+    │   └── ConfigError                           bad backend option or namespace
+    │       └── NamespaceMismatchError            host pool does not match the namespace
+    ├── BackendLookupError (LookupError)
+    │   ├── UnknownBackendError                   no backend of that name is installed
+    │   └── AmbiguousBackendError                 two distributions claim one name
+    ├── BackendLoadError (ImportError)            the backend's module or client won't load
+    ├── NotSupportedError (NotImplementedError)   the backend does not offer this operation
+    ├── BackendError                              the store failed (I/O)
+    │   ├── BackendUnavailableError (ConnectionError)
+    │   ├── BackendTimeoutError (TimeoutError)
+    │   ├── CapacityError                         no room, even after eviction
+    │   ├── CorruptObjectError                    header or checksum does not match
+    │   └── BackendClosedError                    the backend was closed
+    └── ContractViolationError                    a backend returned a result of the wrong shape
+
+Engine-facing calls (``get``, ``set``, ``exists``, the batch forms and the v1 pair) never
+raise :class:`BackendError` or any other failure of the store: they return the failure
+shape (``None``, ``False``, ``0``, ``[False] * n``) and count the failure in the stats.
+They do raise :class:`InvalidArgumentError` (and its subclasses): a wrong argument is a
+bug in the caller and must be loud.
+"""
+
+from __future__ import annotations
+
+import errno
+
+__all__ = [
+    "AmbiguousBackendError",
+    "BackendClosedError",
+    "BackendError",
+    "BackendLoadError",
+    "BackendLookupError",
+    "BackendTimeoutError",
+    "BackendUnavailableError",
+    "CapacityError",
+    "ConfigError",
+    "ContractViolationError",
+    "CorruptObjectError",
+    "HiCacheStorageError",
+    "HostIndicesError",
+    "InvalidArgumentError",
+    "InvalidKeyError",
+    "InvalidTypeError",
+    "NamespaceMismatchError",
+    "NotSupportedError",
+    "UnknownBackendError",
+    "from_os_error",
+]
+
+
+class HiCacheStorageError(Exception):
+    """Base class of every error raised by hicache-storage."""
+
+
+class InvalidArgumentError(HiCacheStorageError, ValueError):
+    """The caller passed an invalid argument; engine-facing calls raise it."""
+
+
+class InvalidKeyError(InvalidArgumentError):
+    """A key is empty, too long, or contains characters that are unsafe in object names."""
+
+
+class InvalidTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type (for example a non-contiguous or GPU tensor)."""
+
+
+class HostIndicesError(InvalidArgumentError):
+    """Host-pool indices are not page aligned, out of range, or of the wrong count."""
+
+
+class ConfigError(InvalidArgumentError):
+    """A backend option, a size string or a namespace field is invalid."""
+
+
+class NamespaceMismatchError(ConfigError):
+    """The registered host pool does not match the backend's namespace (dtype, page size...)."""
+
+
+class BackendLookupError(HiCacheStorageError, LookupError):
+    """Base class of registry lookup errors."""
+
+
+class UnknownBackendError(BackendLookupError):
+    """No installed backend has the requested name."""
+
+
+class AmbiguousBackendError(BackendLookupError):
+    """Several distributions register the same backend name."""
+
+
+class BackendLoadError(HiCacheStorageError, ImportError):
+    """A backend's module, class or client library cannot be loaded."""
+
+
+class NotSupportedError(HiCacheStorageError, NotImplementedError):
+    """The backend does not support this operation (see its capabilities)."""
+
+
+class BackendError(HiCacheStorageError):
+    """The store failed to perform an operation (I/O error, server down, disk full...)."""
+
+
+class BackendUnavailableError(BackendError, ConnectionError):
+    """The store cannot be reached."""
+
+
+class BackendTimeoutError(BackendError, TimeoutError):
+    """The store did not answer in time."""
+
+
+class CapacityError(BackendError):
+    """The store has no room for the object, even after eviction."""
+
+
+class CorruptObjectError(BackendError):
+    """A stored object failed its header or checksum verification."""
+
+
+class BackendClosedError(BackendError):
+    """The backend was closed; it accepts no more operations."""
+
+
+class ContractViolationError(HiCacheStorageError):
+    """A backend returned a result that breaks the protocol (wrong length or type).
+
+    Raised only in strict mode (``HICACHE_STORAGE_STRICT=1`` or ``strict_contract=True``);
+    otherwise the result is replaced by a safe failure shape and the violation is counted.
+    """
+
+
+def from_os_error(exc: OSError, what: str) -> BackendError:
+    """Map an ``OSError`` from a store operation to the matching :class:`BackendError`."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CapacityError(f"{what}: no space left ({exc})")
+    if isinstance(exc, TimeoutError):
+        return BackendTimeoutError(f"{what}: {exc}")
+    if isinstance(exc, ConnectionError):
+        return BackendUnavailableError(f"{what}: {exc}")
+    return BackendError(f"{what}: {exc}")

@@ -1,0 +1,112 @@
+"""The stored-object header: truncation or corruption reads as a miss, never as garbage KV.
+
+Every object a byte-oriented backend stores is ``header || payload``. The header is 32
+bytes, little-endian::
+
+    offset size field
+    0      4    magic         b"HCS\\x01"
+    4      1    version       1
+    5      1    algorithm     0 = no payload checksum, 1 = xxh3-64
+    6      2    flags         0 (reserved)
+    8      8    payload_len   bytes of payload that follow the header
+    16     8    checksum      payload checksum (0 when algorithm is 0)
+    24     4    header_crc    CRC-32 of bytes 0..23
+    28     4    reserved      0
+
+The payload checksum is xxh3-64 (about 35 GiB/s on one core here), computed over the
+payload's segments in order without joining them.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from hicache_storage.errors import ConfigError, CorruptObjectError
+
+__all__ = [
+    "ALGORITHMS",
+    "HEADER_SIZE",
+    "ObjectHeader",
+    "checksum",
+    "decode_header",
+    "encode_header",
+    "verify_payload",
+]
+
+MAGIC = b"HCS\x01"
+VERSION = 1
+HEADER_SIZE = 32
+_FMT = struct.Struct("<4sBBHQQ")  # 24 bytes, then header_crc and reserved
+_TAIL = struct.Struct("<II")
+
+#: Checksum algorithms by option name.
+ALGORITHMS = {"none": 0, "xxh3": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectHeader:
+    """A decoded header."""
+
+    algorithm: int
+    payload_len: int
+    checksum: int
+
+
+def algorithm_id(name: str) -> int:
+    """Map an option value (``"xxh3"`` or ``"none"``) to its header id."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ConfigError(f"unknown checksum {name!r}; choose one of {sorted(ALGORITHMS)}") from None
+
+
+def checksum(views: Sequence[memoryview], algorithm: int) -> int:
+    """Checksum of the concatenation of ``views`` under ``algorithm``."""
+    if algorithm == 0:
+        return 0
+    if algorithm == 1:
+        if len(views) == 1:
+            return int(xxhash.xxh3_64_intdigest(views[0]))
+        h = xxhash.xxh3_64()
+        for v in views:
+            h.update(v)
+        return int(h.intdigest())
+    raise CorruptObjectError(f"unknown checksum algorithm id {algorithm}")
+
+
+def encode_header(payload_len: int, payload_checksum: int, algorithm: int) -> bytes:
+    """Return the 32-byte header for a payload."""
+    head = _FMT.pack(MAGIC, VERSION, algorithm, 0, payload_len, payload_checksum)
+    return head + _TAIL.pack(zlib.crc32(head), 0)
+
+
+def decode_header(raw: bytes | bytearray | memoryview) -> ObjectHeader:
+    """Decode and check a header; raise :class:`CorruptObjectError` if it is not valid."""
+    if len(raw) < HEADER_SIZE:
+        raise CorruptObjectError(f"object shorter than its header ({len(raw)} bytes)")
+    head = bytes(raw[:24])
+    magic, version, algorithm, _flags, payload_len, csum = _FMT.unpack(head)
+    crc, _reserved = _TAIL.unpack(bytes(raw[24:HEADER_SIZE]))
+    if magic != MAGIC:
+        raise CorruptObjectError("bad magic: not a hicache-storage object")
+    if zlib.crc32(head) != crc:
+        raise CorruptObjectError("header checksum mismatch")
+    if version != VERSION:
+        raise CorruptObjectError(f"unsupported object version {version}")
+    if algorithm not in ALGORITHMS.values():
+        raise CorruptObjectError(f"unknown checksum algorithm id {algorithm}")
+    return ObjectHeader(algorithm, payload_len, csum)
+
+
+def verify_payload(header: ObjectHeader, views: Sequence[memoryview]) -> None:
+    """Raise :class:`CorruptObjectError` if ``views`` do not match ``header``."""
+    n = sum(v.nbytes for v in views)
+    if n != header.payload_len:
+        raise CorruptObjectError(f"payload is {n} bytes, header says {header.payload_len}")
+    if header.algorithm and checksum(views, header.algorithm) != header.checksum:
+        raise CorruptObjectError("payload checksum mismatch")

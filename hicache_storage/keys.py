@@ -1,0 +1,327 @@
+"""Page hashes, namespaces and object names: the one key scheme every backend shares.
+
+Three layers, each defined once here:
+
+1. **Page hash** (the logical key the engine passes around): the SGLang chain,
+   ``H_i = SHA256(raw32(H_{i-1}) || LE_u32(t) for t in page_i)``, 64 lowercase hex chars.
+   :func:`page_hashes` reproduces it byte for byte (golden vectors in the tests).
+2. **Namespace** (:class:`KVCacheNamespace`): everything that makes two KV pages with the
+   same page hash *different bytes*: model, logical dtype, page size, host byte layout,
+   rank replication and head grouping, layer range, tenant salt, weights fingerprint. Its
+   :attr:`~KVCacheNamespace.digest` is stable across releases and processes.
+3. **Object name** (:func:`object_name`): ``<digest>/<fanout>/<key>[~<shard>]``. Every
+   backend stores a page under this name (a relative path for file stores, a key suffix
+   for key-value stores), so identities that differ land in disjoint keyspaces and miss,
+   never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from hicache_storage.errors import ConfigError, InvalidArgumentError, InvalidKeyError, InvalidTypeError
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "KEY_MAX_LEN",
+    "KVCacheNamespace",
+    "ObjectName",
+    "normalize_dtype",
+    "object_name",
+    "page_hashes",
+    "storage_namespace_seed",
+    "validate_key",
+]
+
+#: Longest key accepted (characters). Object names stay under common filesystem (255)
+#: and S3 (1024) limits with the namespace digest, fan-out and shard suffix added.
+KEY_MAX_LEN = 200
+
+_KEY_RE = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
+_SHARD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9\-]{0,47}")
+_U32_MAX = 0xFFFFFFFF
+_U64_MAX = 0xFFFFFFFFFFFFFFFF
+_NAMESPACE_SEED_TAG = b"sglang-cache-namespace-v1"
+
+
+# --------------------------------------------------------------------------- page hashes
+
+
+def _encode_page(tokens: Sequence[Any]) -> bytes:
+    """Encode one page of token ids the way the reference chain does."""
+    flat: list[int] = []
+    for tok in tokens:
+        if isinstance(tok, (tuple, list)):
+            flat.extend(tok)
+        else:
+            flat.append(tok)
+    for t in flat:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise InvalidTypeError(f"token ids must be ints, got {type(t).__name__}")
+        if t < 0 or t > _U64_MAX:
+            raise InvalidArgumentError(f"token id {t} is outside [0, 2**64)")
+    if flat and max(flat) > _U32_MAX:
+        # Wide page: one 0xff tag byte, then every id as u64 little-endian. The odd byte
+        # count keeps it apart from any u32 encoding.
+        return b"\xff" + struct.pack(f"<{len(flat)}Q", *flat)
+    return struct.pack(f"<{len(flat)}I", *flat)
+
+
+def _prior_bytes(prior: str | None) -> bytes:
+    if prior is None:
+        return b""
+    try:
+        raw = bytes.fromhex(prior)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgumentError(f"prior hash must be hex, got {prior!r}") from exc
+    return raw
+
+
+def page_hashes(
+    token_ids: Sequence[Any],
+    page_size: int,
+    prior_hash: str | None = None,
+    namespace_seed: str | None = None,
+) -> list[str]:
+    """Return the chained page hashes of ``token_ids``, one per *full* page.
+
+    Args:
+        token_ids: token ids (ints; tuples such as EAGLE bigrams hash every element).
+        page_size: tokens per page; a partial last page is never hashed.
+        prior_hash: hash of the page before ``token_ids[0]`` (continues a chain).
+        namespace_seed: seed for the first page of a sequence (see
+            :func:`storage_namespace_seed`); ignored when ``prior_hash`` is given, because
+            the prior already carries the seed.
+
+    Returns:
+        64-character lowercase hex digests, chained: page *i* depends on every page before.
+    """
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+        raise InvalidArgumentError(f"page_size must be a positive int, got {page_size!r}")
+    prior = prior_hash if prior_hash is not None else namespace_seed
+    prev = _prior_bytes(prior)
+    out: list[str] = []
+    full = len(token_ids) - len(token_ids) % page_size
+    for start in range(0, full, page_size):
+        h = hashlib.sha256(prev)
+        h.update(_encode_page(token_ids[start : start + page_size]))
+        prev = h.digest()
+        out.append(prev.hex())
+    return out
+
+
+def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """Return the reference engine's namespace seed for (extra_key, cache_salt).
+
+    ``None`` when both are ``None`` (keys stay unchanged and backward compatible);
+    otherwise a hex digest that is used as the prior hash of a sequence's first page.
+    """
+    if extra_key is None and cache_salt is None:
+        return None
+    h = hashlib.sha256(_NAMESPACE_SEED_TAG)
+    for part in (extra_key, cache_salt):
+        if part is None:
+            h.update(b"\x00")
+        else:
+            raw = part.encode("utf-8")
+            h.update(b"\x01" + len(raw).to_bytes(8, "little") + raw)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Return the logical dtype name: ``torch.bfloat16`` and ``"torch.bfloat16"`` -> ``"bfloat16"``."""
+    name = str(dtype)
+    if name.startswith("torch."):
+        name = name[len("torch.") :]
+    name = name.strip()
+    if not name:
+        raise ConfigError("dtype must not be empty")
+    return name
+
+
+@dataclass(frozen=True)
+class KVCacheNamespace:
+    """The identity of a KV page's bytes; two namespaces never read each other's pages.
+
+    Attributes:
+        model_id: served model identity (e.g. ``"meta-llama/Llama-3.1-8B"``); required.
+        dtype: logical KV dtype (``"bfloat16"``, ``"float8_e4m3fn"``...); fp8 variants differ.
+        page_size: tokens per page.
+        object_layout: byte order of a stored page (the host-pool layout, e.g.
+            ``"page_first"``, or ``"opaque"`` for arbitrary values).
+        rank_replicated: True when every rank holds the same bytes (MLA): no shard suffix.
+        total_kv_heads: KV heads of the model (0 when rank-replicated or unknown).
+        kv_heads_per_shard: heads per stored object (head grouping), 0 when unknown.
+        layer_range: ``(start, end)`` layers held by this stage, ``None`` for all layers.
+        tenant: tenant salt; different tenants never share pages.
+        weights_fingerprint: optional digest of the weights/numerics (fine-tunes, kernels).
+        schema_version: version of this identity scheme.
+    """
+
+    model_id: str
+    dtype: str
+    page_size: int
+    object_layout: str = "opaque"
+    rank_replicated: bool = False
+    total_kv_heads: int = 0
+    kv_heads_per_shard: int = 0
+    layer_range: tuple[int, int] | None = None
+    tenant: str = ""
+    weights_fingerprint: str = ""
+    schema_version: int = 1
+    _digest: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if not isinstance(self.model_id, str) or not self.model_id.strip():
+            raise ConfigError("model_id must be a non-empty string (it would merge models)")
+        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool):
+            raise ConfigError(f"page_size must be an int, got {self.page_size!r}")
+        if self.page_size <= 0:
+            raise ConfigError(f"page_size must be > 0, got {self.page_size}")
+        if not self.object_layout:
+            raise ConfigError("object_layout must not be empty")
+        if self.total_kv_heads < 0 or self.kv_heads_per_shard < 0:
+            raise ConfigError("total_kv_heads and kv_heads_per_shard must be >= 0")
+        if self.rank_replicated and (self.total_kv_heads or self.kv_heads_per_shard):
+            raise ConfigError("a rank-replicated (MLA) namespace has no head axis: leave heads at 0")
+        if self.kv_heads_per_shard and self.total_kv_heads % self.kv_heads_per_shard:
+            raise ConfigError(
+                f"kv_heads_per_shard={self.kv_heads_per_shard} must divide "
+                f"total_kv_heads={self.total_kv_heads}"
+            )
+        if self.layer_range is not None:
+            start, end = self.layer_range
+            if not 0 <= start < end:
+                raise ConfigError(f"layer_range must satisfy 0 <= start < end, got {self.layer_range}")
+            object.__setattr__(self, "layer_range", (int(start), int(end)))
+        if self.schema_version != 1:
+            raise ConfigError(f"unsupported namespace schema_version {self.schema_version}")
+        object.__setattr__(self, "_digest", self._compute_digest())
+
+    def _canonical(self) -> dict[str, Any]:
+        # Optional fields equal to their default are left out, so adding a new optional
+        # field in a later release does not change the digest of existing namespaces.
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if not f.init:
+                continue
+            value = getattr(self, f.name)
+            if f.name in ("model_id", "dtype", "page_size", "schema_version") or value != f.default:
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def _compute_digest(self) -> str:
+        blob = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
+        return "ns1-" + hashlib.sha256(blob.encode("utf-8")).hexdigest()[:32]
+
+    @property
+    def digest(self) -> str:
+        """Stable identifier of this namespace, safe as a path component and a key prefix."""
+        return self._digest
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the fields as a JSON-ready dict (inverse of :meth:`from_dict`)."""
+        data = asdict(self)
+        data.pop("_digest", None)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVCacheNamespace:
+        """Build a namespace from a dict, rejecting unknown fields."""
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown namespace fields {sorted(unknown)}; known: {sorted(known)}")
+        kwargs = dict(data)
+        if kwargs.get("layer_range") is not None:
+            kwargs["layer_range"] = tuple(kwargs["layer_range"])
+        return cls(**kwargs)
+
+
+#: Namespace used when a backend is created without one: opaque values, one model.
+DEFAULT_NAMESPACE = KVCacheNamespace(model_id="default", dtype="bytes", page_size=1)
+
+
+# --------------------------------------------------------------------------- object names
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it is a valid storage key, else raise :class:`InvalidKeyError`.
+
+    A key has 1 to :data:`KEY_MAX_LEN` characters from ``[A-Za-z0-9_.-]``, does not start
+    with ``.`` and does not contain ``..``. Page hashes (hex) and ``<hash>.<pool>`` keys
+    pass; path separators, NUL, whitespace and non-ASCII text do not, so a key can never
+    escape a backend's root or collide with its temporary files.
+    """
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"key must be str, got {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError("key must not be empty")
+    if len(key) > KEY_MAX_LEN:
+        raise InvalidKeyError(f"key is {len(key)} characters long; the limit is {KEY_MAX_LEN}")
+    if _KEY_RE.fullmatch(key) is None or ".." in key:
+        raise InvalidKeyError(
+            f"invalid key {key!r}: use characters [A-Za-z0-9_.-], do not start with '.' "
+            "and do not use '..'"
+        )
+    return key
+
+
+def validate_keys(keys: object) -> list[str]:
+    """Validate a batch of keys; return them as a list."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise InvalidTypeError(f"keys must be a list of str, got {type(keys).__name__}")
+    return [validate_key(k) for k in keys]
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectName:
+    """Where a page lives: ``<namespace>/<fanout>/<leaf>``.
+
+    ``fanout`` is three hex characters derived from the leaf, so a directory-like store
+    never holds more than 1/4096 of a namespace in one directory.
+    """
+
+    namespace: str
+    fanout: str
+    leaf: str
+
+    @property
+    def path(self) -> str:
+        """The full relative name, ``namespace/fanout/leaf``."""
+        return f"{self.namespace}/{self.fanout}/{self.leaf}"
+
+    def __str__(self) -> str:
+        return self.path
+
+
+def object_name(digest: str, page_hash: str, shard: str | None = None) -> ObjectName:
+    """Build the object name of ``page_hash`` in namespace ``digest`` for ``shard``.
+
+    This is the only function that maps keys to stored names; every backend uses it.
+
+    Args:
+        digest: a :attr:`KVCacheNamespace.digest`.
+        page_hash: the key (validated with :func:`validate_key`).
+        shard: the shard coordinate (e.g. ``"h0-7"`` for KV heads 0..7), ``None`` when the
+            object is rank-replicated.
+    """
+    validate_key(page_hash)
+    if shard is None:
+        leaf = page_hash
+    else:
+        if _SHARD_RE.fullmatch(shard) is None:
+            raise InvalidArgumentError(f"invalid shard coordinate {shard!r}")
+        leaf = f"{page_hash}~{shard}"
+    fan = hashlib.blake2b(leaf.encode("ascii"), digest_size=2).hexdigest()[:3]
+    return ObjectName(digest, fan, leaf)

@@ -1,0 +1,101 @@
+"""Per-backend operation statistics, recorded by the protocol layer for every backend."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = ["OpStats", "StatsRecorder", "StorageStats"]
+
+
+@dataclass
+class OpStats:
+    """Counters of one operation (``get``, ``batch_set_v1``...).
+
+    Attributes:
+        calls: calls made.
+        items: keys or pages asked for, summed over calls.
+        ok: items that succeeded (hits for reads and ``exists``; stored for writes).
+        errors: items that failed because the store failed (not misses).
+        seconds: wall time spent in the calls.
+    """
+
+    calls: int = 0
+    items: int = 0
+    ok: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class StorageStats:
+    """A snapshot of a backend's statistics.
+
+    Attributes:
+        ops: counters per operation name.
+        bytes_read: payload bytes delivered to callers.
+        bytes_written: payload bytes stored.
+        contract_violations: results of the wrong shape that the protocol layer replaced.
+        corrupt_objects: objects that failed header or checksum verification.
+        size_mismatches: reads refused because the stored size differs from the target.
+        evictions: objects evicted to stay under the capacity limit.
+    """
+
+    ops: dict[str, OpStats] = field(default_factory=dict)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    contract_violations: int = 0
+    corrupt_objects: int = 0
+    size_mismatches: int = 0
+    evictions: int = 0
+
+    def op(self, name: str) -> OpStats:
+        """Counters of ``name`` (zeros if never called)."""
+        return self.ops.get(name, OpStats())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "ops": {k: vars(v).copy() for k, v in sorted(self.ops.items())},
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "contract_violations": self.contract_violations,
+            "corrupt_objects": self.corrupt_objects,
+            "size_mismatches": self.size_mismatches,
+            "evictions": self.evictions,
+        }
+
+
+class StatsRecorder:
+    """Thread-safe accumulator behind :meth:`HiCacheStorage.get_stats`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = StorageStats()
+
+    def record(self, op: str, items: int, ok: int, errors: int, seconds: float) -> None:
+        """Add one call of ``op``."""
+        with self._lock:
+            s = self._stats.ops.get(op)
+            if s is None:
+                s = self._stats.ops[op] = OpStats()
+            s.calls += 1
+            s.items += items
+            s.ok += ok
+            s.errors += errors
+            s.seconds += seconds
+
+    def add(self, **counters: int) -> None:
+        """Add to the scalar counters (``bytes_read=...``, ``corrupt_objects=...``)."""
+        with self._lock:
+            for name, value in counters.items():
+                setattr(self._stats, name, getattr(self._stats, name) + value)
+
+    def snapshot(self, reset: bool = False) -> StorageStats:
+        """Return a copy of the counters; with ``reset``, start from zero afterwards."""
+        with self._lock:
+            snap = replace(self._stats, ops={k: replace(v) for k, v in self._stats.ops.items()})
+            if reset:
+                self._stats = StorageStats()
+            return snap
