@@ -19,11 +19,30 @@ from typing import Any, Literal, TypeVar
 
 from hicache_storage.atomic import preadv_all, remove_stale_temporaries, write_atomic
 from hicache_storage.backend import Capabilities, HiCacheStorage
-from hicache_storage.buffers import PageBuffer, memoryview_at, source_views, target_views, total_nbytes
+from hicache_storage.buffers import (
+    PageBuffer,
+    memoryview_at,
+    source_views,
+    target_views,
+    total_nbytes,
+)
 from hicache_storage.capacity import CapacityTracker
 from hicache_storage.config import Size, StorageConfig, parse_options
-from hicache_storage.errors import CapacityError, ConfigError, CorruptObjectError, InvalidArgumentError, from_os_error
-from hicache_storage.header import HEADER_SIZE, algorithm_id, checksum, decode_header, encode_header, verify_payload
+from hicache_storage.errors import (
+    CapacityError,
+    ConfigError,
+    CorruptObjectError,
+    InvalidArgumentError,
+    from_os_error,
+)
+from hicache_storage.header import (
+    HEADER_SIZE,
+    algorithm_id,
+    checksum,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
 from hicache_storage.keys import ObjectName
 from hicache_storage.metacache import MetadataCache
 
@@ -57,7 +76,7 @@ class FileOptions:
     root: str = "/tmp/hicache-storage"
     fsync: bool = False
     max_size: Size | None = None
-    min_free_space: Size = Size(0)
+    min_free_space: Size = Size(0)  # noqa: RUF009 - an int constant, not a mutable default
     eviction_ratio: float = 0.9
     io_threads: int = 4
     metadata_cache_ttl: float = 0.0
@@ -98,7 +117,9 @@ class FileBackend(HiCacheStorage):
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot create the file backend directory {self.directory}: {exc}") from exc
+            raise ConfigError(
+                f"cannot create the file backend directory {self.directory}: {exc}"
+            ) from exc
         self._remove_leftovers()
         self._tracker = CapacityTracker(
             opts.max_size,
@@ -171,7 +192,9 @@ class FileBackend(HiCacheStorage):
             return [fn(i) for i in range(n)]
         with self._executor_lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="hicache-file")
+                self._executor = ThreadPoolExecutor(
+                    self.options.io_threads, thread_name_prefix="hicache-file"
+                )
             executor = self._executor
         return list(executor.map(fn, range(n)))
 
@@ -194,7 +217,7 @@ class FileBackend(HiCacheStorage):
             if payload < 0:
                 raise CorruptObjectError(f"{st.st_size}-byte file is shorter than a header")
             if views is None:
-                import torch  # noqa: PLC0415 - torch only when a new tensor is asked for
+                import torch
 
                 out = torch.empty(payload, dtype=torch.uint8)
                 views = [memoryview_at(int(out.data_ptr()), payload, out)]
@@ -207,7 +230,9 @@ class FileBackend(HiCacheStorage):
                 raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
             header = decode_header(head)
             if header.payload_len != payload:
-                raise CorruptObjectError(f"header says {header.payload_len} bytes, file holds {payload}")
+                raise CorruptObjectError(
+                    f"header says {header.payload_len} bytes, file holds {payload}"
+                )
             if self.options.verify_checksum:
                 verify_payload(header, views)
         except CorruptObjectError as exc:
@@ -259,7 +284,7 @@ class FileBackend(HiCacheStorage):
         def one(i: int) -> bool:
             try:
                 return self._read(names[i], pages[i].views) is not None
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - one page fails, the batch goes on
                 self._log_failure("batch_get_pages", exc)
                 errors[0] += 1
                 return False
@@ -290,7 +315,9 @@ class FileBackend(HiCacheStorage):
         payload = total_nbytes(views)
         reservation = self._tracker.reserve(name.path, HEADER_SIZE + payload)
         if reservation is None:
-            raise CapacityError(f"no room for {HEADER_SIZE + payload} bytes under max_size/min_free_space")
+            raise CapacityError(
+                f"no room for {HEADER_SIZE + payload} bytes under max_size/min_free_space"
+            )
         with reservation:
             header = encode_header(payload, checksum(views, self._algorithm), self._algorithm)
             try:
@@ -327,7 +354,7 @@ class FileBackend(HiCacheStorage):
         def one(i: int) -> bool:
             try:
                 return self._write(names[i], pages[i].views)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - one page fails, the batch goes on
                 self._log_failure("batch_set_pages", exc)
                 errors[0] += 1
                 return False
@@ -368,7 +395,9 @@ class FileBackend(HiCacheStorage):
 
     def clear(self) -> None:
         """Remove this namespace's directory (and only it); the backend stays usable."""
-        trash = os.path.join(self.root, f"{_TRASH_PREFIX}{self.namespace.digest}.{secrets.token_hex(6)}")
+        trash = os.path.join(
+            self.root, f"{_TRASH_PREFIX}{self.namespace.digest}.{secrets.token_hex(6)}"
+        )
         try:
             os.rename(self.directory, trash)
         except FileNotFoundError:
@@ -402,4 +431,3 @@ class FileBackend(HiCacheStorage):
 
     def __repr__(self) -> str:
         return f"FileBackend(root={self.root!r}, namespace={self.namespace.digest}, shard={self.config.shard})"
-

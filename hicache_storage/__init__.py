@@ -59,7 +59,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "HostKVPool":
-        from hicache_storage.host_pool import HostKVPool  # noqa: PLC0415 - torch is heavy
+        from hicache_storage.host_pool import HostKVPool
 
         return HostKVPool
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -71,7 +71,9 @@ def _writer_tag() -> str:
 
 def temp_path(directory: str) -> str:
     """A fresh temporary path in ``directory`` naming this host and process."""
-    return os.path.join(directory, f"{TEMP_PREFIX}{_HOST_TAG}.{_writer_tag()}.{secrets.token_hex(6)}")
+    return os.path.join(
+        directory, f"{TEMP_PREFIX}{_HOST_TAG}.{_writer_tag()}.{secrets.token_hex(6)}"
+    )
 
 
 def is_temporary(name: str) -> bool:

@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from hicache_storage.buffers import PageBuffer, Segment, memoryview_at, source_views, total_nbytes
 from hicache_storage.config import StorageConfig
@@ -70,12 +70,21 @@ from hicache_storage.errors import (
     NamespaceMismatchError,
     NotSupportedError,
 )
-from hicache_storage.keys import DEFAULT_NAMESPACE, ObjectName, normalize_dtype, object_name, validate_key, validate_keys
+from hicache_storage.keys import (
+    DEFAULT_NAMESPACE,
+    ObjectName,
+    normalize_dtype,
+    object_name,
+    validate_key,
+    validate_keys,
+)
 from hicache_storage.stats import StatsRecorder, StorageStats
 
 __all__ = ["ALL_LAYOUTS", "Capabilities", "HiCacheStorage"]
 
 logger = logging.getLogger(__name__)
+
+_B = TypeVar("_B", bound="HiCacheStorage")
 
 #: Every host-pool layout the SDK knows.
 ALL_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
@@ -178,7 +187,9 @@ _OPS: dict[str, _Op] = {
     "get": _Op("single", lambda n: None, _check_any, _ok_not_none),
     "set": _Op("single", lambda n: False, _check_bool, _ok_truthy),
     "exists": _Op("single", lambda n: False, _check_bool, _ok_truthy),
-    "batch_get": _Op("batch", lambda n: [None] * n, _check_gets, lambda r: sum(x is not None for x in r)),
+    "batch_get": _Op(
+        "batch", lambda n: [None] * n, _check_gets, lambda r: sum(x is not None for x in r)
+    ),
     "batch_set": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
     "batch_exists": _Op("batch", lambda n: 0, _check_count, lambda r: int(r)),
     "batch_get_v1": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
@@ -241,7 +252,7 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                 return fn(self, *args, **kwargs)
             except _PASS_THROUGH:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the engine must never see a store failure
                 active[me] += 1
                 self._log_failure(name, exc)
                 n = len(args[0]) if batch and args else 1
@@ -275,7 +286,7 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             result = fn(self, *args, **kwargs)
         except _PASS_THROUGH:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the engine must never see a store failure
             self._log_failure(name, exc)
             result = spec.failure(n)
             errors = n
@@ -289,12 +300,14 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             message = f"{type(self).__name__}.{name} {problem}"
             if state.strict:
                 raise ContractViolationError(message)
-            state.log("violation:" + name, "contract violation: %s; replaced by a safe result", message)
+            state.log(
+                "violation:" + name, "contract violation: %s; replaced by a safe result", message
+            )
         state.stats.record(name, n, spec.count_ok(result), errors, elapsed)
         return result
 
     wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = fn
     return wrapper
 
 
@@ -474,7 +487,7 @@ class HiCacheStorage(abc.ABC):
             return [self.get(k) for k in keys]
         if len(targets) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(targets)} targets")
-        return [self.get(k, t) for k, t in zip(keys, targets)]
+        return [self.get(k, t) for k, t in zip(keys, targets, strict=False)]
 
     def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
         """``set`` each key; one bool per key, in order.
@@ -483,8 +496,10 @@ class HiCacheStorage(abc.ABC):
         whole; each key is atomic on its own.
         """
         if values is None or len(values) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {0 if values is None else len(values)} values")
-        return [self.set(k, v) for k, v in zip(keys, values)]
+            raise InvalidArgumentError(
+                f"{len(keys)} keys but {0 if values is None else len(values)} values"
+            )
+        return [self.set(k, v) for k, v in zip(keys, values, strict=False)]
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Return the number of consecutive keys present, from the start.
@@ -506,7 +521,7 @@ class HiCacheStorage(abc.ABC):
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         out: list[bool] = []
-        for k, page in zip(keys, pages):
+        for k, page in zip(keys, pages, strict=False):
             r = self.get(k, page)
             if r is None:
                 out.append(False)
@@ -524,7 +539,7 @@ class HiCacheStorage(abc.ABC):
         """
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
-        return [self.set(k, p) for k, p in zip(keys, pages)]
+        return [self.set(k, p) for k, p in zip(keys, pages, strict=False)]
 
     # ------------------------------------------------------------------ zero-copy v1
 
@@ -575,7 +590,9 @@ class HiCacheStorage(abc.ABC):
         pool = self.mem_pool_host
         if pool is None:
             self._hicache_state().log(
-                "v1:nopool", "%s: v1 call before register_mem_pool_host(); all pages fail", type(self).__name__
+                "v1:nopool",
+                "%s: v1 call before register_mem_pool_host(); all pages fail",
+                type(self).__name__,
             )
             return None
         try:
@@ -584,10 +601,14 @@ class HiCacheStorage(abc.ABC):
                 return pages
             return _pages_from_meta(pool, host_indices, len(keys))
         except HostIndicesError as exc:
-            self._hicache_state().log("v1:indices", "%s: %s; all pages fail", type(self).__name__, exc)
+            self._hicache_state().log(
+                "v1:indices", "%s: %s; all pages fail", type(self).__name__, exc
+            )
             return None
 
-    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
         """Store the host-pool pages at ``host_indices`` under ``keys`` (zero-copy).
 
         ``len(host_indices)`` must be ``len(keys) * page_size`` and page aligned; otherwise
@@ -598,7 +619,9 @@ class HiCacheStorage(abc.ABC):
             return [False] * len(keys)
         return self.batch_set_pages(keys, pages)
 
-    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
         """Read ``keys`` into the host-pool pages at ``host_indices`` (zero-copy).
 
         Same index rules as :meth:`batch_set_v1`. The caller uses the leading run of True.
@@ -610,10 +633,10 @@ class HiCacheStorage(abc.ABC):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release resources. Idempotent; afterwards every call returns its failure shape."""
 
-    def __enter__(self) -> HiCacheStorage:
+    def __enter__(self: _B) -> _B:
         return self
 
     def __exit__(
@@ -625,7 +648,9 @@ class HiCacheStorage(abc.ABC):
         self.close()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(namespace={self.namespace.digest}, shard={self.config.shard})"
+        return (
+            f"{type(self).__name__}(namespace={self.namespace.digest}, shard={self.config.shard})"
+        )
 
 
 for _op in _OPS:
@@ -661,7 +686,12 @@ def _pages_from_meta(pool: Any, host_indices: Any, n: int) -> list[PageBuffer]:
     owner = getattr(pool, "kv_buffer", pool)
     return [
         PageBuffer(
-            [Segment(int(p), int(s), memoryview_at(int(p), int(s), owner)) for p, s in zip(ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per])]
+            [
+                Segment(int(p), int(s), memoryview_at(int(p), int(s), owner))
+                for p, s in zip(
+                    ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per], strict=False
+                )
+            ]
         )
         for i in range(n)
     ]

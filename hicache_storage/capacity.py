@@ -172,7 +172,12 @@ class CapacityTracker:
         with self._lock:
             if self.max_bytes is not None:
                 if nbytes > self.max_bytes:
-                    logger.warning("object %s (%d B) is larger than max_size %d B", name, nbytes, self.max_bytes)
+                    logger.warning(
+                        "object %s (%d B) is larger than max_size %d B",
+                        name,
+                        nbytes,
+                        self.max_bytes,
+                    )
                     return None
                 if self._used + self._reserved + nbytes > self.max_bytes:
                     target = max(int(self.max_bytes * self.eviction_ratio), nbytes)
@@ -184,7 +189,11 @@ class CapacityTracker:
                 if free_space() - nbytes < self.min_free_bytes:
                     self._evict_until(lambda: free_space() - nbytes >= self.min_free_bytes)
                     if free_space() - nbytes < self.min_free_bytes:
-                        logger.warning("free-space floor %d B cannot be kept; refusing %s", self.min_free_bytes, name)
+                        logger.warning(
+                            "free-space floor %d B cannot be kept; refusing %s",
+                            self.min_free_bytes,
+                            name,
+                        )
                         return None
             self._reserved += nbytes
             return Reservation(self, name, nbytes)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -76,7 +78,7 @@ def parse_size(value: object) -> int:
             raise ConfigError(f"size must be >= 0, got {value}")
         return value
     if isinstance(value, float):
-        if value < 0 or value != value:
+        if value < 0 or math.isnan(value):
             raise ConfigError(f"invalid size {value!r}")
         return int(value)
     if not isinstance(value, str):
@@ -115,8 +117,13 @@ class StorageConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, KVCacheNamespace):
-            raise ConfigError(f"namespace must be a KVCacheNamespace, got {type(self.namespace).__name__}")
-        for rank, size, what in ((self.tp_rank, self.tp_size, "tp"), (self.pp_rank, self.pp_size, "pp")):
+            raise ConfigError(
+                f"namespace must be a KVCacheNamespace, got {type(self.namespace).__name__}"
+            )
+        for rank, size, what in (
+            (self.tp_rank, self.tp_size, "tp"),
+            (self.pp_rank, self.pp_size, "pp"),
+        ):
             if size < 1 or not 0 <= rank < size:
                 raise ConfigError(f"{what}_rank={rank} must be in [0, {what}_size={size})")
         object.__setattr__(self, "extra_config", dict(self.extra_config or {}))
@@ -178,7 +185,9 @@ def load_extra_config(text: str | None) -> dict[str, Any]:
         except OSError as exc:
             raise ConfigError(f"cannot read extra config file {path}: {exc}") from exc
         if path.suffix == ".toml":
-            import tomllib  # noqa: PLC0415 - Python 3.11+, only needed for TOML files
+            if sys.version_info < (3, 11):
+                raise ConfigError("TOML extra-config files need Python 3.11 or newer; use JSON")
+            import tomllib
 
             try:
                 return dict(tomllib.loads(body))
@@ -260,7 +269,7 @@ def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
         )
     kwargs: dict[str, Any] = {}
     env_prefix = f"HICACHE_STORAGE_{backend.upper().replace('-', '_')}_"
-    for name, f in known.items():
+    for name in known:
         if name in options:
             raw = options[name]
         elif (env := os.environ.get(env_prefix + name.upper())) is not None:

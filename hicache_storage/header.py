@@ -62,7 +62,9 @@ def algorithm_id(name: str) -> int:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise ConfigError(f"unknown checksum {name!r}; choose one of {sorted(ALGORITHMS)}") from None
+        raise ConfigError(
+            f"unknown checksum {name!r}; choose one of {sorted(ALGORITHMS)}"
+        ) from None
 
 
 def checksum(views: Sequence[memoryview], algorithm: int) -> int:

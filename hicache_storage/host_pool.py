@@ -140,7 +140,11 @@ class HostKVPool:
         half_bytes = S * L * token_bytes  # one of K/V over the whole pool
         if self.layout == "layer_first":
             seg = ps * token_bytes
-            plan = [kv * half_bytes + layer * S * token_bytes for kv in range(halves) for layer in range(L)]
+            plan = [
+                kv * half_bytes + layer * S * token_bytes
+                for kv in range(halves)
+                for layer in range(L)
+            ]
             return plan, seg
         # page_first and page_first_direct: a page's tokens are contiguous per half.
         seg = ps * L * token_bytes
@@ -210,7 +214,9 @@ class HostKVPool:
 
     # ------------------------------------------------------------------ page access
 
-    def _pages_of(self, indices: torch.Tensor | Sequence[int], expected_pages: int | None = None) -> list[int]:
+    def _pages_of(
+        self, indices: torch.Tensor | Sequence[int], expected_pages: int | None = None
+    ) -> list[int]:
         """Validate host indices and return the page numbers they cover, in order."""
         if isinstance(indices, torch.Tensor):
             if indices.dtype.is_floating_point or indices.dtype == torch.bool:
@@ -220,7 +226,9 @@ class HostKVPool:
             try:
                 idx = torch.as_tensor(list(indices), dtype=torch.int64).reshape(-1)
             except (TypeError, ValueError, RuntimeError) as exc:
-                raise InvalidTypeError("host indices must be a tensor or a sequence of ints") from exc
+                raise InvalidTypeError(
+                    "host indices must be a tensor or a sequence of ints"
+                ) from exc
         n = idx.numel()
         ps = self.page_size
         if n % ps:
@@ -236,14 +244,18 @@ class HostKVPool:
             raise HostIndicesError(f"host indices out of range [0, {self.size})")
         rows = idx.view(-1, ps)
         starts = rows[:, 0]
-        if bool((starts % ps).any()) or not bool((rows == starts[:, None] + torch.arange(ps)).all()):
+        if bool((starts % ps).any()) or not bool(
+            (rows == starts[:, None] + torch.arange(ps)).all()
+        ):
             raise HostIndicesError(
                 "host indices are not page aligned: each page must be page_size consecutive "
                 "indices starting at a multiple of page_size"
             )
-        return (starts // ps).tolist()  # type: ignore[no-any-return]
+        return (starts // ps).tolist()
 
-    def page_buffers(self, indices: torch.Tensor | Sequence[int], expected_pages: int | None = None) -> list[PageBuffer]:
+    def page_buffers(
+        self, indices: torch.Tensor | Sequence[int], expected_pages: int | None = None
+    ) -> list[PageBuffer]:
         """Return one :class:`PageBuffer` per page of ``indices`` (views, no copy)."""
         out: list[PageBuffer] = []
         base = self._base_view
@@ -256,7 +268,9 @@ class HostKVPool:
             out.append(PageBuffer(segs))
         return out
 
-    def get_page_buffer_meta(self, indices: torch.Tensor | Sequence[int]) -> tuple[list[int], list[int]]:
+    def get_page_buffer_meta(
+        self, indices: torch.Tensor | Sequence[int]
+    ) -> tuple[list[int], list[int]]:
         """Return ``(ptrs, sizes)``: every segment of every page, pages in order."""
         ptrs: list[int] = []
         sizes: list[int] = []

@@ -25,7 +25,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from hicache_storage.errors import ConfigError, InvalidArgumentError, InvalidKeyError, InvalidTypeError
+from hicache_storage.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    InvalidTypeError,
+)
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -140,8 +145,7 @@ def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str
 def normalize_dtype(dtype: Any) -> str:
     """Return the logical dtype name: ``torch.bfloat16`` and ``"torch.bfloat16"`` -> ``"bfloat16"``."""
     name = str(dtype)
-    if name.startswith("torch."):
-        name = name[len("torch.") :]
+    name = name.removeprefix("torch.")
     name = name.strip()
     if not name:
         raise ConfigError("dtype must not be empty")
@@ -193,7 +197,9 @@ class KVCacheNamespace:
         if self.total_kv_heads < 0 or self.kv_heads_per_shard < 0:
             raise ConfigError("total_kv_heads and kv_heads_per_shard must be >= 0")
         if self.rank_replicated and (self.total_kv_heads or self.kv_heads_per_shard):
-            raise ConfigError("a rank-replicated (MLA) namespace has no head axis: leave heads at 0")
+            raise ConfigError(
+                "a rank-replicated (MLA) namespace has no head axis: leave heads at 0"
+            )
         if self.kv_heads_per_shard and self.total_kv_heads % self.kv_heads_per_shard:
             raise ConfigError(
                 f"kv_heads_per_shard={self.kv_heads_per_shard} must divide "
@@ -202,7 +208,9 @@ class KVCacheNamespace:
         if self.layer_range is not None:
             start, end = self.layer_range
             if not 0 <= start < end:
-                raise ConfigError(f"layer_range must satisfy 0 <= start < end, got {self.layer_range}")
+                raise ConfigError(
+                    f"layer_range must satisfy 0 <= start < end, got {self.layer_range}"
+                )
             object.__setattr__(self, "layer_range", (int(start), int(end)))
         if self.schema_version != 1:
             raise ConfigError(f"unsupported namespace schema_version {self.schema_version}")

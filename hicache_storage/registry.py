@@ -119,7 +119,9 @@ def _load_path(spec: str) -> type[HiCacheStorage]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise BackendLoadError(f"cannot import {module_name!r} for backend {spec!r}: {exc}") from exc
+        raise BackendLoadError(
+            f"cannot import {module_name!r} for backend {spec!r}: {exc}"
+        ) from exc
     obj: Any = module
     for part in attr.split("."):
         try:
@@ -160,7 +162,9 @@ def load_backend_class(name: str) -> type[HiCacheStorage]:
     eps = _entry_points()
     candidates = eps.get(base, [])
     if wanted_dist:
-        candidates = [ep for ep in candidates if (_dist_name(ep) or "").lower() == wanted_dist.lower()]
+        candidates = [
+            ep for ep in candidates if (_dist_name(ep) or "").lower() == wanted_dist.lower()
+        ]
     if not candidates:
         installed = ", ".join(sorted(eps)) or "none"
         msg = f"unknown storage backend {name!r}; installed: {installed}"
@@ -180,7 +184,9 @@ def load_backend_class(name: str) -> type[HiCacheStorage]:
     return _load_entry_point(candidates[0])
 
 
-def create_backend(name: str, config: StorageConfig | None = None, **options: Any) -> HiCacheStorage:
+def create_backend(
+    name: str, config: StorageConfig | None = None, **options: Any
+) -> HiCacheStorage:
     """Build backend ``name`` for ``config``.
 
     Options come from ``config.extra_config`` (minus the engine controller's keys),

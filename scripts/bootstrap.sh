@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up everything the project needs on a fresh machine: a virtual environment in .venv
+# with the CPU torch wheel, the package (editable) and its test tools. Idempotent and
+# quick when nothing changed (a stamp file records what was installed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${HICACHE_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "bootstrap: creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+
+stamp="$VENV/.hicache-bootstrap"
+want=$(cat pyproject.toml constraints.txt scripts/bootstrap.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  echo "bootstrap: installing packages into $VENV" >&2
+  pip_q=("$VENV/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt)
+  # torch first, pinned, so pip takes the local CPU wheel and never a CUDA build.
+  "${pip_q[@]}" torch==2.13.0 2> >(grep -v "is ignored" >&2)
+  "${pip_q[@]}" -e ".[dev]" 2> >(grep -v "is ignored" >&2)
+  echo "$want" > "$stamp"
+fi

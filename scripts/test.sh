@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, from nothing: set up .venv, lint, type-check, run pytest.
+# Extra arguments go to pytest (e.g. scripts/test.sh -k file -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+echo "== ruff" >&2
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+echo "== mypy" >&2
+bash scripts/typecheck.sh
+echo "== pytest" >&2
+.venv/bin/python -m pytest "$@"
