@@ -138,7 +138,9 @@ def _check_any(result: Any, n: int) -> tuple[Any, str | None]:
 def _check_bool(result: Any, n: int) -> tuple[Any, str | None]:
     if isinstance(result, bool):
         return result, None
-    return result is True, f"returned {type(result).__name__}, expected bool"
+    # 0/1 and numpy booleans keep their meaning; anything else (None...) is a failure.
+    meaningful = isinstance(result, int) or type(result).__name__ == "bool_"
+    return (bool(result) if meaningful else False), f"returned {type(result).__name__}, expected bool"
 
 
 def _check_count(result: Any, n: int) -> tuple[Any, str | None]:

@@ -1,0 +1,139 @@
+"""LRU capacity accounting and the metadata cache."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hicache_storage.capacity import CapacityTracker
+from hicache_storage.errors import ConfigError
+from hicache_storage.metacache import MetadataCache
+
+
+class Store:
+    """Records evictions (the thing under test is the tracker's bookkeeping)."""
+
+    def __init__(self, fail: set[str] | None = None) -> None:
+        self.evicted: list[str] = []
+        self.fail = fail or set()
+
+    def evict(self, name: str) -> bool:
+        if name in self.fail:
+            return False
+        self.evicted.append(name)
+        return True
+
+
+def fill(t: CapacityTracker, names: list[str], size: int) -> None:
+    for n in names:
+        r = t.reserve(n, size)
+        assert r is not None
+        r.commit()
+
+
+def test_lru_eviction_down_to_the_watermark() -> None:
+    s = Store()
+    t = CapacityTracker(100, s.evict, eviction_ratio=0.5)
+    fill(t, ["a", "b", "c", "d", "e"], 20)
+    t.touch("a")  # a becomes most recent: order b c d e a
+    r = t.reserve("f", 20)
+    assert r is not None
+    # 100 + 20 > 100: evict until used + reserved + 20 <= 50 -> b, c, d, e go.
+    assert s.evicted == ["b", "c", "d", "e"]
+    r.commit()
+    assert t.used_bytes == 40 and t.names_oldest_first() == ["a", "f"]
+    assert t.evictions == 4
+
+
+def test_oversize_and_unevictable_are_refused() -> None:
+    s = Store()
+    t = CapacityTracker(100, s.evict)
+    assert t.reserve("huge", 101) is None
+    held = t.reserve("inflight", 90)  # a write in flight is never evicted
+    assert held is not None
+    assert t.reserve("x", 20) is None
+    held.release()
+    assert t.reserved_bytes == 0
+    assert t.reserve("x", 20) is not None
+
+
+def test_reservation_released_on_exception() -> None:
+    t = CapacityTracker(100, Store().evict)
+    with pytest.raises(OSError):  # noqa: PT012
+        with t.reserve("a", 60) as r:  # type: ignore[union-attr]
+            assert t.reserved_bytes == 60
+            raise OSError("disk full")
+    assert r is not None
+    assert t.reserved_bytes == 0 and t.used_bytes == 0 and len(t) == 0
+
+
+def test_failed_eviction_stops_without_lying() -> None:
+    s = Store(fail={"a"})
+    t = CapacityTracker(100, s.evict)
+    fill(t, ["a", "b"], 50)
+    assert t.reserve("c", 50) is None  # a cannot be removed
+    assert t.used_bytes == 100 and "a" in t
+
+
+def test_free_space_floor() -> None:
+    free = [30]
+    s = Store()
+
+    def evict(name: str) -> bool:
+        free[0] += 10
+        return s.evict(name)
+
+    t = CapacityTracker(None, evict, min_free_bytes=20, free_space=lambda: free[0])
+    fill(t, ["a", "b", "c"], 10)  # the callback does not lower `free`; only the floor matters
+    r = t.reserve("d", 25)  # needs 30 + 10k - 25 >= 20: two evictions (k = 2)
+    assert r is not None and s.evicted == ["a", "b"]
+    free[0] = 0
+    t2 = CapacityTracker(None, lambda n: False, min_free_bytes=20, free_space=lambda: free[0])
+    assert t2.reserve("z", 1) is None
+
+
+def test_load_orders_by_recency_and_discard() -> None:
+    t = CapacityTracker(1000, Store().evict)
+    t.load([("new", 10, 3.0), ("old", 20, 1.0), ("mid", 30, 2.0)])
+    assert t.names_oldest_first() == ["old", "mid", "new"] and t.used_bytes == 60
+    t.discard("mid")
+    assert t.used_bytes == 30
+    t.clear()
+    assert t.used_bytes == 0 and len(t) == 0
+
+
+def test_invalid_settings() -> None:
+    with pytest.raises(ConfigError):
+        CapacityTracker(0, Store().evict)
+    with pytest.raises(ConfigError):
+        CapacityTracker(10, Store().evict, eviction_ratio=0)
+    with pytest.raises(ConfigError):
+        CapacityTracker(10, Store().evict, min_free_bytes=5)
+
+
+def test_disabled_tracker_admits_everything() -> None:
+    t = CapacityTracker(None, Store().evict)
+    assert not t.enabled
+    r = t.reserve("a", 10**15)
+    assert r is not None
+    r.commit()
+    assert t.used_bytes == 0
+
+
+def test_metadata_cache_ttl() -> None:
+    c = MetadataCache(0.05)
+    c.add("k")
+    assert c.contains("k")
+    time.sleep(0.06)
+    assert not c.contains("k")
+    c.add("k")
+    c.discard("k")
+    assert not c.contains("k")
+    off = MetadataCache(0)
+    off.add("k")
+    assert not off.contains("k") and len(off) == 0
+    small = MetadataCache(10, max_entries=2)
+    for k in "abc":
+        small.add(k)
+    assert not small.contains("a") and small.contains("c")

@@ -1,0 +1,118 @@
+"""Sizes, extra-config parsing, option dataclasses, StorageConfig facts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from hicache_storage import KVCacheNamespace, StorageConfig, load_extra_config, parse_size
+from hicache_storage.config import Size, parse_options
+from hicache_storage.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("512MiB", 512 * 2**20),
+        ("1Gi", 2**30),
+        ("1.5G", 1_500_000_000),
+        ("200GB", 200 * 10**9),
+        ("10k", 10_000),
+        (" 2 TiB ", 2 * 2**40),
+    ],
+)
+def test_parse_size(text: object, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "12XB", "-5", -1, True, None, "1e3"])
+def test_parse_size_rejects_garbage_loudly(bad: object) -> None:
+    with pytest.raises(ConfigError):
+        parse_size(bad)
+
+
+def test_load_extra_config(tmp_path: Path) -> None:
+    assert load_extra_config(None) == {}
+    assert load_extra_config('{"root": "/x"}') == {"root": "/x"}
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"a": 1}))
+    assert load_extra_config(f"@{f}") == {"a": 1}
+    t = tmp_path / "c.toml"
+    t.write_text('root = "/y"\nfsync = true\n')
+    assert load_extra_config(f"@{t}") == {"root": "/y", "fsync": True}
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_extra_config("{nope")
+    with pytest.raises(ConfigError, match="JSON object"):
+        load_extra_config("[1]")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_extra_config(f"@{tmp_path / 'missing.json'}")
+
+
+@dataclass(frozen=True)
+class _Opts:
+    root: str = "/r"
+    limit: Size | None = None
+    ratio: float = 0.5
+    threads: int = 2
+    on: bool = False
+    mode: Literal["a", "b"] = "a"
+
+
+def test_parse_options_types_env_and_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HICACHE_STORAGE_DEMO_THREADS", "7")
+    monkeypatch.setenv("HICACHE_STORAGE_DEMO_ON", "yes")
+    o = parse_options(_Opts, "demo", {"limit": "1KiB", "ratio": "0.25", "mode": "b", "on": False})
+    assert o == _Opts(root="/r", limit=1024, ratio=0.25, threads=7, on=False, mode="b")
+
+
+def test_parse_options_drops_controller_keys() -> None:
+    assert parse_options(_Opts, "demo", {"prefetch_threshold": 256, "interface_v1": 1}) == _Opts()
+
+
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        ({"rooot": "/x"}, "unknown option"),
+        ({"threads": "many"}, "integer"),
+        ({"threads": 1.5}, "integer"),
+        ({"on": "maybe"}, "boolean"),
+        ({"mode": "c"}, "one of"),
+        ({"limit": "lots"}, "invalid size"),
+        ({"root": 5}, "string"),
+    ],
+)
+def test_parse_options_rejects_bad_values(opts: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_options(_Opts, "demo", opts)
+
+
+def test_storage_config_shards() -> None:
+    ns = KVCacheNamespace(model_id="m", dtype="bf16", page_size=4)
+    assert StorageConfig(namespace=ns).shard is None
+    assert StorageConfig(namespace=ns, tp_rank=1, tp_size=4).shard == "tp1of4"
+    heads = KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, total_kv_heads=8)
+    assert StorageConfig(namespace=heads, tp_rank=1, tp_size=4).shard == "h2-3"
+    # Fewer heads than ranks: ranks that hold the same head share its objects.
+    assert StorageConfig(namespace=heads, tp_rank=15, tp_size=16).shard == "h7-7"
+    mla = KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, rank_replicated=True)
+    assert StorageConfig(namespace=mla, tp_rank=3, tp_size=4).shard is None
+    assert not StorageConfig(namespace=mla, tp_rank=3, tp_size=4).is_storage_writer
+    assert StorageConfig(namespace=mla, tp_rank=0, tp_size=4).is_storage_writer
+    assert StorageConfig(namespace=ns, pp_rank=1, pp_size=2).shard == "pp1of2"
+    staged = KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, layer_range=(16, 32))
+    assert StorageConfig(namespace=staged, pp_rank=1, pp_size=2).shard is None
+
+
+def test_storage_config_validation() -> None:
+    with pytest.raises(ConfigError):
+        StorageConfig(tp_rank=4, tp_size=4)
+    with pytest.raises(ConfigError):
+        StorageConfig(namespace="m")  # type: ignore[arg-type]
+    cfg = StorageConfig(extra_config={"root": "/x", "prefetch_threshold": 1})
+    assert cfg.backend_options() == {"root": "/x"}

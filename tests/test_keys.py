@@ -1,0 +1,178 @@
+"""Page hashes (golden vectors), namespace digests, key validation, object names."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+
+from hicache_storage import KVCacheNamespace, object_name, page_hashes, storage_namespace_seed
+from hicache_storage.errors import ConfigError, InvalidArgumentError, InvalidKeyError, InvalidTypeError
+from hicache_storage.keys import KEY_MAX_LEN, validate_key
+
+H1 = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"
+H2 = "4ebfa8a1f3c341517621838c6e1b9aa350307e3f00b3cbd1a07ef740f54396d6"
+SEED_A = "1788ab758c62a241d83bbc10f0cb8b745cec48d7a3d2a78a2e84123d48ff4c99"
+H1_SEEDED = "bb2ad6f18395e2ab50661c6191fa163a2e566ae086e9d5d08e426f5333bf9645"
+
+
+def test_golden_vectors_match_the_reference_chain() -> None:
+    assert page_hashes([1, 2, 3, 4], 4) == [H1]
+    assert page_hashes([5, 6, 7, 8], 4, prior_hash=H1) == [H2]
+    assert page_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4) == [H1, H2]
+    assert storage_namespace_seed(None, "tenantA") == SEED_A
+    assert page_hashes([1, 2, 3, 4], 4, namespace_seed=SEED_A) == [H1_SEEDED]
+
+
+def test_prior_hash_takes_precedence_over_seed() -> None:
+    # The prior already carries the seed of the sequence it continues.
+    assert page_hashes([5, 6, 7, 8], 4, prior_hash=H1, namespace_seed=SEED_A) == [H2]
+
+
+def test_partial_last_page_is_never_hashed() -> None:
+    assert page_hashes([1, 2, 3, 4, 5, 6], 4) == [H1]
+    assert page_hashes([1, 2, 3], 4) == []
+    assert page_hashes([], 4) == []
+
+
+def test_chain_matches_an_independent_computation() -> None:
+    tokens = list(range(100, 132))
+    prev = b""
+    expected = []
+    for i in range(0, 32, 8):
+        prev = hashlib.sha256(prev + struct.pack("<8I", *tokens[i : i + 8])).digest()
+        expected.append(prev.hex())
+    assert page_hashes(tokens, 8) == expected
+
+
+def test_wide_token_ids_use_the_tagged_u64_encoding() -> None:
+    wide = [1, 2, 3, 2**32]
+    expected = hashlib.sha256(b"\xff" + struct.pack("<4Q", *wide)).hexdigest()
+    assert page_hashes(wide, 4) == [expected]
+    assert page_hashes([1, 2, 3, 2**32 - 1], 4) != [expected]
+
+
+def test_tuple_tokens_hash_every_element() -> None:
+    expected = hashlib.sha256(struct.pack("<4I", 1, 2, 3, 4)).hexdigest()
+    assert page_hashes([(1, 2), (3, 4)], 2) == [expected]
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        ((None, "a"), ("a", None)),
+        (("", ""), (None, None)),
+        (("a", "bc"), ("ab", "c")),
+        (("", ""), ("", None)),
+    ],
+)
+def test_namespace_seeds_are_distinct(a: tuple[str | None, str | None], b: tuple[str | None, str | None]) -> None:
+    assert storage_namespace_seed(*a) != storage_namespace_seed(*b)
+
+
+def test_no_seed_without_extra_key_or_salt() -> None:
+    assert storage_namespace_seed(None, None) is None
+
+
+def test_bad_token_ids_raise() -> None:
+    with pytest.raises(InvalidArgumentError):
+        page_hashes([1, -1], 2)
+    with pytest.raises(InvalidTypeError):
+        page_hashes([1, "x"], 2)
+    with pytest.raises(InvalidArgumentError):
+        page_hashes([1, 2], 0)
+    with pytest.raises(InvalidArgumentError):
+        page_hashes([1, 2], 2, prior_hash="not-hex")
+
+
+BASE = {"model_id": "m", "dtype": "bfloat16", "page_size": 16}
+
+
+def test_namespace_digest_is_stable_and_pinned() -> None:
+    ns = KVCacheNamespace(**BASE)
+    # Pinned: a digest change would orphan every stored page; change it only on purpose.
+    assert ns.digest == KVCacheNamespace(**BASE).digest
+    assert ns.digest.startswith("ns1-") and len(ns.digest) == 36
+    assert ns.digest == "ns1-" + hashlib.sha256(
+        b'{"dtype":"bfloat16","model_id":"m","page_size":16,"schema_version":1}'
+    ).hexdigest()[:32]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_id": "other"},
+        {"dtype": "float8_e4m3fn"},
+        {"dtype": "float8_e5m2"},
+        {"page_size": 32},
+        {"object_layout": "page_first"},
+        {"rank_replicated": True},
+        {"total_kv_heads": 8, "kv_heads_per_shard": 2},
+        {"layer_range": (0, 16)},
+        {"tenant": "acme"},
+        {"weights_fingerprint": "sha256:abc"},
+    ],
+)
+def test_every_identity_field_changes_the_digest(change: dict[str, object]) -> None:
+    assert KVCacheNamespace(**{**BASE, **change}).digest != KVCacheNamespace(**BASE).digest  # type: ignore[arg-type]
+
+
+def test_dtype_is_normalized() -> None:
+    import torch
+
+    assert KVCacheNamespace(**{**BASE, "dtype": torch.bfloat16}).digest == KVCacheNamespace(**BASE).digest  # type: ignore[arg-type]
+    assert KVCacheNamespace(**{**BASE, "dtype": "torch.bfloat16"}).dtype == "bfloat16"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model_id": ""},
+        {"page_size": 0},
+        {"dtype": ""},
+        {"rank_replicated": True, "total_kv_heads": 8},
+        {"total_kv_heads": 8, "kv_heads_per_shard": 3},
+        {"layer_range": (4, 4)},
+        {"layer_range": (-1, 4)},
+    ],
+)
+def test_invalid_namespaces_raise(bad: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        KVCacheNamespace(**{**BASE, **bad})  # type: ignore[arg-type]
+
+
+def test_namespace_dict_round_trip() -> None:
+    ns = KVCacheNamespace(**BASE, layer_range=(0, 8), tenant="t")
+    assert KVCacheNamespace.from_dict(ns.to_dict()) == ns
+    with pytest.raises(ConfigError, match="unknown namespace fields"):
+        KVCacheNamespace.from_dict({**BASE, "colour": "red"})
+
+
+@pytest.mark.parametrize("key", ["a", "A-b_c.d", "0" * 64, "x" * KEY_MAX_LEN, H1 + ".mamba"])
+def test_valid_keys(key: str) -> None:
+    assert validate_key(key) == key
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["", ".", "..", "../x", "a/b", "/abs", "a\x00b", "x" * (KEY_MAX_LEN + 1), "é", "a b", ".hidden", "a..b", "a\\b", 5, None, b"k"],
+)
+def test_invalid_keys_raise(key: object) -> None:
+    with pytest.raises(InvalidKeyError):
+        validate_key(key)
+
+
+def test_object_names() -> None:
+    n = object_name("ns1-x", H1)
+    assert n.path == f"ns1-x/{n.fanout}/{H1}" and len(n.fanout) == 3
+    s = object_name("ns1-x", H1, "h0-3")
+    assert s.leaf == f"{H1}~h0-3"
+    assert s.path != n.path
+    with pytest.raises(InvalidKeyError):
+        object_name("ns1-x", "../etc")
+    with pytest.raises(InvalidArgumentError):
+        object_name("ns1-x", H1, "bad/shard")
+    # Fan-out spreads keys over many directories.
+    fans = {object_name("d", f"k{i}").fanout for i in range(2000)}
+    assert len(fans) > 1000
