@@ -140,7 +140,9 @@ def _check_bool(result: Any, n: int) -> tuple[Any, str | None]:
         return result, None
     # 0/1 and numpy booleans keep their meaning; anything else (None...) is a failure.
     meaningful = isinstance(result, int) or type(result).__name__ == "bool_"
-    return (bool(result) if meaningful else False), f"returned {type(result).__name__}, expected bool"
+    return (
+        bool(result) if meaningful else False
+    ), f"returned {type(result).__name__}, expected bool"
 
 
 def _check_count(result: Any, n: int) -> tuple[Any, str | None]:

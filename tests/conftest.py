@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from hicache_storage.backends import FileBackend
 
 from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig
-from hicache_storage.backends import FileBackend
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
 
-def make_pool(layout: str = "page_first", mla: bool = False, num_pages: int = 16, page_size: int = 4) -> HostKVPool:
+def make_pool(
+    layout: str = "page_first", mla: bool = False, num_pages: int = 16, page_size: int = 4
+) -> HostKVPool:
     """A small pool filled with random bytes."""
     pool = HostKVPool(
         num_pages=num_pages,
@@ -34,7 +36,9 @@ def make_pool(layout: str = "page_first", mla: bool = False, num_pages: int = 16
     return pool
 
 
-def pool_namespace(pool: HostKVPool, model_id: str = "test-model", **extra: object) -> KVCacheNamespace:
+def pool_namespace(
+    pool: HostKVPool, model_id: str = "test-model", **extra: object
+) -> KVCacheNamespace:
     """The namespace that matches ``pool``."""
     return KVCacheNamespace(
         model_id=model_id,
@@ -84,7 +88,9 @@ def small_tmpfs(tmp_path: Path) -> Iterator[str]:
     """A real 2 MiB tmpfs mounted for the test (needs root, as CI has): a disk that fills."""
     mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)], check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)], check=True
+    )
     try:
         yield str(mnt)
     finally:

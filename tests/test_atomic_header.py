@@ -12,7 +12,13 @@ import pytest
 
 from hicache_storage import atomic
 from hicache_storage.errors import CorruptObjectError
-from hicache_storage.header import HEADER_SIZE, checksum, decode_header, encode_header, verify_payload
+from hicache_storage.header import (
+    HEADER_SIZE,
+    checksum,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
 
 
 def test_header_round_trip_and_checks() -> None:
@@ -30,7 +36,7 @@ def test_header_round_trip_and_checks() -> None:
         verify_payload(h, [memoryview(b"hello")])
 
 
-@pytest.mark.parametrize("offset", range(0, HEADER_SIZE - 4))
+@pytest.mark.parametrize("offset", range(HEADER_SIZE - 4))
 def test_any_flipped_header_byte_is_detected(offset: int) -> None:
     raw = bytearray(encode_header(11, 1234, 1))
     raw[offset] ^= 0x01

@@ -127,4 +127,6 @@ def test_invalid_geometry_raises() -> None:
     with pytest.raises(ConfigError):
         HostKVPool(num_pages=0, page_size=4, layer_num=1, kv_heads=1, head_dim=1)
     with pytest.raises(ConfigError):
-        HostKVPool(num_pages=1, page_size=4, layer_num=1, kv_heads=1, head_dim=1, layout="page_head")
+        HostKVPool(
+            num_pages=1, page_size=4, layer_num=1, kv_heads=1, head_dim=1, layout="page_head"
+        )

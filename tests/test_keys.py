@@ -8,7 +8,12 @@ import struct
 import pytest
 
 from hicache_storage import KVCacheNamespace, object_name, page_hashes, storage_namespace_seed
-from hicache_storage.errors import ConfigError, InvalidArgumentError, InvalidKeyError, InvalidTypeError
+from hicache_storage.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    InvalidTypeError,
+)
 from hicache_storage.keys import KEY_MAX_LEN, validate_key
 
 H1 = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"
@@ -67,7 +72,9 @@ def test_tuple_tokens_hash_every_element() -> None:
         (("", ""), ("", None)),
     ],
 )
-def test_namespace_seeds_are_distinct(a: tuple[str | None, str | None], b: tuple[str | None, str | None]) -> None:
+def test_namespace_seeds_are_distinct(
+    a: tuple[str | None, str | None], b: tuple[str | None, str | None]
+) -> None:
     assert storage_namespace_seed(*a) != storage_namespace_seed(*b)
 
 
@@ -94,9 +101,13 @@ def test_namespace_digest_is_stable_and_pinned() -> None:
     # Pinned: a digest change would orphan every stored page; change it only on purpose.
     assert ns.digest == KVCacheNamespace(**BASE).digest
     assert ns.digest.startswith("ns1-") and len(ns.digest) == 36
-    assert ns.digest == "ns1-" + hashlib.sha256(
-        b'{"dtype":"bfloat16","model_id":"m","page_size":16,"schema_version":1}'
-    ).hexdigest()[:32]
+    assert (
+        ns.digest
+        == "ns1-"
+        + hashlib.sha256(
+            b'{"dtype":"bfloat16","model_id":"m","page_size":16,"schema_version":1}'
+        ).hexdigest()[:32]
+    )
 
 
 @pytest.mark.parametrize(
@@ -121,7 +132,10 @@ def test_every_identity_field_changes_the_digest(change: dict[str, object]) -> N
 def test_dtype_is_normalized() -> None:
     import torch
 
-    assert KVCacheNamespace(**{**BASE, "dtype": torch.bfloat16}).digest == KVCacheNamespace(**BASE).digest  # type: ignore[arg-type]
+    assert (
+        KVCacheNamespace(**{**BASE, "dtype": torch.bfloat16}).digest
+        == KVCacheNamespace(**BASE).digest
+    )  # type: ignore[arg-type]
     assert KVCacheNamespace(**{**BASE, "dtype": "torch.bfloat16"}).dtype == "bfloat16"  # type: ignore[arg-type]
 
 
@@ -156,7 +170,24 @@ def test_valid_keys(key: str) -> None:
 
 @pytest.mark.parametrize(
     "key",
-    ["", ".", "..", "../x", "a/b", "/abs", "a\x00b", "x" * (KEY_MAX_LEN + 1), "é", "a b", ".hidden", "a..b", "a\\b", 5, None, b"k"],
+    [
+        "",
+        ".",
+        "..",
+        "../x",
+        "a/b",
+        "/abs",
+        "a\x00b",
+        "x" * (KEY_MAX_LEN + 1),
+        "é",
+        "a b",
+        ".hidden",
+        "a..b",
+        "a\\b",
+        5,
+        None,
+        b"k",
+    ],
 )
 def test_invalid_keys_raise(key: object) -> None:
     with pytest.raises(InvalidKeyError):

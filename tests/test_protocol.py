@@ -222,8 +222,12 @@ def test_default_v1_round_trip(cls: type[DictBackend], layout: str, mla: bool) -
     dst = pool.alloc(3 * pool.page_size)
     assert src is not None and dst is not None
     assert b.batch_set_v1(KEYS, src) == [True] * 3
-    assert b.batch_get_v1(KEYS + ["gone"], torch.cat([dst, pool.alloc(pool.page_size)])) == [True] * 3 + [False]  # type: ignore[list-item]
-    assert [p.tobytes() for p in pool.page_buffers(src)] == [p.tobytes() for p in pool.page_buffers(dst)]
+    assert b.batch_get_v1(KEYS + ["gone"], torch.cat([dst, pool.alloc(pool.page_size)])) == [
+        True
+    ] * 3 + [False]  # type: ignore[list-item]
+    assert [p.tobytes() for p in pool.page_buffers(src)] == [
+        p.tobytes() for p in pool.page_buffers(dst)
+    ]
 
 
 def test_v1_index_problems_fail_every_page() -> None:
@@ -232,7 +236,9 @@ def test_v1_index_problems_fail_every_page() -> None:
     assert b.batch_set_v1(KEYS, torch.arange(3 * pool.page_size)) == [False] * 3  # no pool yet
     b.register_mem_pool_host(pool)
     assert b.batch_set_v1(KEYS, torch.arange(2 * pool.page_size)) == [False] * 3  # wrong length
-    assert b.batch_set_v1(KEYS, torch.arange(1, 3 * pool.page_size + 1)) == [False] * 3  # misaligned
+    assert (
+        b.batch_set_v1(KEYS, torch.arange(1, 3 * pool.page_size + 1)) == [False] * 3
+    )  # misaligned
     assert b.data == {}
     assert b.batch_set_v1([], torch.arange(0)) == []
 
@@ -240,10 +246,34 @@ def test_v1_index_problems_fail_every_page() -> None:
 def test_register_rejects_mismatched_pools() -> None:
     pool = make_pool("page_first")
     for ns, what in [
-        (KVCacheNamespace(model_id="m", dtype="bfloat16", page_size=8, object_layout="page_first"), "page_size"),
-        (KVCacheNamespace(model_id="m", dtype="float16", page_size=4, object_layout="page_first"), "dtype"),
-        (KVCacheNamespace(model_id="m", dtype="bfloat16", page_size=4, object_layout="layer_first"), "layout"),
-        (KVCacheNamespace(model_id="m", dtype="bfloat16", page_size=4, object_layout="page_first", rank_replicated=True), "MLA"),
+        (
+            KVCacheNamespace(
+                model_id="m", dtype="bfloat16", page_size=8, object_layout="page_first"
+            ),
+            "page_size",
+        ),
+        (
+            KVCacheNamespace(
+                model_id="m", dtype="float16", page_size=4, object_layout="page_first"
+            ),
+            "dtype",
+        ),
+        (
+            KVCacheNamespace(
+                model_id="m", dtype="bfloat16", page_size=4, object_layout="layer_first"
+            ),
+            "layout",
+        ),
+        (
+            KVCacheNamespace(
+                model_id="m",
+                dtype="bfloat16",
+                page_size=4,
+                object_layout="page_first",
+                rank_replicated=True,
+            ),
+            "MLA",
+        ),
     ]:
         with pytest.raises(NamespaceMismatchError, match=what):
             DictBackend(StorageConfig(namespace=ns)).register_mem_pool_host(pool)

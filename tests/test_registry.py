@@ -6,12 +6,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hicache_storage.backends import FileBackend
 
 from hicache_storage import StorageConfig, available_backends, create_backend, load_backend_class
-from hicache_storage.backends import FileBackend
-from hicache_storage.errors import AmbiguousBackendError, BackendLoadError, ConfigError, UnknownBackendError
+from hicache_storage.errors import (
+    AmbiguousBackendError,
+    BackendLoadError,
+    ConfigError,
+    UnknownBackendError,
+)
 
-BACKEND_SRC = '''
+BACKEND_SRC = """
 from hicache_storage import HiCacheStorage
 
 class {cls}(HiCacheStorage):
@@ -30,7 +35,7 @@ class {cls}(HiCacheStorage):
 
     def exists(self, key):
         return False
-'''
+"""
 
 
 def fake_dist(site: Path, dist: str, module: str, body: str, entry_points: dict[str, str]) -> None:
@@ -51,8 +56,20 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
               {"acme": "acme_mod:Acme", "dup": "acme_mod:Acme"})  # fmt: skip
     fake_dist(d, "other-storage", "other_mod", BACKEND_SRC.format(cls="Other", name="dup"),
               {"dup": "other_mod:Other"})  # fmt: skip
-    fake_dist(d, "broken-storage", "broken_mod", "import not_a_real_module_xyz\n", {"broken": "broken_mod:X"})
-    fake_dist(d, "odd-storage", "odd_mod", "class NotABackend:\n    pass\n", {"odd": "odd_mod:NotABackend"})
+    fake_dist(
+        d,
+        "broken-storage",
+        "broken_mod",
+        "import not_a_real_module_xyz\n",
+        {"broken": "broken_mod:X"},
+    )
+    fake_dist(
+        d,
+        "odd-storage",
+        "odd_mod",
+        "class NotABackend:\n    pass\n",
+        {"odd": "odd_mod:NotABackend"},
+    )
     monkeypatch.syspath_prepend(str(d))
     return d
 
@@ -66,7 +83,9 @@ def test_builtin_file_is_found_by_entry_point() -> None:
 
 
 def test_vendor_backend_by_name(site: Path, tmp_path: Path) -> None:
-    b = create_backend("acme", StorageConfig(extra_config={"region": "x", "prefetch_threshold": 9}), zone="z")
+    b = create_backend(
+        "acme", StorageConfig(extra_config={"region": "x", "prefetch_threshold": 9}), zone="z"
+    )
     assert type(b).__name__ == "Acme"
     # The engine controller's keys never reach the backend; explicit options win.
     assert b.options == {"region": "x", "zone": "z"}  # type: ignore[attr-defined]
@@ -116,7 +135,9 @@ def test_module_class_path(site: Path) -> None:
 
 
 def test_file_options_through_the_registry(tmp_path: Path) -> None:
-    b = create_backend("file", StorageConfig(extra_config={"root": str(tmp_path), "tp_lcm_size": 2}))
+    b = create_backend(
+        "file", StorageConfig(extra_config={"root": str(tmp_path), "tp_lcm_size": 2})
+    )
     assert isinstance(b, FileBackend) and b.root == str(tmp_path)
     b.close()
     with pytest.raises(ConfigError, match="unknown option"):
