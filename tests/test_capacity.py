@@ -42,7 +42,8 @@ def test_lru_eviction_down_to_the_watermark() -> None:
     # 100 + 20 > 100: evict until used + reserved + 20 <= 50 -> b, c, d, e go.
     assert s.evicted == ["b", "c", "d", "e"]
     r.commit()
-    assert t.used_bytes == 40 and t.names_oldest_first() == ["a", "f"]
+    assert t.used_bytes == 40
+    assert t.names_oldest_first() == ["a", "f"]
     assert t.evictions == 4
 
 
@@ -60,12 +61,14 @@ def test_oversize_and_unevictable_are_refused() -> None:
 
 def test_reservation_released_on_exception() -> None:
     t = CapacityTracker(100, Store().evict)
-    with pytest.raises(OSError):  # noqa: PT012
+    with pytest.raises(OSError):
         with t.reserve("a", 60) as r:  # type: ignore[union-attr]
             assert t.reserved_bytes == 60
             raise OSError("disk full")
     assert r is not None
-    assert t.reserved_bytes == 0 and t.used_bytes == 0 and len(t) == 0
+    assert t.reserved_bytes == 0
+    assert t.used_bytes == 0
+    assert len(t) == 0
 
 
 def test_failed_eviction_stops_without_lying() -> None:
@@ -73,7 +76,8 @@ def test_failed_eviction_stops_without_lying() -> None:
     t = CapacityTracker(100, s.evict)
     fill(t, ["a", "b"], 50)
     assert t.reserve("c", 50) is None  # a cannot be removed
-    assert t.used_bytes == 100 and "a" in t
+    assert t.used_bytes == 100
+    assert "a" in t
 
 
 def test_free_space_floor() -> None:
@@ -87,7 +91,8 @@ def test_free_space_floor() -> None:
     t = CapacityTracker(None, evict, min_free_bytes=20, free_space=lambda: free[0])
     fill(t, ["a", "b", "c"], 10)  # the callback does not lower `free`; only the floor matters
     r = t.reserve("d", 25)  # needs 30 + 10k - 25 >= 20: two evictions (k = 2)
-    assert r is not None and s.evicted == ["a", "b"]
+    assert r is not None
+    assert s.evicted == ["a", "b"]
     free[0] = 0
     t2 = CapacityTracker(None, lambda n: False, min_free_bytes=20, free_space=lambda: free[0])
     assert t2.reserve("z", 1) is None
@@ -96,11 +101,13 @@ def test_free_space_floor() -> None:
 def test_load_orders_by_recency_and_discard() -> None:
     t = CapacityTracker(1000, Store().evict)
     t.load([("new", 10, 3.0), ("old", 20, 1.0), ("mid", 30, 2.0)])
-    assert t.names_oldest_first() == ["old", "mid", "new"] and t.used_bytes == 60
+    assert t.names_oldest_first() == ["old", "mid", "new"]
+    assert t.used_bytes == 60
     t.discard("mid")
     assert t.used_bytes == 30
     t.clear()
-    assert t.used_bytes == 0 and len(t) == 0
+    assert t.used_bytes == 0
+    assert len(t) == 0
 
 
 def test_invalid_settings() -> None:
@@ -132,8 +139,10 @@ def test_metadata_cache_ttl() -> None:
     assert not c.contains("k")
     off = MetadataCache(0)
     off.add("k")
-    assert not off.contains("k") and len(off) == 0
+    assert not off.contains("k")
+    assert len(off) == 0
     small = MetadataCache(10, max_entries=2)
     for k in "abc":
         small.add(k)
-    assert not small.contains("a") and small.contains("c")
+    assert not small.contains("a")
+    assert small.contains("c")

@@ -15,7 +15,7 @@ from hicache_storage.errors import ConfigError
 
 
 @pytest.mark.parametrize(
-    "text,expected",
+    ("text", "expected"),
     [
         (4096, 4096),
         ("4096", 4096),
@@ -76,7 +76,7 @@ def test_parse_options_drops_controller_keys() -> None:
 
 
 @pytest.mark.parametrize(
-    "opts,match",
+    ("opts", "match"),
     [
         ({"rooot": "/x"}, "unknown option"),
         ({"threads": "many"}, "integer"),

@@ -46,13 +46,18 @@ def test_set_get_exists_round_trip(file_backend: FileBackend) -> None:
     t = torch.arange(100, dtype=torch.int32)
     assert b.set("tensor", t) is True
     assert b.set("bytes", b"hello") is True
-    assert b.exists("tensor") and b.exists("bytes") and not b.exists("missing")
+    assert b.exists("tensor")
+    assert b.exists("bytes")
+    assert not b.exists("missing")
     got = b.get("tensor")
-    assert got.dtype == torch.uint8 and torch.equal(got.view(torch.int32), t)
+    assert got.dtype == torch.uint8
+    assert torch.equal(got.view(torch.int32), t)
     target = torch.zeros(100, dtype=torch.int32)
-    assert b.get("tensor", target) is target and torch.equal(target, t)
+    assert b.get("tensor", target) is target
+    assert torch.equal(target, t)
     buf = bytearray(5)
-    assert b.get("bytes", buf) is buf and buf == b"hello"
+    assert b.get("bytes", buf) is buf
+    assert buf == b"hello"
 
 
 def test_miss_and_size_mismatch_leave_the_target_untouched(file_backend: FileBackend) -> None:
@@ -63,7 +68,8 @@ def test_miss_and_size_mismatch_leave_the_target_untouched(file_backend: FileBac
         assert b.get("k", target) is None
         assert bytes(target) == before
     missing = bytearray(b"\xbb" * 8)
-    assert b.get("nope", missing) is None and missing == b"\xbb" * 8
+    assert b.get("nope", missing) is None
+    assert missing == b"\xbb" * 8
     assert b.get_stats().size_mismatches == 2
 
 
@@ -87,8 +93,10 @@ def test_delete(file_backend: FileBackend) -> None:
     b.set("k", b"v")
     assert b.delete("k") is True
     assert b.delete("k") is False
-    assert not b.exists("k") and b.get("k") is None
-    assert b.set("k", b"again") and bytes(b.get("k").numpy()) == b"again"
+    assert not b.exists("k")
+    assert b.get("k") is None
+    assert b.set("k", b"again")
+    assert bytes(b.get("k").numpy()) == b"again"
 
 
 @pytest.mark.parametrize("n", [0, 1, 5])
@@ -98,8 +106,9 @@ def test_batch_shapes(file_backend: FileBackend, n: int) -> None:
     vals = [bytes([i]) * 10 for i in range(n)]
     assert b.batch_set(keys, vals) == [True] * n
     assert b.batch_exists(keys) == n
-    out = b.batch_get(keys + ["missing"])
-    assert len(out) == n + 1 and out[-1] is None
+    out = b.batch_get([*keys, "missing"])
+    assert len(out) == n + 1
+    assert out[-1] is None
     assert [bytes(t.numpy()) for t in out[:n]] == vals
     if n:
         b.delete(keys[0])
@@ -118,7 +127,8 @@ def test_v1_round_trip_every_layout(make_file_backend: Factory, layout: str, mla
     ps = pool.page_size
     keys = page_hashes(list(range(5 * ps)), ps)
     src, dst = pool.alloc(5 * ps), pool.alloc(5 * ps)
-    assert src is not None and dst is not None
+    assert src is not None
+    assert dst is not None
     assert b.batch_set_v1(keys, src) == [True] * 5
     assert b.batch_get_v1(keys, dst) == [True] * 5
     assert [p.tobytes() for p in pool.page_buffers(src)] == [
@@ -212,18 +222,17 @@ def test_namespaces_never_read_each_other(
     a = make_file_backend(KVCacheNamespace(**base))  # type: ignore[arg-type]
     b = make_file_backend(KVCacheNamespace(**{**base, **other}))  # type: ignore[arg-type]
     a.set("shared-key", b"from a")
-    assert (
-        not b.exists("shared-key")
-        and b.get("shared-key") is None
-        and b.batch_exists(["shared-key"]) == 0
-    )
+    assert not b.exists("shared-key")
+    assert b.get("shared-key") is None
+    assert b.batch_exists(["shared-key"]) == 0
     b.set("shared-key", b"from b")
     assert bytes(a.get("shared-key").numpy()) == b"from a"
     assert bytes(b.get("shared-key").numpy()) == b"from b"
     b.clear()
     assert not b.exists("shared-key")
     assert bytes(a.get("shared-key").numpy()) == b"from a"
-    assert b.set("after-clear", b"ok") and b.exists("after-clear")
+    assert b.set("after-clear", b"ok")
+    assert b.exists("after-clear")
 
 
 def test_ranks_store_different_shards(root: str) -> None:
@@ -253,7 +262,8 @@ def test_persistence_and_permissions(make_file_backend: Factory, root: str) -> N
 
 def test_fsync_option(make_file_backend: Factory) -> None:
     b = make_file_backend(fsync=True)
-    assert b.set("k", b"durable") and bytes(b.get("k").numpy()) == b"durable"
+    assert b.set("k", b"durable")
+    assert bytes(b.get("k").numpy()) == b"durable"
 
 
 def test_invalid_options(root: str) -> None:
@@ -305,7 +315,8 @@ def test_corrupt_objects_read_as_misses(file_backend: FileBackend, damage: str) 
     assert b.get("k") is None
     assert b.get_stats().corrupt_objects == 1
     assert not os.path.exists(path)  # removed, so a good copy can be stored again
-    assert b.set("k", payload) and bytes(b.get("k").numpy()) == payload
+    assert b.set("k", payload)
+    assert bytes(b.get("k").numpy()) == payload
 
 
 def test_checksum_none_still_catches_truncation(make_file_backend: Factory) -> None:
@@ -331,7 +342,8 @@ def test_directory_never_exceeds_max_size_and_lru_holds(make_file_backend: Facto
         assert b.set(f"k{i}", bytes([i]) * 1000)
     assert b.get("k0") is not None  # k0 becomes the most recently used
     assert b.set("k10", b"x" * 1000)  # over the cap: evict LRU down to 5 objects
-    assert b.exists("k0") and b.exists("k10")
+    assert b.exists("k0")
+    assert b.exists("k10")
     assert not any(b.exists(f"k{i}") for i in range(1, 7))
     assert all(b.exists(f"k{i}") for i in range(7, 10))
     for i in range(11, 40):
@@ -346,7 +358,8 @@ def test_directory_never_exceeds_max_size_and_lru_holds(make_file_backend: Facto
         b2.set(f"a{i}", b"z" * 1000)
     b2.set("a0", b"ignored")
     b2.set("a10", b"z" * 1000)
-    assert b2.exists("a0") and not b2.exists("a1")
+    assert b2.exists("a0")
+    assert not b2.exists("a1")
 
 
 def test_capacity_survives_a_restart(make_file_backend: Factory) -> None:
@@ -360,20 +373,24 @@ def test_capacity_survives_a_restart(make_file_backend: Factory) -> None:
     assert again.usage()["used_bytes"] == 5 * obj
     again.set("new", b"y" * 1000)
     assert dir_bytes(again) <= 5 * obj
-    assert not again.exists("k0") and again.exists("k4") and again.exists("new")
+    assert not again.exists("k0")
+    assert again.exists("k4")
+    assert again.exists("new")
 
 
 def test_oversize_value_is_refused(make_file_backend: Factory) -> None:
     b = make_file_backend(max_size=1000)
     assert b.set("big", b"x" * 2000) is False
-    assert not b.exists("big") and b.usage()["reserved_bytes"] == 0
+    assert not b.exists("big")
+    assert b.usage()["reserved_bytes"] == 0
     assert b.get_stats().op("set").errors == 1
 
 
 def test_full_disk_fails_cleanly_and_leaks_nothing(small_tmpfs: str) -> None:
     b = FileBackend(StorageConfig(), root=small_tmpfs, max_size="64MiB")  # cap above the disk
     results = [b.set(f"k{i}", bytes([i]) * 300_000) for i in range(12)]
-    assert True in results and False in results  # the 2 MiB disk filled up
+    assert True in results
+    assert False in results
     assert b.usage()["reserved_bytes"] == 0
     assert not any(os.path.basename(p).startswith(TEMP_PREFIX) for p in tree_files(small_tmpfs))
     for i, ok in enumerate(results):
@@ -381,7 +398,8 @@ def test_full_disk_fails_cleanly_and_leaks_nothing(small_tmpfs: str) -> None:
         if ok:
             assert bytes(got.numpy()) == bytes([i]) * 300_000
         else:
-            assert got is None and not b.exists(f"k{i}")
+            assert got is None
+            assert not b.exists(f"k{i}")
     b.close()
 
 
@@ -391,7 +409,8 @@ def test_min_free_space_evicts_instead_of_filling_the_disk(small_tmpfs: str) -> 
         assert b.set(f"k{i}", bytes([i]) * 200_000), i
         st = os.statvfs(small_tmpfs)
         assert st.f_bavail * st.f_frsize >= 2**20 - 8192  # tmpfs rounds to pages
-    assert b.exists("k19") and not b.exists("k0")
+    assert b.exists("k19")
+    assert not b.exists("k0")
     b.close()
 
 
@@ -461,7 +480,8 @@ def test_writers_killed_mid_batch_leave_only_intact_objects(root: str, mode: str
     for round_ in range(3):
         procs = [start_writer(root, seed=round_ * 10 + i, mode=mode) for i in range(3)]
         for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+            assert p.stdout is not None
+            assert p.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.05, 0.3))
         for p in procs:
             p.send_signal(signal.SIGKILL)
@@ -483,7 +503,8 @@ def test_a_write_killed_inside_writev_is_invisible_and_cleaned(root: str) -> Non
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 60
     temps: list[str] = []
     while not temps and time.monotonic() < deadline:
@@ -512,5 +533,6 @@ def test_stale_leftovers_are_removed_at_startup(make_file_backend: Factory, root
     (trash / "x").mkdir(parents=True)
     b.close()
     again = make_file_backend()
-    assert not leftover.exists() and not trash.exists()
+    assert not leftover.exists()
+    assert not trash.exists()
     assert bytes(again.get("k").numpy()) == b"v"

@@ -74,7 +74,8 @@ def test_page_buffers_cover_exactly_the_tokens_of_the_page(layout: str, mla: boo
 def test_alloc_free_and_double_free() -> None:
     pool = make_pool(num_pages=4, page_size=PS)
     a = pool.alloc(2 * PS)
-    assert a is not None and a.tolist() == list(range(2 * PS))
+    assert a is not None
+    assert a.tolist() == list(range(2 * PS))
     b = pool.alloc(2 * PS)
     assert b is not None
     assert pool.alloc(PS) is None
@@ -84,7 +85,8 @@ def test_alloc_free_and_double_free() -> None:
         pool.free(a)
     assert pool.available_size() == 2 * PS
     c = pool.alloc(2 * PS)  # deferred merge brings the freed pages back
-    assert c is not None and sorted(c.tolist()) == sorted(a.tolist())
+    assert c is not None
+    assert sorted(c.tolist()) == sorted(a.tolist())
     with pytest.raises(HostIndicesError):
         pool.alloc(3)  # not a multiple of page_size
 
@@ -93,7 +95,8 @@ def test_double_allocation_is_detected() -> None:
     pool = make_pool(num_pages=4, page_size=PS)
     pool._free.append(0)  # corrupt the free list: page 0 listed twice
     first = pool.alloc(PS)
-    assert first is not None and first[0].item() == 0
+    assert first is not None
+    assert first[0].item() == 0
     with pytest.raises(HostIndicesError, match="double allocation"):
         pool.alloc(PS)
 

@@ -64,7 +64,7 @@ def test_tuple_tokens_hash_every_element() -> None:
 
 
 @pytest.mark.parametrize(
-    "a,b",
+    ("a", "b"),
     [
         ((None, "a"), ("a", None)),
         (("", ""), (None, None)),
@@ -100,7 +100,8 @@ def test_namespace_digest_is_stable_and_pinned() -> None:
     ns = KVCacheNamespace(**BASE)
     # Pinned: a digest change would orphan every stored page; change it only on purpose.
     assert ns.digest == KVCacheNamespace(**BASE).digest
-    assert ns.digest.startswith("ns1-") and len(ns.digest) == 36
+    assert ns.digest.startswith("ns1-")
+    assert len(ns.digest) == 36
     assert (
         ns.digest
         == "ns1-"
@@ -196,7 +197,8 @@ def test_invalid_keys_raise(key: object) -> None:
 
 def test_object_names() -> None:
     n = object_name("ns1-x", H1)
-    assert n.path == f"ns1-x/{n.fanout}/{H1}" and len(n.fanout) == 3
+    assert n.path == f"ns1-x/{n.fanout}/{H1}"
+    assert len(n.fanout) == 3
     s = object_name("ns1-x", H1, "h0-3")
     assert s.leaf == f"{H1}~h0-3"
     assert s.path != n.path

@@ -114,9 +114,11 @@ def test_default_batch_shapes(n: int) -> None:
     assert b.batch_set(keys, vals) == [True] * n
     assert b.batch_exists(keys) == n
     got = b.batch_get(keys)
-    assert len(got) == n and [bytes(t.numpy()) for t in got] == vals
+    assert len(got) == n
+    assert [bytes(t.numpy()) for t in got] == vals
     targets = [bytearray(8) for _ in range(n)]
-    assert b.batch_get(keys, targets) == targets and [bytes(t) for t in targets] == vals
+    assert b.batch_get(keys, targets) == targets
+    assert [bytes(t) for t in targets] == vals
     assert b.batch_get(["missing"] * n) == [None] * n
 
 
@@ -148,10 +150,13 @@ def test_failures_become_failure_shapes_and_are_counted(caplog: pytest.LogCaptur
         for _ in range(20):
             b.get("k")
     stats = b.get_stats()
-    assert stats.op("get").errors == 21 and stats.op("get").ok == 0
-    assert stats.op("batch_get").errors == 3 and stats.op("batch_set").errors == 3
+    assert stats.op("get").errors == 21
+    assert stats.op("get").ok == 0
+    assert stats.op("batch_get").errors == 3
+    assert stats.op("batch_set").errors == 3
     assert stats.op("batch_exists").errors == 3
-    assert "RuntimeError" in caplog.text and "store down" in caplog.text
+    assert "RuntimeError" in caplog.text
+    assert "store down" in caplog.text
     # Rate limited: 21 failing gets, far fewer log records.
     assert sum("Exploding.get failed" in r.getMessage() for r in caplog.records) == 1
 
@@ -204,7 +209,8 @@ def test_close_is_idempotent_and_later_calls_fail_cleanly() -> None:
         pass
     b.close()
     b.close()
-    assert b.closes == 1 and b.closed
+    assert b.closes == 1
+    assert b.closed
     assert b.get("k") is None
     assert b.set("x", b"v") is False
     assert b.batch_exists(["k"]) == 0
@@ -220,9 +226,10 @@ def test_default_v1_round_trip(cls: type[DictBackend], layout: str, mla: bool) -
     b.register_mem_pool_host(pool)
     src = pool.alloc(3 * pool.page_size)
     dst = pool.alloc(3 * pool.page_size)
-    assert src is not None and dst is not None
+    assert src is not None
+    assert dst is not None
     assert b.batch_set_v1(KEYS, src) == [True] * 3
-    assert b.batch_get_v1(KEYS + ["gone"], torch.cat([dst, pool.alloc(pool.page_size)])) == [
+    assert b.batch_get_v1([*KEYS, "gone"], torch.cat([dst, pool.alloc(pool.page_size)])) == [
         True
     ] * 3 + [False]  # type: ignore[list-item]
     assert [p.tobytes() for p in pool.page_buffers(src)] == [

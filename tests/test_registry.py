@@ -78,7 +78,8 @@ def test_builtin_file_is_found_by_entry_point() -> None:
     infos = available_backends()
     (file_info,) = infos["file"]
     assert file_info.distribution == "hicache-storage"
-    assert file_info.capabilities is not None and file_info.capabilities.zero_copy
+    assert file_info.capabilities is not None
+    assert file_info.capabilities.zero_copy
     assert load_backend_class("file") is FileBackend
 
 
@@ -90,13 +91,15 @@ def test_vendor_backend_by_name(site: Path, tmp_path: Path) -> None:
     # The engine controller's keys never reach the backend; explicit options win.
     assert b.options == {"region": "x", "zone": "z"}  # type: ignore[attr-defined]
     infos = available_backends()
-    assert infos["acme"][0].distribution == "acme-storage" and infos["acme"][0].version == "1.2.3"
+    assert infos["acme"][0].distribution == "acme-storage"
+    assert infos["acme"][0].version == "1.2.3"
 
 
 def test_duplicate_names_are_refused_unless_pinned(site: Path) -> None:
     with pytest.raises(AmbiguousBackendError) as err:
         create_backend("dup")
-    assert "acme-storage" in str(err.value) and "other-storage" in str(err.value)
+    assert "acme-storage" in str(err.value)
+    assert "other-storage" in str(err.value)
     assert type(create_backend("dup@other-storage")).__name__ == "Other"
     assert type(create_backend("dup@acme-storage")).__name__ == "Acme"
     assert len(available_backends()["dup"]) == 2
@@ -116,7 +119,9 @@ def test_unknown_names_list_what_is_installed(site: Path) -> None:
     with pytest.raises(UnknownBackendError) as err:
         create_backend("nope")
     msg = str(err.value)
-    assert "installed:" in msg and "acme" in msg and "file" in msg
+    assert "installed:" in msg
+    assert "acme" in msg
+    assert "file" in msg
     with pytest.raises(UnknownBackendError, match=r"dup@nobody"):
         create_backend("dup@nobody")
 
@@ -138,7 +143,8 @@ def test_file_options_through_the_registry(tmp_path: Path) -> None:
     b = create_backend(
         "file", StorageConfig(extra_config={"root": str(tmp_path), "tp_lcm_size": 2})
     )
-    assert isinstance(b, FileBackend) and b.root == str(tmp_path)
+    assert isinstance(b, FileBackend)
+    assert b.root == str(tmp_path)
     b.close()
     with pytest.raises(ConfigError, match="unknown option"):
         create_backend("file", root=str(tmp_path), rooot="typo")
