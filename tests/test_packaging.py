@@ -1,0 +1,69 @@
+"""The wheel: only ``hicache_storage`` at top level, entry points registered, typed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_layout_and_entry_points(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(ROOT),
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("hicache_storage-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"hicache_storage"}
+    assert "hicache_storage/backends/_file.py" in names
+    assert "hicache_storage/conformance/__init__.py" in names
+    assert "hicache_storage/py.typed" in names
+    # Every package directory in the source tree is shipped.
+    for src, dest in (
+        ("backends", "hicache_storage/backends"),
+        ("conformance", "hicache_storage/conformance"),
+    ):
+        for init in (ROOT / src).rglob("__init__.py"):
+            rel = init.relative_to(ROOT / src).as_posix()
+            assert f"{dest}/{rel}" in names, rel
+    info = next(n for n in names if n.endswith("entry_points.txt"))
+    eps = zipfile.ZipFile(wheel).read(info).decode()
+    assert "[hicache_storage.backends]" in eps
+    assert "file = hicache_storage.backends._file:FileBackend" in eps
+    assert "hicache-storage = hicache_storage.cli.main:main" in eps
+
+
+def test_no_top_level_backends_or_conformance_outside_the_repo(tmp_path: Path) -> None:
+    code = (
+        "import importlib.util, sys;"
+        "assert importlib.util.find_spec('backends') is None;"
+        "assert importlib.util.find_spec('conformance') is None;"
+        "import hicache_storage.backends._file as m; print(m.__name__)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "hicache_storage.backends._file"
+
+
+def test_import_is_light() -> None:
+    code = "import sys, hicache_storage, hicache_storage.backends; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False"
