@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hicache_storage.backends import FileBackend
 
 from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig
+from hicache_storage.backends import FileBackend
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hicache_storage.backends import FileBackend
 
 from hicache_storage import KVCacheNamespace, StorageConfig, page_hashes
 from hicache_storage.atomic import TEMP_PREFIX
+from hicache_storage.backends import FileBackend
 from hicache_storage.errors import ConfigError, InvalidKeyError
 from hicache_storage.header import HEADER_SIZE
 

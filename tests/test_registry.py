@@ -6,9 +6,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from hicache_storage.backends import FileBackend
 
 from hicache_storage import StorageConfig, available_backends, create_backend, load_backend_class
+from hicache_storage.backends import FileBackend
 from hicache_storage.errors import (
     AmbiguousBackendError,
     BackendLoadError,

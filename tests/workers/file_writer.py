@@ -15,10 +15,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from hicache_storage.backends import FileBackend
 from kvcontent import KEY_UNIVERSE, fill_page, namespace, page_pool
 
 from hicache_storage import StorageConfig
+from hicache_storage.backends import FileBackend
 
 
 def main() -> None:
