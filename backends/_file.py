@@ -17,7 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from hicache_storage.atomic import preadv_all, remove_stale_temporaries, write_atomic
+from hicache_storage.atomic import (
+    fsync_dir,
+    preadv_all,
+    remove_stale_temporaries,
+    write_atomic,
+)
 from hicache_storage.backend import Capabilities, HiCacheStorage
 from hicache_storage.buffers import (
     PageBuffer,
@@ -29,6 +34,7 @@ from hicache_storage.buffers import (
 from hicache_storage.capacity import CapacityTracker
 from hicache_storage.config import Size, StorageConfig, parse_options
 from hicache_storage.errors import (
+    BackendClosedError,
     CapacityError,
     ConfigError,
     CorruptObjectError,
@@ -113,6 +119,7 @@ class FileBackend(HiCacheStorage):
         self._dirs_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        self._closing = False
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -144,8 +151,14 @@ class FileBackend(HiCacheStorage):
             if entry.name.startswith(prefix):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
+    def _owns(self, leaf: str) -> bool:
+        """True for a stored object of this instance's shard (ranks share the directory)."""
+        shard = self.config.shard
+        _, sep, tail = leaf.partition("~")
+        return tail == shard if shard is not None else not sep
+
     def _scan(self) -> list[tuple[str, int, float]]:
-        """Stored objects of this namespace as (relative name, bytes, mtime)."""
+        """This shard's stored objects in this namespace as (relative name, bytes, mtime)."""
         found: list[tuple[str, int, float]] = []
         with os.scandir(self.directory) as fans:
             for fan in fans:
@@ -153,7 +166,9 @@ class FileBackend(HiCacheStorage):
                     continue
                 with os.scandir(fan.path) as files:
                     for f in files:
-                        if f.name.startswith(".") or not f.is_file(follow_symlinks=False):
+                        if f.name.startswith(".") or not self._owns(f.name):
+                            continue
+                        if not f.is_file(follow_symlinks=False):
                             continue
                         try:
                             st = f.stat(follow_symlinks=False)
@@ -183,7 +198,16 @@ class FileBackend(HiCacheStorage):
     def _ensure_dir(self, name: ObjectName) -> None:
         if name.fanout in self._dirs:
             return
-        os.makedirs(os.path.join(self.directory, name.fanout), mode=0o700, exist_ok=True)
+        # Both levels with an explicit mode (makedirs applies it to the leaf only); the
+        # namespace directory may have been removed by a clear() in another process.
+        fan = os.path.join(self.directory, name.fanout)
+        for path, parent in ((self.directory, self.root), (fan, self.directory)):
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                continue
+            if self.options.fsync:
+                fsync_dir(parent)
         with self._dirs_lock:
             self._dirs.add(name.fanout)
 
@@ -191,6 +215,8 @@ class FileBackend(HiCacheStorage):
         if n <= 1 or self.options.io_threads == 1:
             return [fn(i) for i in range(n)]
         with self._executor_lock:
+            if self._closing:
+                raise BackendClosedError("the file backend is closing")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
                     self.options.io_threads, thread_name_prefix="hicache-file"
@@ -250,13 +276,15 @@ class FileBackend(HiCacheStorage):
         """Remove a corrupt object so the next ``set`` can store a good one."""
         self._record(corrupt_objects=1)
         logger.warning("corrupt object %s (%s): removing it; the read is a miss", path, exc)
+        # Forget it first: a concurrent set of the same key can then only leave an entry
+        # for a file that exists (never the reverse, which would let the cap be exceeded).
+        self._meta.discard(path)
+        self._tracker.discard(os.path.relpath(path, self.root))
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 os.unlink(path)
         except OSError:
             pass
-        self._meta.discard(path)
-        self._tracker.discard(os.path.relpath(path, self.root))
 
     def _touch(self, name: ObjectName, path: str) -> None:
         if self._tracker.enabled:
@@ -307,9 +335,20 @@ class FileBackend(HiCacheStorage):
         self._meta.add(path)
         return True
 
+    def _on_disk(self, path: str) -> bool:
+        """True if ``path`` exists now (no metadata cache: writes must not trust it)."""
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise from_os_error(exc, f"stat {path}") from exc
+        return True
+
     def _write(self, name: ObjectName, views: list[memoryview]) -> bool:
         path = self._path(name)
-        if self._exists(name, path):
+        if self._on_disk(path):
+            self._meta.add(path)
             self._touch(name, path)
             return True
         payload = total_nbytes(views)
@@ -333,7 +372,9 @@ class FileBackend(HiCacheStorage):
             except OSError as exc:
                 raise from_os_error(exc, f"write {path}") from exc
             if published:
-                reservation.commit()
+                if not reservation.commit() and self._on_disk(path):
+                    # clear() ran during the write and the object landed after it.
+                    self._tracker.add(name.path, HEADER_SIZE + payload)
                 self._record(bytes_written=payload)
             else:
                 self._touch(name, path)
@@ -382,15 +423,18 @@ class FileBackend(HiCacheStorage):
         # docstring inherited
         name = self.object_name(key)
         path = self._path(name)
+        # Forget before unlinking (see _quarantine): the accounting may briefly count a
+        # deleted file, never miss a stored one.
         self._meta.discard(path)
+        self._tracker.discard(name.path)
         try:
             os.unlink(path)
         except FileNotFoundError:
             return False
         except OSError as exc:
+            if self._on_disk(path):
+                self._tracker.add(name.path, os.stat(path).st_size)
             raise from_os_error(exc, f"delete {path}") from exc
-        finally:
-            self._tracker.discard(name.path)
         return True
 
     def clear(self) -> None:
@@ -415,6 +459,7 @@ class FileBackend(HiCacheStorage):
     def close(self) -> None:
         # docstring inherited
         with self._executor_lock:
+            self._closing = True
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)

@@ -159,7 +159,11 @@ def publish(tmp: str, final: str) -> bool:
             return False
         os.rename(tmp, final)
         return True
-    os.unlink(tmp)
+    try:
+        os.unlink(tmp)
+    except OSError as exc:
+        # Published all the same; the start-up sweep removes the leftover later.
+        logger.warning("published %s but could not remove its temporary: %s", final, exc)
     return True
 
 
@@ -194,7 +198,13 @@ def write_atomic(
             pass
         raise
     if published and fsync:
-        fsync_dir(directory)
+        try:
+            fsync_dir(directory)
+        except OSError as exc:
+            # The object is visible and complete; only the durability of its name across
+            # a power failure is in doubt. Reporting a failure for a visible object would
+            # be worse (callers would count it as missing), so log it loudly instead.
+            logger.error("published %s but fsync of its directory failed: %s", final, exc)
     return published
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -291,6 +292,8 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         except _PASS_THROUGH:
             raise
         except Exception as exc:  # noqa: BLE001 - the engine must never see a store failure
+            if isinstance(exc, TypeError):
+                _raise_if_bad_call(name, fn, self, args, kwargs, exc)
             self._log_failure(name, exc)
             result = spec.failure(n)
             errors = n
@@ -313,6 +316,24 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
     wrapper.__wrapped__ = fn
     return wrapper
+
+
+def _raise_if_bad_call(
+    name: str,
+    fn: Callable[..., Any],
+    obj: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    exc: TypeError,
+) -> None:
+    """Raise InvalidTypeError if ``exc`` came from calling ``fn`` with the wrong arguments.
+
+    Checked only after a TypeError, so the happy path pays nothing for it.
+    """
+    try:
+        inspect.signature(fn).bind(obj, *args, **kwargs)
+    except TypeError as bad:
+        raise InvalidTypeError(f"{name}(): {bad}") from exc
 
 
 def _guard_close(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -374,11 +395,13 @@ class HiCacheStorage(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # Look the methods up through the whole MRO: an implementation may come from a
+        # mixin that does not derive from HiCacheStorage.
         for op in _OPS:
-            fn = cls.__dict__.get(op)
+            fn = getattr(cls, op, None)
             if callable(fn) and not getattr(fn, "__hicache_guarded__", False):
                 setattr(cls, op, _guard(op, fn))
-        fn = cls.__dict__.get("close")
+        fn = getattr(cls, "close", None)
         if callable(fn) and not getattr(fn, "__hicache_guarded__", False):
             cls.close = _guard_close(fn)  # type: ignore[method-assign]
 

@@ -34,19 +34,26 @@ logger = logging.getLogger(__name__)
 class Reservation:
     """Bytes held for one object being written. Commit it, or it is released on exit."""
 
-    __slots__ = ("_done", "_tracker", "name", "nbytes")
+    __slots__ = ("_done", "_tracker", "generation", "name", "nbytes")
 
-    def __init__(self, tracker: CapacityTracker, name: str, nbytes: int) -> None:
+    def __init__(self, tracker: CapacityTracker, name: str, nbytes: int, generation: int) -> None:
         self._tracker = tracker
         self.name = name
         self.nbytes = nbytes
+        self.generation = generation
         self._done = False
 
-    def commit(self) -> None:
-        """The object is stored: account it as the most recently used entry."""
-        if not self._done:
-            self._done = True
-            self._tracker._commit(self)
+    def commit(self) -> bool:
+        """The object is stored: account it as the most recently used entry.
+
+        Returns False (and only releases the bytes) when the tracker was cleared since the
+        reservation was made: the caller must then check whether its object survived
+        the clear and :meth:`CapacityTracker.add` it if so.
+        """
+        if self._done:
+            return False
+        self._done = True
+        return self._tracker._commit(self)
 
     def release(self) -> None:
         """The write failed or was not needed: give the bytes back."""
@@ -104,6 +111,7 @@ class CapacityTracker:
         self._lru: OrderedDict[str, int] = OrderedDict()  # oldest first
         self._used = 0
         self._reserved = 0
+        self._generation = 0
         self.evictions = 0
 
     @property
@@ -155,48 +163,82 @@ class CapacityTracker:
             if nbytes is not None:
                 self._used -= nbytes
 
+    def add(self, name: str, nbytes: int) -> None:
+        """Account an object that exists now, as the most recently used."""
+        if not self.enabled:
+            return
+        with self._lock:
+            old = self._lru.pop(name, None)
+            if old is not None:
+                self._used -= old
+            self._lru[name] = nbytes
+            self._used += nbytes
+
     def clear(self) -> None:
-        """Forget every committed object (reservations in flight stay)."""
+        """Forget every committed object; reservations made before stay but won't commit."""
         with self._lock:
             self._lru.clear()
             self._used = 0
+            self._generation += 1
 
     def reserve(self, name: str, nbytes: int) -> Reservation | None:
         """Hold ``nbytes`` for ``name``, evicting LRU objects if needed.
 
-        Returns None when the object cannot fit: larger than the cap, or no evictable
-        objects left to make room (the rest are writes in flight).
+        Returns None when the object cannot fit: larger than the cap, held off by writes
+        in flight, or no evictable objects left to make room. Nothing is evicted when
+        evicting everything would still not make room.
         """
         if not self.enabled:
-            return Reservation(self, name, 0)
+            return Reservation(self, name, 0, self._generation)
         with self._lock:
-            if self.max_bytes is not None:
-                if nbytes > self.max_bytes:
-                    logger.warning(
-                        "object %s (%d B) is larger than max_size %d B",
-                        name,
-                        nbytes,
-                        self.max_bytes,
-                    )
-                    return None
-                if self._used + self._reserved + nbytes > self.max_bytes:
-                    target = max(int(self.max_bytes * self.eviction_ratio), nbytes)
-                    self._evict_until(lambda: self._used + self._reserved + nbytes <= target)
-                    if self._used + self._reserved + nbytes > self.max_bytes:
-                        return None
-            if self.min_free_bytes and self._free_space is not None:
-                free_space = self._free_space
-                if free_space() - nbytes < self.min_free_bytes:
-                    self._evict_until(lambda: free_space() - nbytes >= self.min_free_bytes)
-                    if free_space() - nbytes < self.min_free_bytes:
-                        logger.warning(
-                            "free-space floor %d B cannot be kept; refusing %s",
-                            self.min_free_bytes,
-                            name,
-                        )
-                        return None
+            if self.max_bytes is not None and not self._make_room_under_cap(name, nbytes):
+                return None
+            if (
+                self.min_free_bytes
+                and self._free_space is not None
+                and not self._keep_free_floor(name, nbytes)
+            ):
+                return None
             self._reserved += nbytes
-            return Reservation(self, name, nbytes)
+            return Reservation(self, name, nbytes, self._generation)
+
+    def _make_room_under_cap(self, name: str, nbytes: int) -> bool:
+        cap = self.max_bytes
+        if cap is None:
+            return True
+        if nbytes > cap:
+            logger.warning("object %s (%d B) is larger than max_size %d B", name, nbytes, cap)
+            return False
+        if self._reserved + nbytes > cap:
+            return False  # writes in flight hold the room; evicting would not help
+        if self._used + self._reserved + nbytes > cap:
+            target = max(int(cap * self.eviction_ratio), self._reserved + nbytes)
+            self._evict_until(lambda: self._used + self._reserved + nbytes <= target)
+        return self._used + self._reserved + nbytes <= cap
+
+    def _keep_free_floor(self, name: str, nbytes: int) -> bool:
+        free_space = self._free_space
+        if free_space is None:
+            return True
+        # Bytes reserved by writes in flight are not on disk yet: count them as used.
+        shortfall = self.min_free_bytes + self._reserved + nbytes - free_space()
+        if shortfall <= 0:
+            return True
+        if shortfall > self._used:
+            logger.warning(
+                "free-space floor %d B cannot be kept even by evicting all %d B of this store; refusing %s",
+                self.min_free_bytes,
+                self._used,
+                name,
+            )
+            return False
+        self._evict_until(lambda: free_space() - self._reserved - nbytes >= self.min_free_bytes)
+        if free_space() - self._reserved - nbytes < self.min_free_bytes:
+            logger.warning(
+                "free-space floor %d B cannot be kept; refusing %s", self.min_free_bytes, name
+            )
+            return False
+        return True
 
     def _evict_until(self, done: Callable[[], bool]) -> None:
         while self._lru and not done():
@@ -215,16 +257,19 @@ class CapacityTracker:
             self._used -= nbytes
             self.evictions += 1
 
-    def _commit(self, r: Reservation) -> None:
+    def _commit(self, r: Reservation) -> bool:
         with self._lock:
             self._reserved -= r.nbytes
             if not self.enabled:
-                return
+                return True
+            if r.generation != self._generation:
+                return False
             old = self._lru.pop(r.name, None)
             if old is not None:
                 self._used -= old
             self._lru[r.name] = r.nbytes
             self._used += r.nbytes
+            return True
 
     def _release(self, r: Reservation) -> None:
         with self._lock:

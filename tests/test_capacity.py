@@ -146,3 +146,41 @@ def test_metadata_cache_ttl() -> None:
         small.add(k)
     assert not small.contains("a")
     assert small.contains("c")
+
+
+def test_free_space_floor_counts_writes_in_flight_and_never_evicts_in_vain() -> None:
+    free = [1_000_000]
+    s = Store()
+    t = CapacityTracker(None, s.evict, min_free_bytes=600_000, free_space=lambda: free[0])
+    first = t.reserve("a", 300_000)
+    assert first is not None
+    # Not on disk yet, but it will be: 1 MB - 300 kB - 300 kB < 600 kB.
+    assert t.reserve("b", 300_000) is None
+    first.commit()
+    fill(t, ["c", "d"], 10)
+    free[0] = 100_000  # someone else filled the disk: evicting our 300 kB cannot help
+    assert t.reserve("e", 10) is None
+    assert s.evicted == []
+    assert len(t) == 3
+
+
+def test_commit_after_clear_is_not_counted() -> None:
+    t = CapacityTracker(100, Store().evict)
+    r = t.reserve("a", 10)
+    assert r is not None
+    t.clear()
+    assert r.commit() is False
+    assert t.used_bytes == 0
+    assert t.reserved_bytes == 0
+    t.add("a", 10)
+    assert t.used_bytes == 10
+
+
+def test_in_flight_reservations_block_without_evicting() -> None:
+    s = Store()
+    t = CapacityTracker(100, s.evict)
+    fill(t, ["a"], 10)
+    held = t.reserve("big", 80)
+    assert held is not None
+    assert t.reserve("x", 30) is None  # 80 in flight + 30 > 100 whatever is evicted
+    assert s.evicted == []

@@ -279,6 +279,40 @@ def test_invalid_options(root: str) -> None:
         FileBackend(StorageConfig(), root="/proc/definitely/not/here")
 
 
+def test_a_restarted_rank_does_not_evict_other_ranks_pages(root: str) -> None:
+    ns = KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, total_kv_heads=4)
+    obj = HEADER_SIZE + 1000
+
+    def rank(r: int) -> FileBackend:
+        cfg = StorageConfig(namespace=ns, tp_rank=r, tp_size=2)
+        return FileBackend(cfg, root=root, max_size=5 * obj, eviction_ratio=1.0)
+
+    r0, r1 = rank(0), rank(1)
+    for i in range(5):
+        assert r0.set(f"k{i}", b"0" * 1000)
+        assert r1.set(f"k{i}", b"1" * 1000)
+    r0.close()
+    again = rank(0)
+    assert again.usage()["objects"] == 5  # only its own shard
+    assert again.set("new", b"0" * 1000)
+    assert all(r1.exists(f"k{i}") for i in range(5))
+    r1.close()
+    again.close()
+
+
+def test_directories_stay_0700_after_a_clear_elsewhere(
+    make_file_backend: Factory, root: str
+) -> None:
+    a = make_file_backend()
+    b = make_file_backend()
+    a.set("k1", b"v")
+    b.clear()  # another instance (think: another process) removes the namespace
+    assert a.set("k2", b"v")
+    assert stat.S_IMODE(os.stat(a.directory).st_mode) == 0o700
+    for path in stored_files(a):
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+
+
 def test_metadata_cache_is_positive_only_and_safe(make_file_backend: Factory) -> None:
     b = make_file_backend(metadata_cache_ttl=60)
     other = make_file_backend()
@@ -289,6 +323,11 @@ def test_metadata_cache_is_positive_only_and_safe(make_file_backend: Factory) ->
     assert b.exists("k")  # stale positive within the TTL ...
     assert b.get("k") is None  # ... but a read misses cleanly
     assert not b.exists("k")  # and the miss evicted the stale entry
+    other.set("j", b"v")
+    assert b.exists("j")
+    other.delete("j")
+    assert b.set("j", b"again")  # a write never trusts the cache: it stores the page
+    assert bytes(other.get("j").numpy()) == b"again"
 
 
 # ------------------------------------------------------------------ corruption

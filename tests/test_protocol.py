@@ -18,6 +18,7 @@ from hicache_storage.errors import (
     ContractViolationError,
     InvalidArgumentError,
     InvalidKeyError,
+    InvalidTypeError,
     NamespaceMismatchError,
     NotSupportedError,
 )
@@ -339,3 +340,37 @@ def test_optional_operations_and_options() -> None:
         b.clear()
     with pytest.raises(InvalidArgumentError, match="takes no options"):
         HiCacheStorage.__init__(b, None, colour="red")
+
+
+class StoreMixin:
+    """An implementation in a mixin that does not derive from HiCacheStorage."""
+
+    def get(self, key: str, target: Any = None) -> Any:
+        raise OSError(5, "I/O error")
+
+    def set(self, key: str, value: Any) -> bool:
+        raise OSError(5, "I/O error")
+
+    def exists(self, key: str) -> bool:
+        raise OSError(5, "I/O error")
+
+
+class MixedIn(StoreMixin, HiCacheStorage):
+    pass
+
+
+def test_mixin_implementations_are_guarded_too() -> None:
+    b = MixedIn()
+    assert b.get("k") is None
+    assert b.set("k", b"v") is False
+    assert b.exists("k") is False
+    with pytest.raises(InvalidKeyError):
+        b.exists("../etc")
+
+
+def test_missing_arguments_raise_instead_of_failing_quietly() -> None:
+    b = DictBackend()
+    with pytest.raises(InvalidTypeError, match="batch_set"):
+        b.batch_set(["a", "b"])  # type: ignore[call-arg]
+    with pytest.raises(InvalidTypeError):
+        b.set("a")  # type: ignore[call-arg]

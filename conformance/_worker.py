@@ -1,0 +1,65 @@
+"""Worker process of the conformance suite (multi-process and crash checks).
+
+``python -m hicache_storage.conformance._worker '<json>'`` with ``name``, ``options``,
+``namespace`` and ``task``. Tasks:
+
+* ``{"op": "write", "keys": [...], "nbytes": N, "loop": bool, "via": "set" | "v1"}``:
+  store each key's derived content (see ``_kit.content``); print ``ready`` after the
+  first round; with ``loop``, repeat in random order until killed. Exit status 3 if a
+  write reports failure.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+from hicache_storage import KVCacheNamespace, StorageConfig
+from hicache_storage.conformance._kit import BackendSpec, content, fill_page, make_pool
+
+
+def main(argv: list[str]) -> int:
+    """Run the task described by ``argv[1]``."""
+    spec_json = json.loads(argv[1])
+    spec = BackendSpec(spec_json["name"], spec_json["options"])
+    ns = KVCacheNamespace.from_dict(spec_json["namespace"])
+    task = spec_json["task"]
+    backend = spec.create(StorageConfig(namespace=ns))
+    keys: list[str] = task["keys"]
+    nbytes: int = task["nbytes"]
+    rng = random.Random()
+    pool = None
+    if task.get("via") == "v1":
+        pool = make_pool(num_pages=len(keys))
+        backend.register_mem_pool_host(pool)
+    first = True
+    try:
+        while True:
+            order = list(keys)
+            rng.shuffle(order)
+            if pool is not None:
+                for page, key in zip(
+                    pool.page_buffers(range(len(order) * pool.page_size)), order, strict=True
+                ):
+                    fill_page(page, key)
+                ok = backend.batch_set_v1(order, list(range(len(order) * pool.page_size)))
+            else:
+                ok = [backend.set(k, content(k, nbytes)) for k in order]
+            if not all(ok):
+                print(
+                    json.dumps({"failed": [k for k, r in zip(order, ok, strict=True) if not r]}),
+                    flush=True,
+                )
+                return 3
+            if first:
+                print("ready", flush=True)
+                first = False
+            if not task.get("loop"):
+                return 0
+    finally:
+        backend.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

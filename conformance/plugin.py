@@ -1,0 +1,91 @@
+"""pytest plugin of the conformance kit (entry point ``pytest11``: ``hicache_storage``).
+
+Loaded by every pytest session in an environment where hicache-storage is installed, so
+it stays inert and cheap: it registers options, markers and the report collector, and
+imports neither torch nor the suite. Nothing runs unless a :class:`BackendConformance`
+subclass is collected.
+
+Options (each also read from an environment variable):
+
+``--hicache-storage-backend NAME``            ``HICACHE_STORAGE_BACKEND``
+``--hicache-storage-backend-extra-config JSON|@file``
+                                              ``HICACHE_STORAGE_BACKEND_EXTRA_CONFIG``
+``--hicache-conformance-report PATH``         JSON report of the conformance checks
+``--hicache-conformance-markdown PATH``       Markdown summary of the same
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import pytest
+
+# Before the suite is imported anywhere: full assertion messages for vendors, with an
+# editable install as well as a wheel. (The package itself is already imported, being
+# this module's parent; it holds no assertions.)
+pytest.register_assert_rewrite(
+    "hicache_storage.conformance.suite",
+    "hicache_storage.conformance._kit",
+    "hicache_storage.conformance.wrappers",
+)
+
+from hicache_storage.conformance.report import ReportCollector
+
+if TYPE_CHECKING:
+    from hicache_storage.conformance._kit import BackendSpec
+
+__all__ = ["spec_from_config"]
+
+_ENV_BACKEND = "HICACHE_STORAGE_BACKEND"
+_ENV_EXTRA = "HICACHE_STORAGE_BACKEND_EXTRA_CONFIG"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("hicache-storage", "hicache-storage conformance kit")
+    group.addoption(
+        "--hicache-storage-backend",
+        dest="hicache_storage_backend",
+        default=None,
+        help=f"backend to run the conformance kit on (env {_ENV_BACKEND})",
+    )
+    group.addoption(
+        "--hicache-storage-backend-extra-config",
+        dest="hicache_storage_backend_extra_config",
+        default=None,
+        help=f"backend options as JSON or @file (env {_ENV_EXTRA})",
+    )
+    group.addoption(
+        "--hicache-conformance-report", default=None, help="write a JSON report of the checks"
+    )
+    group.addoption(
+        "--hicache-conformance-markdown",
+        default=None,
+        help="write a Markdown summary of the checks",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "hicache_requires(*capabilities): run only if the backend claims these capabilities",
+    )
+    config.pluginmanager.register(
+        ReportCollector(
+            config.getoption("hicache_conformance_report"),
+            config.getoption("hicache_conformance_markdown"),
+        ),
+        "hicache-conformance-report",
+    )
+
+
+def spec_from_config(config: pytest.Config) -> BackendSpec | None:
+    """The backend selected on the command line or in the environment, if any."""
+    from hicache_storage.config import load_extra_config
+    from hicache_storage.conformance._kit import BackendSpec
+
+    name = config.getoption("hicache_storage_backend") or os.environ.get(_ENV_BACKEND)
+    if not name:
+        return None
+    extra = config.getoption("hicache_storage_backend_extra_config") or os.environ.get(_ENV_EXTRA)
+    return BackendSpec(name, load_extra_config(extra))

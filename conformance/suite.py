@@ -1,0 +1,905 @@
+"""The conformance suite: :class:`BackendConformance`.
+
+Subclass it in your test suite and tell it how to build your backend::
+
+    import pytest
+    from hicache_storage.conformance import BackendConformance, BackendSpec
+
+    class TestAcmeStore(BackendConformance):
+        @pytest.fixture
+        def backend_spec(self, tmp_path):
+            return BackendSpec("acme", {"endpoint": "127.0.0.1:7000"})
+
+``backend_spec`` names the backend (registry name, ``NAME@DISTRIBUTION`` or
+``module:Class``) and its options; worker processes build the same backend from it, so
+it must be JSON-serializable. Override ``backend_factory`` instead if a backend cannot be
+built from a spec (multi-process checks are then reported as not claimed), and
+``break_store`` to let the suite check behaviour when the store itself fails.
+
+Every check states the rule it enforces in its failure message, as ``[rule-id] ...``.
+Checks that need a capability (``zero_copy``, ``delete``, ``persistent``, ``shared``) run
+only when the backend claims it, and are reported as *not claimed* otherwise. Every
+backend the suite builds lives in a namespace with a random tenant of this run, is put
+in strict mode (a result of the wrong shape raises instead of being repaired) and, when
+the backend supports ``clear``, is cleared at the end of the check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from hicache_storage import (
+    HiCacheStorage,
+    HostKVPool,
+    KVCacheNamespace,
+    StorageConfig,
+    StorageStats,
+)
+from hicache_storage.backend import HiCacheStorage as _Base
+from hicache_storage.conformance._kit import (
+    BackendSpec,
+    Factory,
+    content,
+    fill_page,
+    make_namespace,
+    make_pool,
+    pool_namespace,
+    run_worker,
+    unique_keys,
+)
+from hicache_storage.conformance.wrappers import FaultyBackend, LatencyBackend
+from hicache_storage.errors import (
+    ContractViolationError,
+    HiCacheStorageError,
+    InvalidArgumentError,
+    InvalidKeyError,
+)
+
+__all__ = ["BackendConformance", "requires"]
+
+#: ``@requires("delete")``: run the check only if the backend claims the capability.
+requires = pytest.mark.hicache_requires
+
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+HOSTILE_KEYS = [
+    "",
+    ".",
+    "..",
+    "../escape",
+    "a/b",
+    "/abs",
+    "nul\x00byte",
+    "tab\tkey",
+    "é-non-ascii",
+    "k" * 1000,
+]
+BreakStore = Callable[[HiCacheStorage], contextlib.AbstractContextManager[Any]]
+
+
+def rule(rule_id: str, text: str) -> str:
+    """A failure message naming the rule it enforces."""
+    return f"[{rule_id}] {text}"
+
+
+def as_bytes(value: Any) -> bytes:
+    """The bytes of a ``get`` result (tensor, buffer or PageBuffer)."""
+    if isinstance(value, torch.Tensor):
+        return value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    if hasattr(value, "tobytes") and hasattr(value, "segments"):
+        data: bytes = value.tobytes()
+        return data
+    return bytes(memoryview(value))
+
+
+@contextlib.contextmanager
+def shape_rule(rule_id: str) -> Iterator[None]:
+    """Turn a contract violation (strict mode) into a failure naming ``rule_id``."""
+    try:
+        yield
+    except ContractViolationError as exc:
+        pytest.fail(rule(rule_id, f"result of the wrong shape: {exc}"))
+
+
+class Kit:
+    """Builds and tracks the backends of one check."""
+
+    def __init__(
+        self, factory: Factory, spec: BackendSpec | None, request: pytest.FixtureRequest
+    ) -> None:
+        self.factory = factory
+        self.spec = spec
+        self.request = request
+        self.made: list[HiCacheStorage] = []
+        self._probe: HiCacheStorage | None = None
+
+    def backend(self, namespace: KVCacheNamespace | None = None, **config: Any) -> HiCacheStorage:
+        """A fresh backend instance (strict mode) in ``namespace`` (default: the run's)."""
+        extra = dict(self.spec.config_extra) if self.spec else {}
+        extra.update(config)
+        b = self.factory(StorageConfig(namespace=namespace or make_namespace(), **extra))
+        if not isinstance(b, HiCacheStorage):
+            pytest.fail(
+                rule("factory", f"the factory returned {type(b).__name__}, not a HiCacheStorage")
+            )
+        b.strict_contract = True
+        self.made.append(b)
+        _note_backend(self.request, b, self.spec)
+        return b
+
+    @property
+    def capabilities(self) -> Any:
+        """The backend's declared capabilities."""
+        if self._probe is None:
+            self._probe = self.backend()
+        return self._probe.capabilities
+
+    def pool_backend(
+        self, layout: str = "page_first", mla: bool = False, num_pages: int = 16
+    ) -> tuple[HiCacheStorage, HostKVPool]:
+        """A backend in the namespace of a fresh pool, with the pool registered."""
+        pool = make_pool(layout, mla, num_pages)
+        b = self.backend(pool_namespace(pool))
+        b.register_mem_pool_host(pool)
+        return b, pool
+
+    def cleanup(self) -> None:
+        """Clear every namespace used (when supported) and close every backend."""
+        cleared: set[str] = set()
+        for b in self.made:
+            try:
+                if b.capabilities.delete and not b.closed and b.namespace.digest not in cleared:
+                    b.clear()
+                    cleared.add(b.namespace.digest)
+            except (HiCacheStorageError, OSError):
+                pass
+            with contextlib.suppress(Exception):
+                b.close()
+
+
+def _note_backend(
+    request: pytest.FixtureRequest, backend: HiCacheStorage, spec: BackendSpec | None
+) -> None:
+    collector = request.config.pluginmanager.get_plugin("hicache-conformance-report")
+    if collector is not None and request.cls is not None:
+        collector.note_backend(request.cls.__name__, backend, spec)
+
+
+def _record_metric(request: pytest.FixtureRequest, name: str, value: Any) -> None:
+    request.node.user_properties.append(("hicache_metric", {name: value}))
+
+
+def _kill(procs: list[Any]) -> None:
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait()
+        p.stdout.close()
+        p.stderr.close()
+
+
+class BackendConformance:
+    """The checks every hicache-storage backend must pass. Subclass to run them."""
+
+    _hicache_conformance = True
+
+    # ------------------------------------------------------------------ override points
+
+    @pytest.fixture
+    def backend_spec(self, request: pytest.FixtureRequest) -> BackendSpec | None:
+        """The backend under test; default: ``--hicache-storage-backend`` or its env var."""
+        from hicache_storage.conformance.plugin import spec_from_config
+
+        return spec_from_config(request.config)
+
+    @pytest.fixture
+    def backend_factory(self, backend_spec: BackendSpec | None) -> Factory:
+        """Builds a backend for a :class:`StorageConfig`; default: from ``backend_spec``."""
+        if backend_spec is None:
+            pytest.fail(
+                "no backend selected: pass --hicache-storage-backend NAME (and "
+                "--hicache-storage-backend-extra-config JSON), set HICACHE_STORAGE_BACKEND, or "
+                "override the backend_spec fixture"
+            )
+        return backend_spec.create
+
+    @pytest.fixture
+    def break_store(self) -> BreakStore | None:
+        """Optional: a context manager factory that makes the store fail, then restores it."""
+        return None
+
+    # ------------------------------------------------------------------ plumbing
+
+    @pytest.fixture
+    def kit(
+        self,
+        backend_factory: Factory,
+        backend_spec: BackendSpec | None,
+        request: pytest.FixtureRequest,
+    ) -> Iterator[Kit]:
+        k = Kit(backend_factory, backend_spec, request)
+        yield k
+        k.cleanup()
+
+    @pytest.fixture(autouse=True)
+    def _capability_gate(self, request: pytest.FixtureRequest, kit: Kit) -> None:
+        marker = request.node.get_closest_marker("hicache_requires")
+        if marker is None:
+            return
+        caps = kit.capabilities
+        missing = [c for c in marker.args if not getattr(caps, c, False)]
+        if missing:
+            pytest.skip(f"not claimed: {', '.join(missing)}")
+
+    def _need_spec(self, kit: Kit) -> BackendSpec:
+        if kit.spec is None:
+            pytest.skip("not claimed: cross-process checks need the backend_spec fixture")
+        return kit.spec
+
+    # ------------------------------------------------------------------ result shapes
+
+    @pytest.mark.parametrize("n", [0, 1, 2, 7])
+    def test_result_shapes(self, kit: Kit, n: int) -> None:
+        b = kit.backend()
+        keys = unique_keys(n)
+        values = [content(k, 96) for k in keys]
+        with shape_rule("exact-length"):
+            stored = b.batch_set(keys, values)
+            assert stored == [True] * n, rule(
+                "batch-set", f"batch_set of {n} new keys returned {stored}"
+            )
+            hits = b.batch_exists(keys)
+            assert hits == n, rule(
+                "batch-exists", f"batch_exists of {n} stored keys returned {hits}"
+            )
+            got = b.batch_get(keys)
+            assert len(got) == n
+            for k, g in zip(keys, got, strict=True):
+                assert isinstance(g, torch.Tensor) and g.dtype == torch.uint8, rule(
+                    "get-new-tensor",
+                    f"get without a target must return a uint8 tensor, got {type(g).__name__}",
+                )
+                assert as_bytes(g) == content(k, 96), rule(
+                    "read-your-writes", "batch_get returned other bytes"
+                )
+            targets = [bytearray(96) for _ in keys]
+            filled = b.batch_get(keys, targets)
+            assert all(f is t for f, t in zip(filled, targets, strict=True)), rule(
+                "get-returns-target", "get with a target must return that target"
+            )
+            assert [bytes(t) for t in targets] == values, rule(
+                "read-your-writes", "targets not filled"
+            )
+            missing = unique_keys(n)
+            assert b.batch_get(missing) == [None] * n, rule(
+                "get-miss", "missing keys must give None"
+            )
+            assert b.batch_exists(missing) == 0
+
+    @pytest.mark.parametrize("n", [0, 1, 3])
+    def test_v1_result_length(self, kit: Kit, n: int) -> None:
+        b, pool = kit.pool_backend()
+        keys = unique_keys(n)
+        idx = torch.arange(n * pool.page_size)
+        with shape_rule("exact-length"):
+            r = b.batch_set_v1(keys, idx)
+            assert r == [True] * n, rule(
+                "v1-exact-length", f"batch_set_v1 of {n} pages returned {r!r}"
+            )
+            r = b.batch_get_v1(keys, torch.arange(n * pool.page_size, 2 * n * pool.page_size))
+            assert r == [True] * n, rule(
+                "v1-exact-length", f"batch_get_v1 of {n} pages returned {r!r}"
+            )
+
+    # ------------------------------------------------------------------ semantics
+
+    def test_read_your_writes(self, kit: Kit) -> None:
+        b = kit.backend()
+        (k,) = unique_keys(1)
+        assert b.set(k, content(k, 4096)) is True, rule("set", "set of a new key must return True")
+        assert b.exists(k) is True, rule("read-your-writes", "exists is False right after set")
+        assert as_bytes(b.get(k)) == content(k, 4096), rule(
+            "read-your-writes", "get returned other bytes"
+        )
+        t = torch.zeros(1024, dtype=torch.int32)
+        assert b.get(k, t) is t, rule("get-returns-target", "get into a tensor must return it")
+        assert as_bytes(t) == content(k, 4096)
+
+    def test_get_missing_leaves_target_untouched(self, kit: Kit) -> None:
+        b = kit.backend()
+        (k,) = unique_keys(1)
+        target = bytearray(b"\xa5" * 512)
+        assert b.get(k, target) is None, rule("get-miss", "get of a missing key must return None")
+        assert target == b"\xa5" * 512, rule("get-miss-untouched", "a miss wrote into the target")
+        assert b.exists(k) is False
+
+    @pytest.mark.parametrize("delta", [-1, 1, 4096])
+    def test_get_size_mismatch_never_fills(self, kit: Kit, delta: int) -> None:
+        b = kit.backend()
+        (k,) = unique_keys(1)
+        b.set(k, content(k, 8192))
+        target = bytearray(b"\x5a" * (8192 + delta))
+        assert b.get(k, target) is None, rule(
+            "get-size-mismatch",
+            f"get into a target of {8192 + delta} bytes for an 8192-byte value must return None",
+        )
+        assert target == b"\x5a" * (8192 + delta), rule(
+            "no-partial-fill", "get wrote into a target of the wrong size (partial fill)"
+        )
+
+    def test_set_existing_is_a_no_op(self, kit: Kit) -> None:
+        b = kit.backend()
+        (k,) = unique_keys(1)
+        first, second = content(k, 1000), content(k + "x", 1000)
+        assert b.set(k, first) is True
+        assert b.set(k, second) is True, rule(
+            "set-existing", "set of an existing key must return True"
+        )
+        assert as_bytes(b.get(k)) == first, rule(
+            "set-existing",
+            "set of an existing key replaced the stored value (first writer must win)",
+        )
+
+    def test_batch_exists_counts_the_leading_run(self, kit: Kit) -> None:
+        b = kit.backend()
+        keys = unique_keys(6)
+        b.batch_set([keys[i] for i in (0, 1, 3, 4)], [b"v"] * 4)
+        assert b.batch_exists(keys) == 2, rule(
+            "batch-exists-leading-run",
+            f"batch_exists must count the leading run of present keys (2), got {b.batch_exists(keys)}",
+        )
+        assert b.batch_exists(keys[2:]) == 0, rule(
+            "batch-exists-leading-run", "a miss at index 0 must give 0"
+        )
+        assert b.batch_exists([]) == 0
+        assert b.batch_exists([keys[0], keys[1]]) == 2
+
+    def test_a_miss_is_not_an_error(self, kit: Kit) -> None:
+        b, pool = kit.pool_backend()
+        keys = unique_keys(3)
+        b.get_stats(reset=True)
+        b.get(keys[0])
+        b.exists(keys[0])
+        b.batch_exists(keys)
+        b.batch_get(keys)
+        b.batch_get_v1(keys, torch.arange(3 * pool.page_size))
+        stats = b.get_stats()
+        errors = {op: s.errors for op, s in stats.ops.items() if s.errors}
+        assert not errors, rule(
+            "miss-not-error", f"misses were reported as store failures: {errors}"
+        )
+
+    @requires("delete")
+    def test_delete(self, kit: Kit) -> None:
+        b = kit.backend()
+        (k,) = unique_keys(1)
+        b.set(k, b"value")
+        assert b.delete(k) is True, rule("delete", "delete of a stored key must return True")
+        assert b.exists(k) is False and b.get(k) is None, rule(
+            "delete", "a deleted key is still readable"
+        )
+        assert b.delete(k) is False, rule("delete", "delete of a missing key must return False")
+        assert b.set(k, b"again") is True and as_bytes(b.get(k)) == b"again", rule(
+            "delete", "a deleted key cannot be stored again"
+        )
+
+    @requires("delete")
+    def test_clear_removes_only_its_namespace(self, kit: Kit) -> None:
+        mine = kit.backend(make_namespace("-a"))
+        twin = kit.backend(make_namespace("-a"))  # another instance on the same namespace
+        other = kit.backend(make_namespace("-b"))
+        keys = unique_keys(3)
+        mine.batch_set(keys, [b"mine"] * 3)
+        other.batch_set(keys, [b"other"] * 3)
+        mine.clear()
+        assert mine.batch_exists(keys) == 0 and twin.batch_exists(keys) == 0, rule(
+            "clear-scope", "clear() left pages of its own namespace"
+        )
+        assert other.batch_exists(keys) == 3, rule(
+            "clear-scope", "clear() removed pages of another namespace"
+        )
+        assert as_bytes(other.get(keys[0])) == b"other", rule(
+            "clear-scope", "clear() damaged another namespace"
+        )
+        assert mine.set(keys[0], b"after") is True and as_bytes(mine.get(keys[0])) == b"after", (
+            rule("clear-usable", "the backend is not usable after clear()")
+        )
+
+    def test_close_is_idempotent(self, kit: Kit) -> None:
+        b = kit.backend()
+        (k,) = unique_keys(1)
+        b.set(k, b"v")
+        b.close()
+        b.close()
+        assert b.get(k) is None and b.set(k, b"v") is False and b.batch_exists([k]) == 0, rule(
+            "closed", "calls after close() must return their failure shape"
+        )
+
+    def test_stats_are_well_formed(self, kit: Kit) -> None:
+        b = kit.backend()
+        keys = unique_keys(2)
+        b.get_stats(reset=True)
+        b.batch_set(keys, [b"a", b"b"])
+        b.get(keys[0])
+        s = b.get_stats()
+        assert isinstance(s, StorageStats), rule("stats", f"get_stats returned {type(s).__name__}")
+        assert s.op("batch_set").ok == 2 and s.op("get").ok == 1, rule(
+            "stats", f"wrong counters: {s.to_dict()}"
+        )
+        assert b.get_stats().ops == {}, rule("stats", "get_stats() must reset the counters")
+
+    # ------------------------------------------------------------------ zero-copy v1
+
+    @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_v1_round_trip(self, kit: Kit, layout: str, mla: bool) -> None:
+        caps = kit.capabilities
+        if layout not in caps.layouts or (mla and not caps.mla):
+            pytest.skip(f"not claimed: layout {layout}{' MLA' if mla else ''}")
+        b, pool = kit.pool_backend(layout, mla)
+        ps = pool.page_size
+        keys = unique_keys(5)
+        src, dst = torch.arange(5 * ps), torch.arange(8 * ps, 13 * ps)
+        with shape_rule("v1-exact-length"):
+            assert b.batch_set_v1(keys, src) == [True] * 5, rule(
+                "v1-round-trip", "batch_set_v1 failed"
+            )
+            assert b.batch_exists(keys) == 5
+            assert b.batch_get_v1(keys, dst) == [True] * 5, rule(
+                "v1-round-trip", "batch_get_v1 failed"
+            )
+        for i, (a, c) in enumerate(
+            zip(pool.page_buffers(src), pool.page_buffers(dst), strict=True)
+        ):
+            assert a.tobytes() == c.tobytes(), rule(
+                "v1-round-trip",
+                f"page {i} ({layout}, {'MLA' if mla else 'MHA'}) read back different bytes",
+            )
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_v1_reads_stay_inside_the_pages(self, kit: Kit, layout: str) -> None:
+        if layout not in kit.capabilities.layouts:
+            pytest.skip(f"not claimed: layout {layout}")
+        b, pool = kit.pool_backend(layout)
+        ps = pool.page_size
+        keys = unique_keys(3)
+        b.batch_set_v1(keys, torch.arange(3 * ps))
+        dst = torch.arange(5 * ps, 8 * ps)
+        before = pool.kv_buffer.view(-1).view(torch.uint8).clone()
+        assert b.batch_get_v1(keys, dst) == [True] * 3
+        after = pool.kv_buffer.view(-1).view(torch.uint8)
+        inside = torch.zeros_like(before, dtype=torch.bool)
+        base = pool.kv_buffer.data_ptr()
+        for page in pool.page_buffers(dst):
+            for s in page.segments:
+                inside[s.ptr - base : s.ptr - base + s.nbytes] = True
+        outside_changed = int(((before != after) & ~inside).sum())
+        assert outside_changed == 0, rule(
+            "v1-bounds",
+            f"batch_get_v1 changed {outside_changed} bytes outside the destination pages",
+        )
+
+    def test_v1_and_legacy_paths_agree(self, kit: Kit) -> None:
+        b, pool = kit.pool_backend()
+        ps = pool.page_size
+        k1, k2 = unique_keys(2)
+        (page0, page1, page2) = pool.page_buffers(torch.arange(3 * ps))
+        b.batch_set_v1([k1], torch.arange(ps))
+        assert as_bytes(b.get(k1)) == page0.tobytes(), rule(
+            "v1-legacy",
+            "get() of a page stored by batch_set_v1 must return the page's segments in order",
+        )
+        data = fill_page(page2, k2)
+        fill_page(page1, k1)  # overwrite, then read k2 into it
+        b.set(k2, data)
+        assert b.batch_get_v1([k2], torch.arange(ps, 2 * ps)) == [True]
+        assert page1.tobytes() == data, rule(
+            "v1-legacy", "batch_get_v1 of a value stored by set() differs"
+        )
+
+    def test_v1_bad_host_indices_fail_every_page(self, kit: Kit) -> None:
+        b, pool = kit.pool_backend()
+        ps = pool.page_size
+        keys = unique_keys(2)
+        for bad in (
+            torch.arange(1, 2 * ps + 1),
+            torch.arange(3 * ps),
+            torch.arange(ps),
+            torch.arange(100 * ps, 102 * ps),
+        ):
+            r = b.batch_set_v1(keys, bad)
+            assert r == [False, False], rule(
+                "v1-bad-indices", f"misaligned or wrong-count indices gave {r}"
+            )
+        assert b.batch_exists(keys) == 0, rule("v1-bad-indices", "a rejected batch stored pages")
+
+    def test_v1_before_register_fails_every_page(self, kit: Kit) -> None:
+        b = kit.backend()
+        r = b.batch_set_v1(unique_keys(2), torch.arange(8))
+        assert r == [False, False], rule(
+            "v1-no-pool", f"v1 without a registered host pool returned {r}"
+        )
+
+    @requires("zero_copy")
+    def test_zero_copy_path_is_native(self, kit: Kit) -> None:
+        cls = type(kit.backend())
+        for op in ("batch_get_pages", "batch_set_pages"):
+            assert getattr(cls, op) is not getattr(_Base, op), rule(
+                "zero-copy-native", f"claims zero_copy but {op} is the default per-key loop"
+            )
+
+    # ------------------------------------------------------------------ isolation
+
+    @pytest.mark.parametrize(
+        "change",
+        [
+            {"dtype": "float8_e4m3fn"},
+            {"model_id": "hicache-conformance-other"},
+            {"object_layout": "layer_first"},
+            {"page_size": 8},
+            {"tenant_suffix": "-other-tenant"},
+        ],
+        ids=["dtype", "model", "layout", "page_size", "tenant"],
+    )
+    def test_namespaces_do_not_share_pages(self, kit: Kit, change: dict[str, Any]) -> None:
+        a = kit.backend(make_namespace())
+        b = kit.backend(make_namespace(**change))
+        (k,) = unique_keys(1)
+        a.set(k, b"namespace a")
+        assert not b.exists(k) and b.get(k) is None and b.batch_exists([k]) == 0, rule(
+            "namespace-isolation",
+            f"a page stored in one namespace is visible in another ({change})",
+        )
+        b.set(k, b"namespace b")
+        assert as_bytes(a.get(k)) == b"namespace a", rule(
+            "namespace-isolation", "namespaces overwrote each other"
+        )
+        assert as_bytes(b.get(k)) == b"namespace b", rule(
+            "namespace-isolation", "namespaces overwrote each other"
+        )
+
+    # ------------------------------------------------------------------ atomic publication
+
+    def test_concurrent_reader_never_sees_a_partial_value(self, kit: Kit) -> None:
+        writer, reader = kit.backend(), kit.backend()
+        size = min(4 * 2**20, kit.capabilities.max_object_bytes or 4 * 2**20)
+        keys = unique_keys(6)
+        done = threading.Event()
+        problems: list[str] = []
+
+        def read_loop() -> None:
+            target = bytearray(size)
+            while not done.is_set():
+                for k in keys:
+                    seen = reader.exists(k)
+                    got = reader.get(k, target)
+                    if got is not None and bytes(target) != content(k, size):
+                        problems.append(f"get returned a partial or wrong value for {k[:12]}")
+                    elif seen and got is None:
+                        problems.append(
+                            f"exists() was True for {k[:12]} but get() did not return it"
+                        )
+
+        t = threading.Thread(target=read_loop)
+        t.start()
+        try:
+            for k in keys:
+                assert writer.set(k, content(k, size)) is True
+        finally:
+            done.set()
+            t.join()
+        assert not problems, rule(
+            "atomic-visibility", f"a reader saw a partially written value: {problems[:3]}"
+        )
+
+    @requires("persistent")
+    def test_killed_writers_leave_no_wrong_object(self, kit: Kit) -> None:
+        spec = self._need_spec(kit)
+        ns = make_namespace("-crash")
+        keys = unique_keys(24)
+        size = min(2**20, kit.capabilities.max_object_bytes or 2**20)
+        rng = random.Random()
+        for _ in range(2):
+            procs = [
+                run_worker(spec, ns, {"op": "write", "keys": keys, "nbytes": size, "loop": True})
+                for _ in range(2)
+            ]
+            try:
+                for p in procs:
+                    line = p.stdout.readline().strip() if p.stdout else ""
+                    assert line == "ready", rule(
+                        "worker",
+                        f"writer process failed: {line} {p.stderr.read() if p.stderr else ''}",
+                    )
+                time.sleep(rng.uniform(0.05, 0.3))
+            finally:
+                _kill(procs)
+        b = kit.backend(ns)
+        present = 0
+        for k in keys:
+            seen = b.exists(k)
+            got = b.get(k)
+            if got is not None:
+                present += 1
+                assert as_bytes(got) == content(k, size), rule(
+                    "crash-safety", f"{k[:12]} reads back wrong after a killed writer"
+                )
+            else:
+                assert not seen, rule(
+                    "crash-safety", f"{k[:12]} exists after a killed writer but cannot be read"
+                )
+        assert present > 0, rule("crash-safety", "nothing committed before the kill is readable")
+
+    @requires("persistent")
+    def test_reopened_backend_sees_committed_pages(self, kit: Kit) -> None:
+        ns = make_namespace("-reopen")
+        first = kit.backend(ns)
+        keys = unique_keys(4)
+        assert first.batch_set(keys, [content(k, 2048) for k in keys]) == [True] * 4
+        first.close()
+        again = kit.backend(ns)
+        assert [as_bytes(g) if g is not None else None for g in again.batch_get(keys)] == [
+            content(k, 2048) for k in keys
+        ], rule("persistence", "a reopened backend does not return what was committed")
+
+    # ------------------------------------------------------------------ concurrency
+
+    def test_prefetch_and_backup_threads_on_one_instance(self, kit: Kit) -> None:
+        b, pool = kit.pool_backend(num_pages=32)
+        ps = pool.page_size
+        keys = unique_keys(16)
+        for page, k in zip(pool.page_buffers(torch.arange(16 * ps)), keys, strict=True):
+            fill_page(page, k)
+        problems: list[str] = []
+        done = threading.Event()
+
+        def backup() -> None:
+            for i in range(0, 16, 4):
+                r = b.batch_set_v1(keys[i : i + 4], torch.arange(i * ps, (i + 4) * ps))
+                if r != [True] * 4:
+                    problems.append(f"backup batch {i} returned {r}")
+            done.set()
+
+        def prefetch() -> None:
+            dst = torch.arange(16 * ps, 32 * ps)
+            pages = pool.page_buffers(dst)
+            while True:
+                finished = done.is_set()
+                hits = b.batch_exists(keys)
+                r = b.batch_get_v1(keys[:hits], dst[: hits * ps])
+                for i, ok in enumerate(r):
+                    if ok and pages[i].tobytes() != content(keys[i], pool.page_bytes):
+                        problems.append(f"prefetched page {i} holds wrong bytes")
+                    if not ok:
+                        problems.append(f"page {i} existed but batch_get_v1 failed")
+                if finished:
+                    if hits != 16:
+                        problems.append(
+                            f"only {hits} of 16 pages visible after the backup finished"
+                        )
+                    return
+
+        threads = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not problems, rule(
+            "threads", f"one prefetch and one backup thread on one instance: {problems[:3]}"
+        )
+
+    @requires("shared")
+    def test_processes_writing_the_same_keys(self, kit: Kit) -> None:
+        spec = self._need_spec(kit)
+        ns = make_namespace("-procs")
+        keys = unique_keys(16)
+        size = 65536
+        procs = [
+            run_worker(spec, ns, {"op": "write", "keys": keys, "nbytes": size, "loop": False})
+            for _ in range(3)
+        ]
+        outputs = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            outputs.append((p.returncode, out.strip(), err.strip()[-500:]))
+        assert all(rc == 0 for rc, _, _ in outputs), rule(
+            "multi-process", f"a process writing the same keys failed: {outputs}"
+        )
+        b = kit.backend(ns)
+        for k in keys:
+            got = b.get(k)
+            assert got is not None and as_bytes(got) == content(k, size), rule(
+                "multi-process", f"{k[:12]} is missing or wrong after concurrent writers"
+            )
+
+    # ------------------------------------------------------------------ robustness
+
+    def test_hostile_keys_raise_typed_errors(self, kit: Kit) -> None:
+        b, pool = kit.pool_backend()
+        ps = pool.page_size
+        calls: list[Callable[[str], Any]] = [
+            lambda key: b.set(key, b"v"),
+            lambda key: b.get(key),
+            lambda key: b.exists(key),
+            lambda key: b.batch_exists(["ok", key]),
+            lambda key: b.batch_set_v1([key], torch.arange(ps)),
+            lambda key: b.batch_get_v1([key], torch.arange(ps)),
+        ]
+        for key in HOSTILE_KEYS:
+            for call in calls:
+                with pytest.raises(InvalidKeyError):
+                    call(key)
+        for bad in (None, 42, b"bytes-key"):
+            with pytest.raises(InvalidArgumentError):
+                b.set(bad, b"v")  # type: ignore[arg-type]
+
+    def test_zero_length_value(self, kit: Kit) -> None:
+        b = kit.backend()
+        (k,) = unique_keys(1)
+        if b.set(k, b""):
+            got = b.get(k)
+            assert got is not None and as_bytes(got) == b"", rule(
+                "zero-length", "an empty value did not read back empty"
+            )
+        else:
+            assert not b.exists(k), rule("zero-length", "a refused empty value exists")
+
+    def test_large_value(self, kit: Kit) -> None:
+        b = kit.backend()
+        (k,) = unique_keys(1)
+        size = min(32 * 2**20, kit.capabilities.max_object_bytes or 32 * 2**20)
+        data = content(k, size)
+        assert b.set(k, data) is True, rule("large-value", f"a {size}-byte value was refused")
+        target = bytearray(size)
+        assert b.get(k, target) is target and target == data, rule(
+            "large-value", "a large value read back wrong"
+        )
+        if kit.capabilities.max_object_bytes:
+            (k2,) = unique_keys(1)
+            assert b.set(k2, b"x" * (kit.capabilities.max_object_bytes + 1)) is False
+            assert not b.exists(k2), rule("large-value", "a value over max_object_bytes was stored")
+
+    def test_wrong_value_types(self, kit: Kit) -> None:
+        b = kit.backend()
+        (k,) = unique_keys(1)
+        for bad in (object(), None, 3.5):
+            try:
+                ok = b.set(k, bad)
+            except InvalidArgumentError:
+                ok = False
+            assert ok is False, rule("bad-value", f"set() accepted a {type(bad).__name__}")
+        assert not b.exists(k), rule("bad-value", "a refused value exists")
+        with pytest.raises(InvalidArgumentError):
+            b.batch_set([k, k + "b"], [b"only one"])
+
+    # ------------------------------------------------------------------ faults
+
+    def test_injected_failures_give_failure_shapes(self, kit: Kit) -> None:
+        b, pool = kit.pool_backend()
+        ps = pool.page_size
+        keys = unique_keys(4)
+        down = FaultyBackend(b, failure_rate=1.0, partial=False, seed=1)
+        down.strict_contract = True
+        assert (
+            down.get(keys[0]) is None
+            and down.set(keys[0], b"v") is False
+            and down.exists(keys[0]) is False
+        )
+        assert down.batch_exists(keys) == 0 and down.batch_get(keys) == [None] * 4
+        assert down.batch_set(keys, [b"v"] * 4) == [False] * 4
+        assert down.batch_set_v1(keys, torch.arange(4 * ps)) == [False] * 4, rule(
+            "failure-shapes", "a failing store must give [False] * n from batch_set_v1"
+        )
+        assert down.batch_get_v1(keys, torch.arange(4 * ps)) == [False] * 4
+        assert down.get_stats().op("get").errors == 1, rule(
+            "failure-shapes", "failures must be counted"
+        )
+        flaky = FaultyBackend(b, failure_rate=0.5, partial=True, seed=7)
+        for page, k in zip(pool.page_buffers(torch.arange(4 * ps)), keys, strict=True):
+            fill_page(page, k)
+        r = flaky.batch_set_v1(keys, torch.arange(4 * ps))
+        for k, ok in zip(keys, r, strict=True):
+            if ok:
+                assert as_bytes(b.get(k)) == content(k, pool.page_bytes), rule(
+                    "no-false-success", f"page {k[:12]} reported stored but reads back wrong"
+                )
+
+    def test_store_failure_gives_failure_shapes(
+        self, kit: Kit, break_store: BreakStore | None
+    ) -> None:
+        if break_store is None:
+            pytest.skip("not claimed: store fault hook (override the break_store fixture)")
+        b, pool = kit.pool_backend()
+        ps = pool.page_size
+        keys = unique_keys(3)
+        b.batch_set(keys[:1], [b"before"])
+        b.strict_contract = True
+        with break_store(b):
+            results = {
+                "get": b.get(keys[0]),
+                "set": b.set(keys[1], b"v"),
+                "exists": b.exists(keys[1]),
+                "batch_exists": b.batch_exists(keys[1:]),
+                "batch_get": b.batch_get(keys[1:]),
+                "batch_set": b.batch_set(keys[1:], [b"a", b"b"]),
+                "batch_set_v1": b.batch_set_v1(keys[1:], torch.arange(2 * ps)),
+                "batch_get_v1": b.batch_get_v1(keys[1:], torch.arange(2 * ps)),
+            }
+        expected = {
+            "get": None, "set": False, "exists": False, "batch_exists": 0, "batch_get": [None, None],
+            "batch_set": [False, False], "batch_set_v1": [False, False], "batch_get_v1": [False, False],
+        }  # fmt: skip
+        wrong = {op: r for op, r in results.items() if r != expected[op]}
+        assert not wrong, rule(
+            "store-failure", f"calls on a failing store did not return failure shapes: {wrong}"
+        )
+        assert b.set(keys[2], b"after") is True, rule(
+            "store-failure", "the backend did not recover with its store"
+        )
+
+    def test_latency_wrapper_keeps_results(self, kit: Kit) -> None:
+        b = kit.backend()
+        slow = LatencyBackend(b, latency=0.001, jitter=0.002, seed=3)
+        keys = unique_keys(3)
+        assert slow.batch_set(keys, [b"1", b"2", b"3"]) == [True] * 3
+        assert [as_bytes(g) for g in slow.batch_get(keys)] == [b"1", b"2", b"3"]
+        assert slow.capabilities == b.capabilities
+
+    # ------------------------------------------------------------------ performance
+
+    def test_performance_qualification(self, kit: Kit, request: pytest.FixtureRequest) -> None:
+        layout = (
+            "page_first"
+            if "page_first" in kit.capabilities.layouts
+            else min(kit.capabilities.layouts)
+        )
+        pool = HostKVPool(
+            num_pages=64,
+            page_size=16,
+            layer_num=8,
+            kv_heads=8,
+            head_dim=128,
+            dtype=torch.bfloat16,
+            layout=layout,
+        )
+        pool.kv_buffer.view(-1).view(torch.uint8).copy_(
+            torch.randint(0, 256, (pool.kv_buffer.numel() * 2,), dtype=torch.uint8)
+        )
+        b = kit.backend(pool_namespace(pool, page_size=16))
+        b.register_mem_pool_host(pool)
+        n = 32
+        keys = unique_keys(n)
+        src, dst = torch.arange(n * 16), torch.arange(n * 16, 2 * n * 16)
+        t0 = time.perf_counter()
+        ok_set = sum(b.batch_set_v1(keys, src))
+        t1 = time.perf_counter()
+        hits = b.batch_exists(keys)
+        t2 = time.perf_counter()
+        ok_get = sum(b.batch_get_v1(keys, dst))
+        t3 = time.perf_counter()
+        nbytes = n * pool.page_bytes
+        metrics = {
+            "pages": n,
+            "page_bytes": pool.page_bytes,
+            "set_GBps": round(nbytes / (t1 - t0) / 1e9, 3),
+            "get_GBps": round(nbytes / (t3 - t2) / 1e9, 3),
+            "exists_keys_per_s": round(n / (t2 - t1)),
+        }
+        _record_metric(request, "performance", metrics)
+        assert ok_set == n and hits == n and ok_get == n, rule(
+            "performance", f"the throughput run lost pages: {metrics}"
+        )
+        same = all(
+            a.tobytes() == c.tobytes()
+            for a, c in zip(pool.page_buffers(src), pool.page_buffers(dst), strict=True)
+        )
+        assert same, rule("performance", "the throughput run read back wrong bytes")

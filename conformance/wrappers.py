@@ -1,0 +1,211 @@
+"""Wrappers that make any backend slow or unreliable, for testing the code that calls it.
+
+``FaultyBackend(inner, failure_rate=0.2)`` fails calls (or single pages of a batch) at
+random with a realistic exception; ``LatencyBackend(inner, latency=0.005)`` delays every
+call. Both forward everything else to ``inner`` and keep its namespace, shard and
+capabilities, so a tier, a prefetch policy or an engine adapter can be tested against
+slow and failing storage without a broken server. They are
+:class:`~hicache_storage.HiCacheStorage` subclasses, so the protocol layer's guarantees
+(failure shapes, no exception reaching the engine, stats) hold for them too.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hicache_storage.backend import Capabilities, HiCacheStorage
+from hicache_storage.buffers import PageBuffer
+from hicache_storage.errors import BackendUnavailableError, InvalidArgumentError
+
+__all__ = ["FaultyBackend", "LatencyBackend"]
+
+
+class _Wrapper(HiCacheStorage):
+    """Forwards every operation to ``inner``."""
+
+    def __init__(self, inner: HiCacheStorage) -> None:
+        super().__init__(inner.config)
+        self.inner = inner
+        self.name = f"{type(self).__name__}({inner.name or type(inner).__name__})"  # type: ignore[misc]
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        return self.inner.capabilities
+
+    def _before(self, op: str) -> None:
+        """Hook run before each forwarded operation."""
+
+    def get(self, key: str, target: Any = None) -> Any:
+        # docstring inherited
+        self._before("get")
+        return self.inner.get(key, target)
+
+    def set(self, key: str, value: Any) -> bool:
+        # docstring inherited
+        self._before("set")
+        return self.inner.set(key, value)
+
+    def exists(self, key: str) -> bool:
+        # docstring inherited
+        self._before("exists")
+        return self.inner.exists(key)
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        # docstring inherited
+        self._before("batch_exists")
+        return self.inner.batch_exists(keys, extra_info)
+
+    def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
+        # docstring inherited
+        self._before("batch_get")
+        return self.inner.batch_get(keys, targets)
+
+    def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
+        # docstring inherited
+        self._before("batch_set")
+        return self.inner.batch_set(keys, values)
+
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        self._before("batch_get_pages")
+        return self.inner.batch_get_pages(keys, pages)
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        self._before("batch_set_pages")
+        return self.inner.batch_set_pages(keys, pages)
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        # docstring inherited
+        self.inner.register_mem_pool_host(mem_pool_host)
+        self.mem_pool_host = mem_pool_host
+
+    def delete(self, key: str) -> bool:
+        # docstring inherited
+        self._before("delete")
+        return self.inner.delete(key)
+
+    def clear(self) -> None:
+        # docstring inherited
+        self.inner.clear()
+
+    def close(self) -> None:
+        # docstring inherited
+        self.inner.close()
+
+
+class LatencyBackend(_Wrapper):
+    """Delays every operation by ``latency`` seconds plus up to ``jitter`` more.
+
+    Args:
+        inner: the backend to wrap.
+        latency: fixed delay per call, seconds.
+        jitter: random extra delay per call, uniform in ``[0, jitter]`` seconds.
+        seed: seed of the jitter.
+    """
+
+    def __init__(
+        self,
+        inner: HiCacheStorage,
+        latency: float = 0.001,
+        jitter: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(inner)
+        if latency < 0 or jitter < 0:
+            raise InvalidArgumentError("latency and jitter must be >= 0")
+        self.latency = latency
+        self.jitter = jitter
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def _before(self, op: str) -> None:
+        with self._lock:
+            extra = self._rng.uniform(0, self.jitter) if self.jitter else 0.0
+        time.sleep(self.latency + extra)
+
+
+class FaultyBackend(_Wrapper):
+    """Fails operations at random, like a store that drops connections.
+
+    A failed single operation raises ``exception`` (the protocol layer turns it into the
+    failure shape). In batch page operations, with ``partial=True`` each page fails on
+    its own: failed pages are not passed to ``inner`` and report False, so a True result
+    still means the page's bytes landed.
+
+    Args:
+        inner: the backend to wrap.
+        failure_rate: probability that a call (or a page) fails, in ``[0, 1]``.
+        seed: seed of the failure draws (reproducible runs).
+        ops: operation names that may fail (default: all).
+        partial: fail single pages of batch page operations instead of whole calls.
+        exception: exception type raised for an injected failure.
+    """
+
+    def __init__(
+        self,
+        inner: HiCacheStorage,
+        failure_rate: float = 0.1,
+        seed: int | None = None,
+        ops: Sequence[str] | None = None,
+        partial: bool = True,
+        exception: type[Exception] = BackendUnavailableError,
+    ) -> None:
+        super().__init__(inner)
+        if not 0.0 <= failure_rate <= 1.0:
+            raise InvalidArgumentError("failure_rate must be in [0, 1]")
+        self.failure_rate = failure_rate
+        self.ops = frozenset(ops) if ops is not None else None
+        self.partial = partial
+        self.exception = exception
+        self.injected = 0
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def _draw(self) -> bool:
+        with self._lock:
+            hit = self._rng.random() < self.failure_rate
+            if hit:
+                self.injected += 1
+            return hit
+
+    def _applies(self, op: str) -> bool:
+        return self.ops is None or op in self.ops
+
+    def _before(self, op: str) -> None:
+        if (
+            self._applies(op)
+            and not (self.partial and op in ("batch_get_pages", "batch_set_pages"))
+            and self._draw()
+        ):
+            raise self.exception(f"injected failure in {op}")
+
+    def _pages(self, op: str, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        if len(pages) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
+        if not (self.partial and self._applies(op)):
+            self._before(op)
+            inner_op = getattr(self.inner, op)
+            out: list[bool] = inner_op(keys, pages)
+            return out
+        keep = [i for i in range(len(keys)) if not self._draw()]
+        results = [False] * len(keys)
+        if keep:
+            inner_results = getattr(self.inner, op)(
+                [keys[i] for i in keep], [pages[i] for i in keep]
+            )
+            for i, ok in zip(keep, inner_results, strict=True):
+                results[i] = ok
+        return results
+
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        return self._pages("batch_get_pages", keys, pages)
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        return self._pages("batch_set_pages", keys, pages)
