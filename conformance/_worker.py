@@ -7,15 +7,19 @@
   store each key's derived content (see ``_kit.content``); print ``ready`` after the
   first round; with ``loop``, repeat in random order until killed. Exit status 3 if a
   write reports failure.
+* ``{"op": "stream", "salt": S, "nbytes": N}``: write new keys forever (until killed),
+  ``sha256(f"{S}:{i}")`` for i = 0, 1, ...; print ``key <key>`` before each write and
+  ``ready`` after the first, so the parent knows every key that may exist.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sys
 
-from hicache_storage import KVCacheNamespace, StorageConfig
+from hicache_storage import HiCacheStorage, KVCacheNamespace, StorageConfig
 from hicache_storage.conformance._kit import BackendSpec, content, fill_page, make_pool
 
 
@@ -26,6 +30,8 @@ def main(argv: list[str]) -> int:
     ns = KVCacheNamespace.from_dict(spec_json["namespace"])
     task = spec_json["task"]
     backend = spec.create(StorageConfig(namespace=ns))
+    if task["op"] == "stream":
+        return _stream(backend, task["salt"], task["nbytes"])
     keys: list[str] = task["keys"]
     nbytes: int = task["nbytes"]
     rng = random.Random()
@@ -59,6 +65,19 @@ def main(argv: list[str]) -> int:
                 return 0
     finally:
         backend.close()
+
+
+def _stream(backend: HiCacheStorage, salt: str, nbytes: int) -> int:
+    i = 0
+    while True:
+        key = hashlib.sha256(f"{salt}:{i}".encode()).hexdigest()
+        print(f"key {key}", flush=True)
+        if not backend.set(key, content(key, nbytes)):
+            print(f"failed {key}", flush=True)
+            return 3
+        if i == 0:
+            print("ready", flush=True)
+        i += 1
 
 
 if __name__ == "__main__":

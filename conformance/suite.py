@@ -46,6 +46,7 @@ from hicache_storage import (
 )
 from hicache_storage.backend import HiCacheStorage as _Base
 from hicache_storage.conformance._kit import (
+    RUN_ID,
     BackendSpec,
     Factory,
     content,
@@ -177,16 +178,6 @@ def _record_metric(request: pytest.FixtureRequest, name: str, value: Any) -> Non
     request.node.user_properties.append(("hicache_metric", {name: value}))
 
 
-def _kill(procs: list[Any]) -> None:
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            p.send_signal(signal.SIGKILL)
-    for p in procs:
-        p.wait()
-        p.stdout.close()
-        p.stderr.close()
-
-
 class BackendConformance:
     """The checks every hicache-storage backend must pass. Subclass to run them."""
 
@@ -290,7 +281,7 @@ class BackendConformance:
         b, pool = kit.pool_backend()
         keys = unique_keys(n)
         idx = torch.arange(n * pool.page_size)
-        with shape_rule("exact-length"):
+        with shape_rule("v1-exact-length"):
             r = b.batch_set_v1(keys, idx)
             assert r == [True] * n, rule(
                 "v1-exact-length", f"batch_set_v1 of {n} pages returned {r!r}"
@@ -605,27 +596,43 @@ class BackendConformance:
     def test_killed_writers_leave_no_wrong_object(self, kit: Kit) -> None:
         spec = self._need_spec(kit)
         ns = make_namespace("-crash")
-        keys = unique_keys(24)
         size = min(2**20, kit.capabilities.max_object_bytes or 2**20)
         rng = random.Random()
-        for _ in range(2):
+        attempted: list[str] = []
+        for round_ in range(3):
+            salts = [f"{RUN_ID}-{round_}-{w}-{rng.random()}" for w in range(2)]
             procs = [
-                run_worker(spec, ns, {"op": "write", "keys": keys, "nbytes": size, "loop": True})
-                for _ in range(2)
+                run_worker(spec, ns, {"op": "stream", "salt": s, "nbytes": size}) for s in salts
             ]
             try:
                 for p in procs:
-                    line = p.stdout.readline().strip() if p.stdout else ""
-                    assert line == "ready", rule(
-                        "worker",
-                        f"writer process failed: {line} {p.stderr.read() if p.stderr else ''}",
-                    )
-                time.sleep(rng.uniform(0.05, 0.3))
+                    assert p.stdout is not None
+                    for line in p.stdout:
+                        if line.startswith("key "):
+                            attempted.append(line.split()[1])
+                        elif line.strip() == "ready":
+                            break
+                        else:
+                            pytest.fail(rule("worker", f"writer process failed: {line!r}"))
+                time.sleep(rng.uniform(0.02, 0.25))
             finally:
-                _kill(procs)
+                for p in procs:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.send_signal(signal.SIGKILL)
+                for p in procs:
+                    p.wait()
+                    assert p.stdout is not None
+                    attempted.extend(
+                        line.split()[1]
+                        for line in p.stdout.read().splitlines()
+                        if line.startswith("key ")
+                    )
+                    p.stdout.close()
+                    if p.stderr is not None:
+                        p.stderr.close()
         b = kit.backend(ns)
         present = 0
-        for k in keys:
+        for k in attempted:
             seen = b.exists(k)
             got = b.get(k)
             if got is not None:

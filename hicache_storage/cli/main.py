@@ -1,4 +1,4 @@
-"""``hicache-storage``: list backends, benchmark one.
+"""``hicache-storage``: list backends, benchmark one, run the conformance kit on one.
 
 Backend selection uses the reference engine's flag names, so a command line can be
 copied between the two: ``--hicache-storage-backend NAME`` and
@@ -106,6 +106,55 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import pytest
+
+    with tempfile.TemporaryDirectory(prefix="hicache-conformance-") as tmp:
+        ini = f"{tmp}/pytest.ini"
+        with open(ini, "w") as f:  # isolate the run from any pytest config in the cwd
+            f.write("[pytest]\n")
+        report = args.report or f"{tmp}/report.json"
+        argv = [
+            "--pyargs",
+            "hicache_storage.conformance",
+            "-c",
+            ini,
+            "--rootdir",
+            tmp,
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rfE",
+            "--hicache-storage-backend",
+            args.backend,
+            "--hicache-conformance-report",
+            report,
+        ]
+        if args.extra_config:
+            argv += ["--hicache-storage-backend-extra-config", args.extra_config]
+        if args.markdown:
+            argv += ["--hicache-conformance-markdown", args.markdown]
+        if args.k:
+            argv += ["-k", args.k]
+        if args.exitfirst:
+            argv.append("-x")
+        code = int(pytest.main(argv))
+        try:
+            with open(report) as f:
+                summary = json.load(f)["summary"]
+        except (OSError, ValueError, KeyError):
+            summary = None
+    if summary is not None:
+        print(
+            f"conformance of {args.backend!r}: {summary.get('passed', 0)} passed, "
+            f"{summary.get('failed', 0)} failed, {summary.get('not-claimed', 0)} not claimed, "
+            f"{summary.get('skipped', 0)} skipped"
+        )
+    return code
+
+
 def _print_report(r: dict[str, Any]) -> None:
     pool = r["pool"]
     print(
@@ -168,6 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "conformance", help="run the conformance kit on a backend; exit 1 if a claimed check fails"
+    )
+    _add_backend_args(p)
+    p.add_argument("--report", default=None, help="write the JSON report here")
+    p.add_argument("--markdown", default=None, help="write a Markdown summary here")
+    p.add_argument("-k", default=None, help="only the checks matching this pytest -k expression")
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed check")
+    p.set_defaults(func=_cmd_conformance)
     return parser
 
 

@@ -1,0 +1,310 @@
+"""Deliberately broken backends: each breaks one rule the conformance kit enforces.
+
+``MemStore`` is a correct, minimal, process-local store (the control); every other class
+breaks exactly one rule, the way real backends in the field have. The kit must fail each
+with a message naming that rule (tests/test_conformance_teeth.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hicache_storage import Capabilities, HiCacheStorage, PageBuffer, StorageConfig
+from hicache_storage.backends import FileBackend
+from hicache_storage.buffers import source_views, target_views, total_nbytes
+from hicache_storage.header import checksum, encode_header
+from hicache_storage.keys import ObjectName
+
+_DATA: dict[str, bytes] = {}
+_LOCK = threading.Lock()
+
+
+def _fill(target: Any, blob: bytes) -> Any:
+    views = target_views(target)
+    if total_nbytes(views) != len(blob):
+        return None
+    off = 0
+    for v in views:
+        v[:] = blob[off : off + v.nbytes]
+        off += v.nbytes
+    return target
+
+
+def _tensor(blob: bytes) -> torch.Tensor:
+    return (
+        torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        if blob
+        else torch.empty(0, dtype=torch.uint8)
+    )
+
+
+class MemStore(HiCacheStorage):
+    """Correct: one dict per process, shared by every instance (so clear() is store-wide)."""
+
+    capabilities = Capabilities(delete=True)
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config)
+
+    def _name(self, key: str) -> str:
+        return self.object_name(key).path
+
+    def get(self, key: str, target: Any = None) -> Any:
+        with _LOCK:
+            blob = _DATA.get(self._name(key))
+        if blob is None:
+            return None
+        return _tensor(blob) if target is None else _fill(target, blob)
+
+    def set(self, key: str, value: Any) -> bool:
+        blob = b"".join(source_views(value))
+        with _LOCK:
+            _DATA.setdefault(self._name(key), blob)
+        return True
+
+    def exists(self, key: str) -> bool:
+        with _LOCK:
+            return self._name(key) in _DATA
+
+    def delete(self, key: str) -> bool:
+        with _LOCK:
+            return _DATA.pop(self._name(key), None) is not None
+
+    def clear(self) -> None:
+        prefix = self.namespace.digest + "/"
+        with _LOCK:
+            for name in [n for n in _DATA if n.startswith(prefix)]:
+                del _DATA[name]
+
+
+class WrongLengthBatchGet(MemStore):
+    def batch_get(self, keys: list[str], targets: Any = None) -> Any:
+        return [None] * (len(keys) + 1)
+
+
+class AllHitsBatchExists(MemStore):
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        return sum(self.exists(k) for k in keys)  # counts every hit, not the leading run
+
+
+class ClearsEverything(MemStore):
+    def clear(self) -> None:
+        with _LOCK:
+            _DATA.clear()  # the reference file backend's bug: every tenant gone
+
+
+class NotUsableAfterClear(MemStore):
+    def clear(self) -> None:
+        super().clear()
+        self._cleared = True
+
+    def set(self, key: str, value: Any) -> bool:
+        if getattr(self, "_cleared", False):
+            raise ConnectionError("connection dropped by clear()")
+        return super().set(key, value)
+
+
+class PartialFill(MemStore):
+    def get(self, key: str, target: Any = None) -> Any:
+        with _LOCK:
+            blob = _DATA.get(self._name(key))
+        if blob is None or target is None:
+            return super().get(key, target)
+        view = target_views(target)[0]
+        n = min(view.nbytes, len(blob))
+        view[:n] = blob[:n]  # fills what fits, then reports a miss
+        return target if n == len(blob) == view.nbytes else None
+
+
+class ReplacesExisting(MemStore):
+    def set(self, key: str, value: Any) -> bool:
+        with _LOCK:
+            _DATA[self._name(key)] = b"".join(source_views(value))
+        return True
+
+
+class IgnoresNamespace(MemStore):
+    def _name(self, key: str) -> str:
+        return key  # the reference engine's dtype / tenant collisions
+
+
+class NoneFromV1(MemStore):
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> Any:
+        return None  # the 0.5.23 default body
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> Any:
+        return [True] * (2 * len(keys))  # K and V counted separately
+
+
+class MissIsError(MemStore):
+    def get(self, key: str, target: Any = None) -> Any:
+        if not self.exists(key):
+            raise KeyError(key)  # a miss is not an error
+        return super().get(key, target)
+
+
+class ClaimsZeroCopy(MemStore):
+    capabilities = Capabilities(zero_copy=True, delete=True)
+
+
+class SharedStaging(MemStore):
+    """One bounce buffer for both directions, no lock: corrupts under two threads."""
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config)
+        self._staging = bytearray(1 << 20)
+
+    def set(self, key: str, value: Any) -> bool:
+        blob = b"".join(source_views(value))
+        self._staging[: len(blob)] = blob
+        time.sleep(0.0005)
+        with _LOCK:
+            _DATA.setdefault(self._name(key), bytes(self._staging[: len(blob)]))
+        return True
+
+    def get(self, key: str, target: Any = None) -> Any:
+        with _LOCK:
+            blob = _DATA.get(self._name(key))
+        if blob is None:
+            return None
+        self._staging[: len(blob)] = blob
+        time.sleep(0.0005)
+        data = bytes(self._staging[: len(blob)])
+        return _tensor(data) if target is None else _fill(target, data)
+
+
+class ForgetfulPersistent(MemStore):
+    """Claims persistence, keeps pages per instance."""
+
+    capabilities = Capabilities(delete=True, persistent=True)
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config)
+        self._mine: dict[str, bytes] = {}
+
+    def get(self, key: str, target: Any = None) -> Any:
+        blob = self._mine.get(self._name(key))
+        if blob is None:
+            return None
+        return _tensor(blob) if target is None else _fill(target, blob)
+
+    def set(self, key: str, value: Any) -> bool:
+        self._mine.setdefault(self._name(key), b"".join(source_views(value)))
+        return True
+
+    def exists(self, key: str) -> bool:
+        return self._name(key) in self._mine
+
+    def delete(self, key: str) -> bool:
+        return self._mine.pop(self._name(key), None) is not None
+
+    def clear(self) -> None:
+        self._mine.clear()
+
+
+class ClaimsShared(MemStore):
+    """Claims other processes see its pages; they live in this process only."""
+
+    capabilities = Capabilities(delete=True, shared=True)
+
+
+class OverflowingV1(MemStore):
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        out = []
+        for key, page in zip(keys, pages, strict=True):
+            with _LOCK:
+                blob = _DATA.get(self._name(key))
+            if blob is None or len(blob) != page.nbytes:
+                out.append(False)
+                continue
+            off = 0
+            for seg in page.segments:
+                chunk = blob[off : off + seg.nbytes] + b"\xee"  # one byte too many
+                ctypes.memmove(seg.ptr, chunk, len(chunk))
+                off += seg.nbytes
+            out.append(True)
+        return out
+
+
+class DropsValueHalf(MemStore):
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        for key, page in zip(keys, pages, strict=True):
+            with _LOCK:
+                _DATA.setdefault(self._name(key), bytes(page.segments[0].memoryview))  # K only
+        return [True] * len(keys)
+
+
+class ReversedSegments(MemStore):
+    """v1 round-trips, but stores a page's segments in reverse order (legacy reads differ)."""
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        for key, page in zip(keys, pages, strict=True):
+            with _LOCK:
+                _DATA.setdefault(
+                    self._name(key), b"".join(bytes(s.memoryview) for s in reversed(page.segments))
+                )
+        return [True] * len(keys)
+
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        out = []
+        for key, page in zip(keys, pages, strict=True):
+            with _LOCK:
+                blob = _DATA.get(self._name(key))
+            if blob is None or len(blob) != page.nbytes:
+                out.append(False)
+                continue
+            off = 0
+            for seg in reversed(page.segments):
+                seg.memoryview[:] = blob[off : off + seg.nbytes]
+                off += seg.nbytes
+            out.append(True)
+        return out
+
+
+class DropsLargeValues(MemStore):
+    def set(self, key: str, value: Any) -> bool:
+        if total_nbytes(source_views(value)) > 16 * 2**20:
+            return True  # says stored, stores nothing
+        return super().set(key, value)
+
+
+class AcceptsAnything(MemStore):
+    def set(self, key: str, value: Any) -> bool:
+        with _LOCK:
+            _DATA.setdefault(self._name(key), repr(value).encode())
+        return True
+
+
+class InPlaceFile(FileBackend):
+    """Writes the final file in place, slowly: readers and crashes see partial pages."""
+
+    def _write(self, name: ObjectName, views: list[memoryview]) -> bool:
+        path = self._path(name)
+        if os.path.exists(path):
+            return True
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        header = encode_header(total_nbytes(views), checksum(views, 1), 1)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, header)
+            for view in views:
+                for off in range(0, view.nbytes, 1 << 18):
+                    os.write(fd, view[off : off + (1 << 18)])
+                    time.sleep(0.002)
+        finally:
+            os.close(fd)
+        return True
+
+
+__all__ = [
+    name
+    for name, obj in globals().items()
+    if isinstance(obj, type) and issubclass(obj, HiCacheStorage)
+]

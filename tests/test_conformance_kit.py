@@ -1,0 +1,146 @@
+"""The kit's three entry points, its plugin's inertness, and a vendor's own distribution."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENDOR = ROOT / "examples" / "vendor-backend"
+EXE = Path(sys.executable).parent / "hicache-storage"
+
+
+def test_plugin_is_registered_and_inert() -> None:
+    code = (
+        "import sys, pytest\n"
+        "from importlib.metadata import entry_points\n"
+        "eps = [e for e in entry_points(group='pytest11') if e.name == 'hicache_storage']\n"
+        "assert eps and eps[0].value == 'hicache_storage.conformance.plugin', eps\n"
+        "import hicache_storage.conformance.plugin as p\n"
+        "assert 'torch' not in sys.modules, 'the plugin imported torch'\n"
+        "assert 'hicache_storage.conformance.suite' not in sys.modules\n"
+        "import inspect\n"
+        "fixtures = [n for n, o in vars(p).items() if 'Fixture' in type(o).__name__]\n"
+        "assert fixtures == [], fixtures\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_assertion_messages_are_rewritten_for_vendors(tmp_path: Path) -> None:
+    """A failing check shows the compared values, not a bare AssertionError."""
+    (tmp_path / "test_v.py").write_text(
+        "import pytest\n"
+        "from hicache_storage.conformance import BackendConformance, BackendSpec\n"
+        "class TestSame(BackendConformance):\n"
+        "    @pytest.fixture\n"
+        "    def backend_spec(self, tmp_path):\n"
+        "        return BackendSpec('broken_backends:ReplacesExisting', {})\n"
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", str(tmp_path / "test_v.py"), "-c", str(tmp_path / "pytest.ini"),
+         "--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-k", "set_existing"],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests" / "teeth")},
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert "[set-existing]" in r.stdout
+    assert "assert b'" in r.stdout or "assert tensor" in r.stdout or "==" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def vendor_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The vendor distribution, built and installed (as a wheel) into a private site dir."""
+    site = tmp_path_factory.mktemp("vendor-site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+         "--target", str(site), str(VENDOR)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return site
+
+
+def vendor_env(site: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(site), **extra}
+
+
+def test_vendor_backend_is_found_by_name(vendor_site: Path) -> None:
+    r = subprocess.run(
+        [str(EXE), "backends", "--json"],
+        env=vendor_env(vendor_site),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (entry,) = json.loads(r.stdout)["sqlite-kv"]
+    assert entry["distribution"] == "hicache-vendor-example"
+    assert entry["load_error"] is None
+    assert entry["capabilities"]["persistent"] is True
+
+
+def test_cli_runs_the_kit_on_the_vendor_backend(vendor_site: Path, tmp_path: Path) -> None:
+    extra = json.dumps({"path": str(tmp_path / "kv.sqlite")})
+    report, markdown = tmp_path / "report.json", tmp_path / "report.md"
+    r = subprocess.run(
+        [str(EXE), "conformance", "--hicache-storage-backend", "sqlite-kv",
+         "--hicache-storage-backend-extra-config", extra, "--report", str(report), "--markdown", str(markdown)],
+        env=vendor_env(vendor_site), capture_output=True, text=True, cwd=tmp_path, check=False, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    data = json.loads(report.read_text())
+    statuses = {c["id"]: c["status"] for c in data["checks"]}
+    assert data["summary"]["failed"] == 0
+    assert data["summary"]["passed"] >= 40
+    assert statuses["zero_copy_path_is_native"] == "not-claimed"
+    assert statuses["killed_writers_leave_no_wrong_object"] == "passed"
+    assert statuses["processes_writing_the_same_keys"] == "passed"
+    (info,) = data["backends"].values()
+    assert info["backend"] == "sqlite-kv"
+    assert info["class"] == "hicache_vendor_example.SQLiteBackend"
+    perf = next(c for c in data["checks"] if c["id"] == "performance_qualification")
+    assert perf["metrics"]["performance"]["get_GBps"] > 0
+    assert "| TestConformance | `sqlite-kv` |" in markdown.read_text()
+    assert "conformance of 'sqlite-kv'" in r.stdout
+
+
+def test_zero_code_pytest_with_environment_variables(vendor_site: Path, tmp_path: Path) -> None:
+    env = vendor_env(
+        vendor_site,
+        HICACHE_STORAGE_BACKEND="sqlite-kv",
+        HICACHE_STORAGE_BACKEND_EXTRA_CONFIG=json.dumps({"path": str(tmp_path / "kv.sqlite")}),
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "hicache_storage.conformance", "-c", str(tmp_path / "pytest.ini"),
+         "--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-q", "-k", "read_your_writes or namespaces"],
+        env=env, capture_output=True, text=True, cwd=tmp_path, check=False, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "6 passed" in r.stdout
+
+
+def test_cli_exit_code_on_failures_and_usage_errors(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "teeth")}
+    r = subprocess.run(
+        [str(EXE), "conformance", "--hicache-storage-backend", "broken_backends:AllHitsBatchExists", "-k", "leading_run"],
+        env=env, capture_output=True, text=True, cwd=tmp_path, check=False, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert "[batch-exists-leading-run]" in r.stdout
+    assert "1 failed" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "hicache_storage.conformance", "-p", "no:cacheprovider", "-q",
+         "-k", "read_your_writes"],
+        env={k: v for k, v in os.environ.items() if not k.startswith("HICACHE_STORAGE_BACKEND")},
+        capture_output=True, text=True, cwd=tmp_path, check=False, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert "no backend selected" in r.stdout
