@@ -302,8 +302,14 @@ class FileBackend(HiCacheStorage):
             return None
         return out if target is None else target
 
-    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
+    def _each_page(
+        self,
+        op: str,
+        keys: list[str],
+        pages: Sequence[PageBuffer],
+        io: Callable[[ObjectName, list[memoryview]], Any],
+    ) -> list[bool]:
+        """Run ``io`` for every page on the thread pool; a failing page fails alone."""
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         names = [self.object_name(k) for k in keys]
@@ -311,15 +317,20 @@ class FileBackend(HiCacheStorage):
 
         def one(i: int) -> bool:
             try:
-                return self._read(names[i], pages[i].views) is not None
+                done = io(names[i], pages[i].views)
+                return done is not None and done is not False
             except Exception as exc:  # noqa: BLE001 - one page fails, the batch goes on
-                self._log_failure("batch_get_pages", exc)
+                self._log_failure(op, exc)
                 errors[0] += 1
                 return False
 
         out = self._map(one, len(keys))
         self._add_item_errors(errors[0])
         return out
+
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        return self._each_page("batch_get_pages", keys, pages, self._read)
 
     # ------------------------------------------------------------------ writes
 
@@ -387,22 +398,7 @@ class FileBackend(HiCacheStorage):
 
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         # docstring inherited
-        if len(pages) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
-        names = [self.object_name(k) for k in keys]
-        errors = [0]
-
-        def one(i: int) -> bool:
-            try:
-                return self._write(names[i], pages[i].views)
-            except Exception as exc:  # noqa: BLE001 - one page fails, the batch goes on
-                self._log_failure("batch_set_pages", exc)
-                errors[0] += 1
-                return False
-
-        out = self._map(one, len(keys))
-        self._add_item_errors(errors[0])
-        return out
+        return self._each_page("batch_set_pages", keys, pages, self._write)
 
     # ------------------------------------------------------------------ existence, delete
 

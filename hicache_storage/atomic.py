@@ -81,6 +81,18 @@ def is_temporary(name: str) -> bool:
     return name.startswith(TEMP_PREFIX)
 
 
+def _advance(pending: list[memoryview], n: int) -> None:
+    """Consume ``n`` transferred bytes: drop finished views, trim a partial first one."""
+    while n and pending:
+        head = pending[0]
+        if n >= head.nbytes:
+            n -= head.nbytes
+            pending.pop(0)
+        else:
+            pending[0] = head[n:]
+            n = 0
+
+
 def writev_all(fd: int, views: Sequence[memoryview | bytes]) -> int:
     """Write every byte of ``views`` with ``writev``, resuming after short writes."""
     pending = [memoryview(v).cast("B") if not isinstance(v, memoryview) else v for v in views]
@@ -92,15 +104,7 @@ def writev_all(fd: int, views: Sequence[memoryview | bytes]) -> int:
         if n <= 0:
             raise OSError(errno.EIO, "writev wrote nothing")
         total += n
-        # Drop the fully written views; trim the first partially written one.
-        while n and pending:
-            head = pending[0]
-            if n >= head.nbytes:
-                n -= head.nbytes
-                pending.pop(0)
-            else:
-                pending[0] = head[n:]
-                n = 0
+        _advance(pending, n)
     return total
 
 
@@ -118,14 +122,7 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int = 0) -> int:
             break
         total += n
         offset += n
-        while n and pending:
-            head = pending[0]
-            if n >= head.nbytes:
-                n -= head.nbytes
-                pending.pop(0)
-            else:
-                pending[0] = head[n:]
-                n = 0
+        _advance(pending, n)
     return total
 
 

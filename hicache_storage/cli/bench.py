@@ -77,7 +77,7 @@ class PhaseResult:
             "ok": self.ok,
             "bytes": self.nbytes,
             "seconds": round(self.seconds, 6),
-            "GBps": round(self.nbytes / self.seconds / 1e9, 3)
+            "GBps": float(f"{self.nbytes / self.seconds / 1e9:.4g}")
             if self.seconds and self.nbytes
             else None,
             "pages_per_s": round(self.pages / self.seconds, 1) if self.seconds else None,
