@@ -19,7 +19,11 @@ import pytest
 
 TEETH = Path(__file__).parent / "teeth"
 
-# (backend class, check id prefix, rule the failure message must name)
+# (backend class, check id prefix, rule the failure message must name). Rules with no
+# broken backend here are enforced by the SDK's base class for every backend, so a vendor
+# cannot break them: hostile keys raise before backend code runs, calls after close()
+# return failure shapes, injected faults become failure shapes (failure-shapes,
+# no-false-success go through the kit's own FaultyBackend).
 EXPECTED = [
     ("WrongLengthBatchGet", "result_shapes", "exact-length"),
     ("AllHitsBatchExists", "batch_exists_counts_the_leading_run", "batch-exists-leading-run"),
@@ -39,10 +43,22 @@ EXPECTED = [
     ("ReversedSegments", "v1_and_legacy_paths_agree", "v1-legacy"),
     ("DropsLargeValues", "large_value", "large-value"),
     ("AcceptsAnything", "wrong_value_types", "bad-value"),
+    ("IgnoresTarget", "read_your_writes", "get-returns-target"),
+    ("WriteBehind", "read_your_writes", "read-your-writes"),
+    ("ZeroesTargetOnMiss", "get_missing_leaves_target_untouched", "get-miss-untouched"),
+    ("HitOnSizeMismatch", "get_size_mismatch_never_fills", "get-size-mismatch"),
+    ("DeleteNoop", "delete", "delete"),
+    ("UncheckedV1Indices", "v1_bad_host_indices_fail_every_page", "v1-bad-indices"),
+    ("V1WithoutPool", "v1_before_register_fails_every_page", "v1-no-pool"),
+    ("EmptyValuesLost", "zero_length_value", "zero-length"),
+    ("StatsNone", "stats_are_well_formed", "stats"),
+    ("BytesNotTensor", "result_shapes", "get-new-tensor"),
+    ("EmptyOnMiss", "get_missing_leaves_target_untouched", "get-miss"),
+    ("SwallowsStoreErrors", "store_failure_gives_failure_shapes", "store-failure"),
     ("InPlaceFile", "concurrent_reader_never_sees_a_partial_value", "atomic-visibility"),
     ("InPlaceFile", "killed_writers_leave_no_wrong_object", "crash-safety"),
 ]
-FILE_BASED = {"InPlaceFile"}
+FILE_BASED = {"InPlaceFile", "SwallowsStoreErrors"}
 CONTROLS = {"ControlMem": "broken_backends:MemStore", "ControlFile": "file"}
 
 
@@ -65,6 +81,13 @@ def suite_module() -> str:
                     return BackendSpec({name!r}, {options})
             """)
         )
+        if root:  # file stores can be broken for real: the store-failure check runs
+            out.append(
+                "    @pytest.fixture\n"
+                "    def break_store(self):\n"
+                "        import broken_backends\n"
+                "        return broken_backends.broken_directory\n"
+            )
     return "\n".join(out)
 
 

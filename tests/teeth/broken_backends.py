@@ -7,11 +7,12 @@ with a message naming that rule (tests/test_conformance_teeth.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -280,6 +281,131 @@ class AcceptsAnything(MemStore):
         with _LOCK:
             _DATA.setdefault(self._name(key), repr(value).encode())
         return True
+
+
+class IgnoresTarget(MemStore):
+    def get(self, key: str, target: Any = None) -> Any:
+        with _LOCK:
+            blob = _DATA.get(self._name(key))
+        return None if blob is None else _tensor(blob)  # a new tensor even when given a target
+
+
+class WriteBehind(MemStore):
+    """Acknowledges a write before it is visible (an asynchronous flush)."""
+
+    def set(self, key: str, value: Any) -> bool:
+        name, blob = self._name(key), b"".join(source_views(value))
+
+        def flush() -> None:
+            with _LOCK:
+                _DATA.setdefault(name, blob)
+
+        timer = threading.Timer(0.3, flush)
+        timer.daemon = True
+        timer.start()
+        return True
+
+
+class ZeroesTargetOnMiss(MemStore):
+    def get(self, key: str, target: Any = None) -> Any:
+        if target is not None and not self.exists(key):
+            for view in target_views(target):
+                view[:] = bytes(view.nbytes)
+            return None
+        return super().get(key, target)
+
+
+class HitOnSizeMismatch(MemStore):
+    def get(self, key: str, target: Any = None) -> Any:
+        with _LOCK:
+            blob = _DATA.get(self._name(key))
+        if blob is None or target is None:
+            return super().get(key, target)
+        view = target_views(target)[0]
+        n = min(view.nbytes, len(blob))
+        view[:n] = blob[:n]
+        return target  # reports a hit whatever the sizes
+
+
+class DeleteNoop(MemStore):
+    def delete(self, key: str) -> bool:
+        return True
+
+
+class UncheckedV1Indices(MemStore):
+    """Takes each page's first index and rounds it down, whatever the indices were."""
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
+        pool = self.mem_pool_host
+        ps = pool.page_size
+        for i, key in enumerate(keys):
+            first = int(host_indices[i * ps]) if i * ps < len(host_indices) else 0
+            page = min(first // ps, pool.num_pages - 1)
+            (buf,) = pool.page_buffers(range(page * ps, (page + 1) * ps))
+            self.set(key, buf)
+        return [True] * len(keys)
+
+
+class V1WithoutPool(MemStore):
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
+        if self.mem_pool_host is None:
+            return [True] * len(keys)  # nothing to copy from, says stored anyway
+        result: list[bool] = super().batch_set_v1(keys, host_indices, extra_info)
+        return result
+
+
+class EmptyValuesLost(MemStore):
+    def set(self, key: str, value: Any) -> bool:
+        if total_nbytes(source_views(value)) == 0:
+            return True
+        return super().set(key, value)
+
+
+class StatsNone(MemStore):
+    def get_stats(self, reset: bool = True) -> Any:
+        return None
+
+
+class BytesNotTensor(MemStore):
+    def get(self, key: str, target: Any = None) -> Any:
+        if target is None:
+            with _LOCK:
+                return _DATA.get(self._name(key))
+        return super().get(key, target)
+
+
+class EmptyOnMiss(MemStore):
+    """Returns an empty value for a miss, as some store clients do."""
+
+    def get(self, key: str, target: Any = None) -> Any:
+        got = super().get(key, target)
+        return torch.empty(0, dtype=torch.uint8) if got is None else got
+
+
+class SwallowsStoreErrors(FileBackend):
+    def _write(self, name: ObjectName, views: list[memoryview]) -> bool:
+        try:
+            return super()._write(name, views)
+        except Exception:  # noqa: BLE001 - the very bug this class demonstrates
+            return True  # "stored"
+
+
+@contextlib.contextmanager
+def broken_directory(backend: HiCacheStorage) -> Iterator[None]:
+    """Replace a file backend's namespace directory by a regular file, then restore it."""
+    directory = backend.directory  # type: ignore[attr-defined]
+    os.rename(directory, directory + ".aside")
+    with open(directory, "wb") as f:
+        f.write(b"not a directory")
+    try:
+        yield
+    finally:
+        os.unlink(directory)
+        os.rename(directory + ".aside", directory)
 
 
 class InPlaceFile(FileBackend):
