@@ -170,8 +170,11 @@ def write_atomic(
     *,
     fsync: bool = False,
     mode: int = 0o600,
+    gid: int | None = None,
 ) -> bool:
     """Write ``views`` to ``final`` atomically; first writer wins.
+
+    The file gets ``mode`` exactly (not masked by the umask) and, with ``gid``, that group.
 
     Returns True if this call published ``final``, False if it already existed. Raises
     ``OSError`` on failure (disk full, permission...), after removing its temporary; no
@@ -182,6 +185,10 @@ def write_atomic(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         try:
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            if mode & 0o077:
+                os.fchmod(fd, mode)  # open() masked group/other bits with the umask
             writev_all(fd, views)
             if fsync:
                 os.fsync(fd)
