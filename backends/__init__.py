@@ -10,11 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["FileBackend"]
+__all__ = ["FileBackend", "MmapBackend", "ShmBackend"]
 
 _LAZY = {
     "FileBackend": "hicache_storage.backends._file",
     "FileOptions": "hicache_storage.backends._file",
+    "ShmBackend": "hicache_storage.backends._shm",
+    "MmapBackend": "hicache_storage.backends._mmap",
+    "MmapOptions": "hicache_storage.backends._mmap",
+    "ShmOptions": "hicache_storage.backends._shm",
 }
 
 

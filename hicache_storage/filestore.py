@@ -17,7 +17,6 @@ import secrets
 import shutil
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -38,7 +37,6 @@ from hicache_storage.buffers import (
 from hicache_storage.capacity import CapacityTracker
 from hicache_storage.config import Size, StorageConfig, parse_options
 from hicache_storage.errors import (
-    BackendClosedError,
     CapacityError,
     ConfigError,
     CorruptObjectError,
@@ -53,6 +51,7 @@ from hicache_storage.header import (
     encode_header,
     verify_payload,
 )
+from hicache_storage.iopool import IOPool
 from hicache_storage.keys import ObjectName
 from hicache_storage.metacache import MetadataCache
 
@@ -129,9 +128,7 @@ class FileStore(HiCacheStorage):
         self._meta = MetadataCache(opts.metadata_cache_ttl)
         self._dirs: set[str] = set()
         self._dirs_lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
-        self._closing = False
+        self._io = IOPool(opts.io_threads, f"hicache-{self.name}")
         try:
             os.makedirs(self.root, mode=self.dir_mode, exist_ok=True)
             self._mkdir(self.directory)
@@ -244,21 +241,6 @@ class FileStore(HiCacheStorage):
         with self._dirs_lock:
             self._dirs.add(name.fanout)
 
-    def _map(self, fn: Callable[[int], T], n: int) -> list[T]:
-        if n <= 1 or self.options.io_threads == 1:
-            return [fn(i) for i in range(n)]
-        with self._executor_lock:
-            if self._closing:
-                raise BackendClosedError("the file backend is closing")
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.options.io_threads, thread_name_prefix="hicache-file"
-                )
-            executor = self._executor
-        return list(executor.map(fn, range(n)))
-
-    # ------------------------------------------------------------------ reads
-
     def _read(self, name: ObjectName, views: list[memoryview] | None) -> Any:
         """Read an object into ``views`` (or a new tensor); None on miss, mismatch or corruption."""
         path = self._path(name)
@@ -357,7 +339,7 @@ class FileStore(HiCacheStorage):
                 errors[0] += 1
                 return False
 
-        out = self._map(one, len(keys))
+        out = self._io.map(one, len(keys))
         self._add_item_errors(errors[0])
         return out
 
@@ -499,11 +481,7 @@ class FileStore(HiCacheStorage):
 
     def close(self) -> None:
         # docstring inherited
-        with self._executor_lock:
-            self._closing = True
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._io.close()
 
     # ------------------------------------------------------------------ introspection
 

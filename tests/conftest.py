@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import uuid
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig
+from hicache_storage import HiCacheStorage, HostKVPool, KVCacheNamespace, StorageConfig
 from hicache_storage.backends import FileBackend
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
@@ -103,3 +104,18 @@ def tree_files(path: str) -> list[str]:
     for dirpath, _dirs, files in os.walk(path):
         out.extend(os.path.join(dirpath, f) for f in files)
     return out
+
+
+@contextlib.contextmanager
+def broken_directory(backend: HiCacheStorage) -> Iterator[None]:
+    """A real fault: the namespace directory is replaced by a regular file, so every open,
+    stat and write below it fails with ENOTDIR; then it is put back."""
+    directory = backend.directory  # type: ignore[attr-defined]
+    aside = directory + ".aside"
+    os.rename(directory, aside)
+    Path(directory).write_bytes(b"not a directory")
+    try:
+        yield
+    finally:
+        os.unlink(directory)
+        os.rename(aside, directory)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,22 +11,9 @@ import pytest
 from hicache_storage import HiCacheStorage
 from hicache_storage.conformance import BackendConformance, BackendSpec
 
+from .conftest import broken_directory
+
 pytestmark = pytest.mark.file
-
-
-@contextlib.contextmanager
-def broken_directory(backend: HiCacheStorage) -> Iterator[None]:
-    """A real fault: the namespace directory is replaced by a regular file, so every open,
-    stat and write below it fails with ENOTDIR; then it is put back."""
-    directory = backend.directory  # type: ignore[attr-defined]
-    aside = directory + ".aside"
-    os.rename(directory, aside)
-    Path(directory).write_bytes(b"not a directory")
-    try:
-        yield
-    finally:
-        os.unlink(directory)
-        os.rename(aside, directory)
 
 
 class TestFileConformance(BackendConformance):

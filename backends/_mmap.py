@@ -1,0 +1,780 @@
+"""The ``mmap`` backend: a persistent slab store in one preallocated, memory-mapped file.
+
+Files (``path`` is the arena):
+
+``<path>``            superblock (4 KiB), slot table (64 B per slot), then the slots
+``<path>.index``      append-only log of PUT / DEL records, each with a CRC-32
+``<path>.lock``       ``flock`` that serializes writers across processes
+
+A page lives in one fixed-size slot. A write reserves a free slot (marking it *writing*
+with its pid in the shared slot table, under the lock), copies the page into the mapping
+without the lock, then appends a PUT record (under the lock). A key is visible only once
+its record is in the log, so a writer killed at any point leaves no visible torn page,
+and a torn record at the end of the log (a crash mid-append) fails its CRC and is
+ignored. Other processes learn new keys by reading the log's new records.
+
+Eviction is LRU over the slot table's last-access times (updated by readers in every
+process). An evicted slot is logged (DEL), its generation bumped, and it is *retired*: it
+is reused only after ``reuse_delay`` seconds, so no reader can still be copying out of it;
+readers also re-check the slot's generation after their copy and report a miss if it
+changed. The log is compacted (live records to a temporary, then renamed over it) when it
+grows to several times the live set; other processes notice the new inode and reload.
+
+Options and guarantees: ``docs/backends/mmap.md``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hicache_storage.atomic import _start_time, fsync_dir, writev_all
+from hicache_storage.backend import Capabilities, HiCacheStorage
+from hicache_storage.buffers import PageBuffer, is_tensor, source_views, target_views, total_nbytes
+from hicache_storage.config import Size, StorageConfig, parse_options
+from hicache_storage.errors import BackendError, CapacityError, ConfigError, InvalidArgumentError
+from hicache_storage.header import algorithm_id, checksum
+from hicache_storage.iopool import IOPool
+
+__all__ = ["MmapBackend", "MmapOptions"]
+
+logger = logging.getLogger(__name__)
+
+PAGE = 4096
+_SUPER = struct.Struct("<8sIIQQQQ")  # magic, version, flags, slot_size, nslots, table_off, data_off
+_MAGIC = b"HCSMMAP1"
+_VERSION = 1
+_SLOT_DTYPE = [
+    ("generation", "<u8"),
+    ("state", "<u4"),
+    ("pid", "<u4"),
+    ("length", "<u8"),
+    ("checksum", "<u8"),
+    ("last_access", "<f8"),
+    ("since", "<f8"),
+    ("pid_start", "<u8"),
+    ("pad", "<u8"),
+]
+FREE, WRITING, COMMITTED, RETIRED = 0, 1, 2, 3
+_REC = struct.Struct(
+    "<4sBBHIQQQ"
+)  # magic, type, algorithm, name length, slot, generation, length, checksum
+_REC_MAGIC = b"HIDX"
+PUT, DEL = 1, 2
+_CRC = struct.Struct("<I")
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class MmapOptions:
+    """Options of the ``mmap`` backend (environment: ``HICACHE_STORAGE_MMAP_<NAME>``).
+
+    Attributes:
+        path: the arena file (typically on local NVMe); ``.index`` and ``.lock`` beside it.
+        capacity: arena size, fixed at creation (e.g. ``"512MiB"``); slots = capacity /
+            slot_size. Reopening an arena keeps its original geometry.
+        slot_size: bytes per slot (the largest storable object), rounded up to 4 KiB;
+            default: the page size of the host pool registered before the first write,
+            else 4 MiB (or the first object's size if larger). Fixed at creation.
+        fsync: make every write durable (msync the slot and fsync the index) before it
+            becomes visible; without it a write survives a process crash, not a power loss.
+        checksum: payload checksum kept in the index: ``"none"`` or ``"xxh3"``.
+        verify_checksum: verify the checksum on every read (needs ``checksum="xxh3"``).
+        reuse_delay: seconds an evicted slot rests before it is reused (readers also
+            re-check a slot's generation after copying, so this only avoids wasted reads).
+        low_free_slots: evict ahead when fewer than this fraction of the slots is free.
+        io_threads: threads copying the pages of a batch.
+        prefault: touch the whole arena at creation so it is resident in the page cache.
+    """
+
+    path: str = "/tmp/hicache-storage.arena"
+    capacity: Size = Size(512 * 2**20)  # noqa: RUF009 - an int constant
+    slot_size: Size | None = None
+    fsync: bool = False
+    checksum: Literal["xxh3", "none"] = "none"
+    verify_checksum: bool = False
+    reuse_delay: float = 0.05
+    low_free_slots: float = 0.05
+    io_threads: int = 2
+    prefault: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("path must not be empty")
+        if self.capacity <= 0:
+            raise ConfigError("capacity must be > 0")
+        if self.slot_size is not None and self.slot_size <= 0:
+            raise ConfigError("slot_size must be > 0")
+        if self.reuse_delay < 0:
+            raise ConfigError("reuse_delay must be >= 0")
+        if not 0 <= self.low_free_slots < 1:
+            raise ConfigError("low_free_slots must be in [0, 1)")
+        if self.io_threads < 1:
+            raise ConfigError("io_threads must be >= 1")
+        if self.verify_checksum and self.checksum == "none":
+            raise ConfigError('verify_checksum needs checksum="xxh3"')
+
+
+@dataclass
+class _Entry:
+    slot: int
+    generation: int
+    length: int
+    checksum: int
+    algorithm: int
+
+
+def _alive(pid: int, pid_start: int) -> bool:
+    """True if process ``pid`` (started at ``pid_start`` clock ticks) still runs."""
+    if pid <= 0:
+        return False
+    started = _start_time(pid)
+    if started is None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return pid_start == 0 or int(started) == pid_start
+
+
+class _Arena:
+    """The mapped arena file: superblock, slot table (a numpy view) and slot data."""
+
+    def __init__(self, path: str, capacity: int, slot_size: int, prefault: bool) -> None:
+        import numpy as np
+
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # creation races with other processes
+            try:
+                size = os.fstat(fd).st_size
+                if size == 0:
+                    self._create(fd, capacity, slot_size, prefault)
+                    size = os.fstat(fd).st_size
+                head = os.pread(fd, _SUPER.size + 4, 0)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            magic, version, _flags, self.slot_size, self.nslots, table_off, self.data_off = (
+                _SUPER.unpack(head[: _SUPER.size])
+            )
+            (crc,) = _CRC.unpack(head[_SUPER.size :])
+            if magic != _MAGIC or version != _VERSION or zlib.crc32(head[: _SUPER.size]) != crc:
+                raise ConfigError(f"{path} is not a hicache-storage mmap arena (or is damaged)")
+            if size < self.data_off + self.nslots * self.slot_size:
+                raise ConfigError(f"{path} is truncated ({size} bytes)")
+            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._anchor = ctypes.c_char.from_buffer(self.map)
+        self.base = ctypes.addressof(self._anchor)
+        self.slots = np.ndarray(
+            (self.nslots,), dtype=_SLOT_DTYPE, buffer=self.map, offset=table_off
+        )
+
+    @staticmethod
+    def _create(fd: int, capacity: int, slot_size: int, prefault: bool) -> None:
+        slot_size = _round_up(slot_size, PAGE)
+        table_bytes = _round_up((capacity // slot_size) * 64, PAGE)
+        nslots = (capacity - PAGE - table_bytes) // slot_size
+        if nslots < 1:
+            raise ConfigError(f"capacity {capacity} holds no slot of {slot_size} bytes")
+        table_off = PAGE
+        data_off = PAGE + _round_up(nslots * 64, PAGE)
+        total = data_off + nslots * slot_size
+        try:
+            os.posix_fallocate(fd, 0, total)
+        except OSError as exc:
+            os.ftruncate(fd, 0)
+            raise CapacityError(f"cannot allocate a {total}-byte arena: {exc}") from exc
+        head = _SUPER.pack(_MAGIC, _VERSION, 0, slot_size, nslots, table_off, data_off)
+        if prefault:
+            chunk = bytes(1 << 22)
+            for off in range(0, total, len(chunk)):
+                os.pwrite(fd, chunk[: min(len(chunk), total - off)], off)
+        os.pwrite(fd, head + _CRC.pack(zlib.crc32(head)), 0)
+        os.fsync(fd)
+
+    def slot_addr(self, slot: int) -> int:
+        return int(self.base + self.data_off + slot * self.slot_size)
+
+    def slot_view(self, slot: int, length: int) -> memoryview:
+        start = self.data_off + slot * self.slot_size
+        return memoryview(self.map)[start : start + length]
+
+    def flush(self, slot: int, length: int) -> None:
+        start = self.data_off + slot * self.slot_size
+        aligned = start - start % mmap.PAGESIZE
+        self.map.flush(aligned, _round_up(start + length - aligned, mmap.PAGESIZE))
+
+    def close(self) -> None:
+        del self.slots
+        del self._anchor
+        self.map.close()
+
+
+def _copy_in(
+    arena: _Arena, slot: int, views: Sequence[memoryview], ptrs: Sequence[int] | None
+) -> None:
+    """Copy a value's views into a slot (memmove releases the GIL)."""
+    addr = arena.slot_addr(slot)
+    if ptrs is not None:
+        for v, p in zip(views, ptrs, strict=True):
+            ctypes.memmove(addr, p, v.nbytes)
+            addr += v.nbytes
+        return
+    dst = arena.slot_view(slot, sum(v.nbytes for v in views))
+    off = 0
+    for v in views:
+        dst[off : off + v.nbytes] = v
+        off += v.nbytes
+
+
+def _copy_out(
+    arena: _Arena, slot: int, views: Sequence[memoryview], ptrs: Sequence[int] | None
+) -> None:
+    """Copy a slot into a target's views."""
+    addr = arena.slot_addr(slot)
+    if ptrs is not None:
+        for v, p in zip(views, ptrs, strict=True):
+            ctypes.memmove(p, addr, v.nbytes)
+            addr += v.nbytes
+        return
+    src = arena.slot_view(slot, sum(v.nbytes for v in views))
+    off = 0
+    for v in views:
+        v[:] = src[off : off + v.nbytes]
+        off += v.nbytes
+
+
+def _pointers(value: Any, views: Sequence[memoryview]) -> list[int] | None:
+    """Raw addresses of a value's views when known without copying (page buffers, tensors)."""
+    if isinstance(value, PageBuffer):
+        return [s.ptr for s in value.segments]
+    if is_tensor(value) and value.is_contiguous():
+        return [int(value.data_ptr())]
+    return None
+
+
+DEFAULT_SLOT = 4 * 2**20
+
+
+class MmapBackend(HiCacheStorage):
+    """A fixed-capacity slab of page slots in one memory-mapped file, with a crash-safe index."""
+
+    name = "mmap"
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config)
+        self.options = parse_options(MmapOptions, "mmap", options)
+        self.path = os.path.abspath(os.path.expanduser(self.options.path))
+        self.index_path = self.path + ".index"
+        self._algorithm = algorithm_id(self.options.checksum)
+        self._lock = threading.RLock()
+        self._arena: _Arena | None = None
+        self._index: dict[str, _Entry] = {}
+        self._by_slot: dict[int, str] = {}
+        self._free_hint: list[int] = []
+        self._log_fd = -1
+        self._log_ino = 0
+        self._log_pos = 0
+        self._log_records = 0
+        self._pid = os.getpid()
+        self._pid_start = int(_start_time(self._pid) or 0)
+        self._io = IOPool(self.options.io_threads, "hicache-mmap")
+        self._gate = threading.Condition()
+        self._inflight = 0
+        self._closing = False
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+            self._lock_fd = os.open(
+                self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+            )
+        except OSError as exc:
+            raise ConfigError(f"cannot open the mmap arena lock {self.path}.lock: {exc}") from exc
+        if self.options.slot_size is not None or os.path.exists(self.path):
+            self._open_arena(self.options.slot_size or DEFAULT_SLOT)
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """Zero-copy, persistent, shared; the largest object is the slot size."""
+        if self._arena is not None:
+            limit: int | None = self._arena.slot_size
+        elif self.options.slot_size is not None:
+            limit = _round_up(self.options.slot_size, PAGE)
+        else:
+            limit = None
+        return Capabilities(
+            zero_copy=True, delete=True, persistent=True, shared=True, max_object_bytes=limit
+        )
+
+    # ------------------------------------------------------------------ lifecycle gate
+
+    @contextmanager
+    def _op(self) -> Iterator[None]:
+        """Count an operation in flight, so close() never unmaps memory being copied."""
+        with self._gate:
+            if self._closing:
+                raise BackendError("the mmap backend is closing")
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._gate.notify_all()
+
+    # ------------------------------------------------------------------ arena and index
+
+    def _open_arena(self, slot_size: int) -> _Arena:
+        with self._lock:
+            if self._arena is None:
+                self._arena = _Arena(
+                    self.path, self.options.capacity, slot_size, self.options.prefault
+                )
+                self._reload_index()
+            return self._arena
+
+    def _arena_for(self, nbytes: int) -> _Arena:
+        """The arena, created on first write with the default (or the object's) slot size."""
+        if self._arena is not None:
+            return self._arena
+        return self._open_arena(max(nbytes, DEFAULT_SLOT))
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        # docstring inherited
+        super().register_mem_pool_host(mem_pool_host)
+        page_bytes = getattr(mem_pool_host, "page_bytes", None)
+        if self._arena is None and page_bytes and not os.path.exists(self.path):
+            self._open_arena(int(page_bytes))
+
+    @contextmanager
+    def _writer_lock(self) -> Iterator[None]:
+        """This process's threads and other processes' writers, one at a time."""
+        with self._lock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _reload_index(self) -> None:
+        """Read the whole log again (first open, or after another process compacted it)."""
+        if self._log_fd >= 0:
+            os.close(self._log_fd)
+            self._log_fd = -1
+        index: dict[str, _Entry] = {}
+        self._index = index
+        self._by_slot = {}
+        self._free_hint = []
+        self._log_pos = 0
+        self._log_records = 0
+        try:
+            self._log_fd = os.open(self.index_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise BackendError(f"cannot open {self.index_path}: {exc}") from exc
+        self._log_ino = os.fstat(self._log_fd).st_ino
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Apply records appended since the last read; reload if the log was replaced."""
+        try:
+            st = os.stat(self.index_path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and st.st_ino != self._log_ino:
+            self._reload_index()
+            return
+        size = os.fstat(self._log_fd).st_size
+        if size <= self._log_pos:
+            return
+        data = os.pread(self._log_fd, size - self._log_pos, self._log_pos)
+        off = 0
+        while off + _REC.size + _CRC.size <= len(data):
+            magic, kind, algo, name_len, slot, gen, length, csum = _REC.unpack_from(data, off)
+            end = off + _REC.size + name_len
+            if magic != _REC_MAGIC or end + _CRC.size > len(data):
+                break
+            (crc,) = _CRC.unpack_from(data, end)
+            if zlib.crc32(data[off:end]) != crc:
+                break  # a torn record (crash mid-append): everything after it is ignored
+            name = data[off + _REC.size : end].decode("utf-8")
+            self._apply(kind, name, _Entry(slot, gen, length, csum, algo))
+            off = end + _CRC.size
+            self._log_records += 1
+        self._log_pos += off
+
+    def _apply(self, kind: int, name: str, entry: _Entry) -> None:
+        old = self._index.pop(name, None)
+        if old is not None:
+            self._by_slot.pop(old.slot, None)
+        if kind == PUT:
+            stale = self._by_slot.pop(entry.slot, None)
+            if stale is not None:
+                self._index.pop(stale, None)
+            self._index[name] = entry
+            self._by_slot[entry.slot] = name
+
+    @staticmethod
+    def _encode(kind: int, name: str, e: _Entry) -> bytes:
+        raw = name.encode("utf-8")
+        rec = (
+            _REC.pack(
+                _REC_MAGIC, kind, e.algorithm, len(raw), e.slot, e.generation, e.length, e.checksum
+            )
+            + raw
+        )
+        return rec + _CRC.pack(zlib.crc32(rec))
+
+    def _append(self, records: list[tuple[int, str, _Entry]]) -> None:
+        """Append records to the log (writer lock held); they are the commit point."""
+        if os.fstat(self._log_fd).st_size != self._log_pos:
+            # A torn tail from a crashed writer: cut it, or new records would hide behind it.
+            os.ftruncate(self._log_fd, self._log_pos)
+        blob = b"".join(self._encode(kind, name, e) for kind, name, e in records)
+        written = os.pwrite(self._log_fd, blob, self._log_pos)
+        if written != len(blob):
+            raise BackendError(f"short write to {self.index_path}")
+        if self.options.fsync:
+            os.fsync(self._log_fd)
+        for kind, name, e in records:
+            self._apply(kind, name, e)
+        self._log_pos += len(blob)
+        self._log_records += len(records)
+        if self._log_records > 4 * max(len(self._index), 256):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rewrite the log with the live records only: temporary, fsync, rename."""
+        tmp = f"{self.index_path}.tmp.{os.getpid()}"
+        blob = b"".join(self._encode(PUT, name, e) for name, e in self._index.items())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            writev_all(fd, [blob])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.index_path)
+        fsync_dir(os.path.dirname(self.index_path))
+        self._reload_index()
+
+    # ------------------------------------------------------------------ slots
+
+    def _find(self, name: str) -> _Entry | None:
+        """The live entry of ``name``, checked against the shared slot table."""
+        arena = self._arena
+        if arena is None:
+            if not os.path.exists(self.path):
+                return None
+            arena = self._open_arena(DEFAULT_SLOT)
+        entry = self._index.get(name)
+        if entry is None or int(arena.slots[entry.slot]["generation"]) != entry.generation:
+            with self._lock:
+                self._catch_up()
+                entry = self._index.get(name)
+        if entry is None:
+            return None
+        row = arena.slots[entry.slot]
+        if int(row["generation"]) != entry.generation or int(row["state"]) != COMMITTED:
+            return None
+        return entry
+
+    def _refill_hint(self, arena: _Arena) -> None:
+        """Find reusable slots (writer lock held, index caught up)."""
+        import numpy as np
+
+        slots = arena.slots
+        state = slots["state"]
+        now = time.time()
+        usable = (state == FREE) | (
+            (state == RETIRED) & (slots["since"] <= now - self.options.reuse_delay)
+        )
+        hint = [int(i) for i in np.flatnonzero(usable)]
+        if not hint:
+            live = np.zeros(arena.nslots, dtype=bool)
+            if self._by_slot:
+                live[np.fromiter(self._by_slot, dtype=np.int64)] = True
+            # Orphans: committed in the table but never logged (a crash between the two),
+            # or being written by a process that died.
+            for i in np.flatnonzero(((state == COMMITTED) | (state == WRITING)) & ~live):
+                row = slots[int(i)]
+                if int(row["state"]) == COMMITTED or not _alive(
+                    int(row["pid"]), int(row["pid_start"])
+                ):
+                    hint.append(int(i))
+        hint.reverse()  # pop() from the end takes the lowest slot first
+        self._free_hint = hint
+
+    def _reserve_slot(self, arena: _Arena) -> tuple[int, int] | None:
+        """A free slot for a new object (writer lock held): (slot, new generation)."""
+        slots = arena.slots
+        while True:
+            if not self._free_hint:
+                self._refill_hint(arena)
+                if not self._free_hint:
+                    self._evict_some(arena)
+                    return None  # evicted slots rest for reuse_delay first
+            slot = self._free_hint.pop()
+            state = int(slots[slot]["state"])
+            if slot in self._by_slot or (
+                state == WRITING and _alive(int(slots[slot]["pid"]), int(slots[slot]["pid_start"]))
+            ):
+                continue  # taken since the hint was made
+            if (
+                state == RETIRED
+                and float(slots[slot]["since"]) > time.time() - self.options.reuse_delay
+            ):
+                continue
+            break
+        gen = int(slots[slot]["generation"]) + 1
+        row = slots[slot]
+        row["generation"] = gen
+        row["state"] = WRITING
+        row["pid"] = self._pid
+        row["pid_start"] = self._pid_start
+        row["since"] = time.time()
+        if len(self._free_hint) + 1 < self.options.low_free_slots * arena.nslots:
+            # Evict ahead, so the slots have rested by the time they are needed.
+            usable = int(((slots["state"] == FREE) | (slots["state"] == RETIRED)).sum())
+            if usable < self.options.low_free_slots * arena.nslots:
+                self._evict_some(arena)
+        return slot, gen
+
+    def _evict_some(self, arena: _Arena) -> None:
+        """Evict the least recently used live objects: ~5 % of the slots (at least one)."""
+        import numpy as np
+
+        if not self._by_slot:
+            return
+        live = np.fromiter(self._by_slot, dtype=np.int64)
+        count = min(len(live), max(1, arena.nslots // 20))
+        access = arena.slots["last_access"][live]
+        victims = [int(s) for s in live[np.argsort(access, kind="stable")[:count]]]
+        records = [(DEL, self._by_slot[s], self._index[self._by_slot[s]]) for s in victims]
+        self._append(records)  # logged first: a crash here leaves them deleted, never half
+        self._retire(arena, victims)
+        self._record(evictions=len(victims))
+
+    @staticmethod
+    def _retire(arena: _Arena, slots: list[int]) -> None:
+        now = time.time()
+        for slot in slots:
+            row = arena.slots[slot]
+            row["generation"] = int(row["generation"]) + 1
+            row["state"] = RETIRED
+            row["since"] = now
+
+    # ------------------------------------------------------------------ protocol
+
+    def _write(self, key: str, value: Any, views: list[memoryview] | None = None) -> bool:
+        views = views if views is not None else source_views(value)
+        nbytes = total_nbytes(views)
+        arena = self._arena_for(nbytes)
+        if nbytes > arena.slot_size:
+            raise CapacityError(
+                f"{nbytes}-byte object exceeds the arena's slot size {arena.slot_size}"
+            )
+        name = self.object_name(key).path
+        deadline = time.monotonic() + max(5.0, 20 * self.options.reuse_delay)
+        while True:
+            with self._writer_lock():
+                self._catch_up()
+                if self._find(name) is not None:
+                    arena.slots[self._index[name].slot]["last_access"] = time.time()
+                    return True
+                reserved = self._reserve_slot(arena)
+            if reserved is not None:
+                break
+            if time.monotonic() > deadline:
+                raise CapacityError(
+                    "no slot became free in time (all are being written or resting)"
+                )
+            time.sleep(max(0.001, self.options.reuse_delay / 5))
+        slot, gen = reserved
+        try:
+            _copy_in(arena, slot, views, _pointers(value, views))
+            csum = checksum(views, self._algorithm) if self._algorithm else 0
+            if self.options.fsync:
+                arena.flush(slot, nbytes)
+            with self._writer_lock():
+                self._catch_up()
+                row = arena.slots[slot]
+                row["length"] = nbytes
+                row["checksum"] = csum
+                row["last_access"] = time.time()
+                if name in self._index:
+                    row["state"] = FREE  # another process stored the key meanwhile: it won
+                    return True
+                row["state"] = COMMITTED
+                self._append([(PUT, name, _Entry(slot, gen, nbytes, csum, self._algorithm))])
+        except BaseException:
+            if arena.slots[slot]["state"] == WRITING:
+                arena.slots[slot]["state"] = FREE
+            raise
+        self._record(bytes_written=nbytes)
+        return True
+
+    def _read(self, key: str, views: list[memoryview] | None, target: Any) -> Any:
+        entry = self._find(self.object_name(key).path)
+        if entry is None:
+            return None
+        arena = self._arena
+        if arena is None:
+            return None
+        out: Any = target
+        if views is None:
+            import torch
+
+            out = target = torch.empty(entry.length, dtype=torch.uint8)
+            views = target_views(out) if entry.length else []
+        elif total_nbytes(views) != entry.length:
+            self._record(size_mismatches=1)
+            return None
+        _copy_out(arena, entry.slot, views, _pointers(target, views) if views else None)
+        # Seqlock check: the slot must still hold this generation after the copy.
+        if int(arena.slots[entry.slot]["generation"]) != entry.generation:
+            return None
+        if (
+            self.options.verify_checksum
+            and entry.algorithm
+            and checksum(views, entry.algorithm) != entry.checksum
+        ):
+            self._record(corrupt_objects=1)
+            logger.warning(
+                "checksum mismatch in slot %d of %s; the read is a miss", entry.slot, self.path
+            )
+            return None
+        arena.slots[entry.slot]["last_access"] = time.time()
+        self._record(bytes_read=entry.length)
+        return out
+
+    def get(self, key: str, target: Any = None) -> Any:
+        # docstring inherited
+        with self._op():
+            return self._read(key, None if target is None else target_views(target), target)
+
+    def set(self, key: str, value: Any) -> bool:
+        # docstring inherited
+        with self._op():
+            return self._write(key, value)
+
+    def exists(self, key: str) -> bool:
+        # docstring inherited
+        with self._op():
+            return self._find(self.object_name(key).path) is not None
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        # docstring inherited
+        with self._op():
+            for i, key in enumerate(keys):
+                if self._find(self.object_name(key).path) is None:
+                    return i
+            return len(keys)
+
+    def _pages(
+        self, op: str, keys: list[str], pages: Sequence[PageBuffer], write: bool
+    ) -> list[bool]:
+        if len(pages) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
+        errors = [0]
+
+        def one(i: int) -> bool:
+            try:
+                if write:
+                    return self._write(keys[i], pages[i], pages[i].views)
+                return self._read(keys[i], pages[i].views, pages[i]) is not None
+            except Exception as exc:  # noqa: BLE001 - one page fails, the batch goes on
+                self._log_failure(op, exc)
+                errors[0] += 1
+                return False
+
+        with self._op():
+            out = self._io.map(one, len(keys))
+        self._add_item_errors(errors[0])
+        return out
+
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        return self._pages("batch_get_pages", keys, pages, write=False)
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        return self._pages("batch_set_pages", keys, pages, write=True)
+
+    def delete(self, key: str) -> bool:
+        # docstring inherited
+        name = self.object_name(key).path
+        with self._op():
+            if self._arena is None and not os.path.exists(self.path):
+                return False
+            arena = self._arena_for(0)
+            with self._writer_lock():
+                self._catch_up()
+                entry = self._index.get(name)
+                if entry is None:
+                    return False
+                self._append([(DEL, name, entry)])
+                self._retire(arena, [entry.slot])
+            return True
+
+    def clear(self) -> None:
+        """Delete this namespace's objects (other namespaces in the arena stay)."""
+        prefix = self.namespace.digest + "/"
+        with self._op():
+            if self._arena is None and not os.path.exists(self.path):
+                return
+            arena = self._arena_for(0)
+            with self._writer_lock():
+                self._catch_up()
+                mine = [(n, e) for n, e in self._index.items() if n.startswith(prefix)]
+                if mine:
+                    self._append([(DEL, n, e) for n, e in mine])
+                    self._retire(arena, [e.slot for _, e in mine])
+
+    def close(self) -> None:
+        # docstring inherited
+        with self._gate:
+            self._closing = True
+            while self._inflight:
+                self._gate.wait()
+        self._io.close()
+        with self._lock:
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+            for fd in (self._log_fd, self._lock_fd):
+                if fd >= 0:
+                    os.close(fd)
+            self._log_fd = self._lock_fd = -1
+
+    # ------------------------------------------------------------------ introspection
+
+    def usage(self) -> dict[str, int]:
+        """Slots of the arena and how many hold live objects (all namespaces)."""
+        arena = self._arena
+        if arena is None:
+            return {"slots": 0, "slot_size": 0, "live": 0}
+        with self._lock:
+            self._catch_up()
+            return {"slots": arena.nslots, "slot_size": arena.slot_size, "live": len(self._index)}
+
+    def __repr__(self) -> str:
+        return f"MmapBackend(path={self.path!r}, namespace={self.namespace.digest}, shard={self.config.shard})"

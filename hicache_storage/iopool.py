@@ -1,0 +1,54 @@
+"""A lazily started thread pool for batch I/O, shared by backends that copy in parallel.
+
+System calls (``preadv``/``writev``), ``memmove`` through ctypes and the xxh3 checksum all
+release the GIL, so a few threads overlap the copies of a batch's pages.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from hicache_storage.errors import BackendClosedError
+
+__all__ = ["IOPool"]
+
+T = TypeVar("T")
+
+
+class IOPool:
+    """``map(fn, n)`` over ``range(n)`` on up to ``threads`` threads; serial for one item.
+
+    Args:
+        threads: worker threads (1: everything runs in the caller's thread).
+        name: thread name prefix.
+    """
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.threads = threads
+        self.name = name
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closing = False
+
+    def map(self, fn: Callable[[int], T], n: int) -> list[T]:
+        """``[fn(0), ..., fn(n - 1)]``, computed in parallel when worth it."""
+        if n <= 1 or self.threads <= 1:
+            return [fn(i) for i in range(n)]
+        with self._lock:
+            if self._closing:
+                raise BackendClosedError(f"{self.name}: closing")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
+            executor = self._executor
+        return list(executor.map(fn, range(n)))
+
+    def close(self) -> None:
+        """Stop the threads after the work in progress; later maps raise."""
+        with self._lock:
+            self._closing = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
