@@ -36,7 +36,7 @@ import time
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from hicache_storage.atomic import _start_time, fsync_dir, writev_all
@@ -274,6 +274,16 @@ def _pointers(value: Any, views: Sequence[memoryview]) -> list[int] | None:
 
 
 DEFAULT_SLOT = 4 * 2**20
+_CAPS = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
+
+
+class _MmapCapabilities:
+    """Capabilities on the class; on an instance, with the arena's slot size as the limit."""
+
+    def __get__(self, obj: MmapBackend | None, owner: type) -> Capabilities:
+        if obj is None:
+            return _CAPS
+        return replace(_CAPS, max_object_bytes=obj._slot_limit())
 
 
 class MmapBackend(HiCacheStorage):
@@ -296,6 +306,7 @@ class MmapBackend(HiCacheStorage):
         self._log_ino = 0
         self._log_pos = 0
         self._log_records = 0
+        self.compactions = 0
         self._pid = os.getpid()
         self._pid_start = int(_start_time(self._pid) or 0)
         self._io = IOPool(self.options.io_threads, "hicache-mmap")
@@ -312,18 +323,15 @@ class MmapBackend(HiCacheStorage):
         if self.options.slot_size is not None or os.path.exists(self.path):
             self._open_arena(self.options.slot_size or DEFAULT_SLOT)
 
-    @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
-        """Zero-copy, persistent, shared; the largest object is the slot size."""
+    capabilities = _MmapCapabilities()
+
+    def _slot_limit(self) -> int | None:
+        """The largest storable object: the slot size, once known."""
         if self._arena is not None:
-            limit: int | None = self._arena.slot_size
-        elif self.options.slot_size is not None:
-            limit = _round_up(self.options.slot_size, PAGE)
-        else:
-            limit = None
-        return Capabilities(
-            zero_copy=True, delete=True, persistent=True, shared=True, max_object_bytes=limit
-        )
+            return int(self._arena.slot_size)
+        if self.options.slot_size is not None:
+            return _round_up(self.options.slot_size, PAGE)
+        return None
 
     # ------------------------------------------------------------------ lifecycle gate
 
@@ -474,6 +482,7 @@ class MmapBackend(HiCacheStorage):
             os.close(fd)
         os.replace(tmp, self.index_path)
         fsync_dir(os.path.dirname(self.index_path))
+        self.compactions += 1
         self._reload_index()
 
     # ------------------------------------------------------------------ slots
@@ -584,53 +593,96 @@ class MmapBackend(HiCacheStorage):
 
     # ------------------------------------------------------------------ protocol
 
-    def _write(self, key: str, value: Any, views: list[memoryview] | None = None) -> bool:
-        views = views if views is not None else source_views(value)
-        nbytes = total_nbytes(views)
-        arena = self._arena_for(nbytes)
-        if nbytes > arena.slot_size:
-            raise CapacityError(
-                f"{nbytes}-byte object exceeds the arena's slot size {arena.slot_size}"
-            )
-        name = self.object_name(key).path
-        deadline = time.monotonic() + max(5.0, 20 * self.options.reuse_delay)
-        while True:
-            with self._writer_lock():
-                self._catch_up()
-                if self._find(name) is not None:
-                    arena.slots[self._index[name].slot]["last_access"] = time.time()
-                    return True
-                reserved = self._reserve_slot(arena)
-            if reserved is not None:
-                break
-            if time.monotonic() > deadline:
+    def _write_many(self, items: Sequence[tuple[str, Any, list[memoryview]]]) -> list[bool]:
+        """Store ``(key, value, views)`` items: reserve slots for all under one lock, copy
+        them in parallel without the lock, then publish all with one log append.
+
+        A failure that hits the whole call (arena, log, no slot in time) raises.
+        """
+        if not items:
+            return []
+        sizes = [total_nbytes(v) for _, _, v in items]
+        arena = self._arena_for(max(sizes))
+        names = [self.object_name(key).path for key, _, _ in items]
+        results = [False] * len(items)
+        slots: dict[int, tuple[int, int]] = {}  # item -> (slot, generation)
+        pending = [i for i, n in enumerate(sizes) if n <= arena.slot_size]
+        if len(pending) < len(items):
+            oversize = len(items) - len(pending)
+            if len(items) == 1:
                 raise CapacityError(
-                    "no slot became free in time (all are being written or resting)"
+                    f"{sizes[0]}-byte object exceeds the slot size {arena.slot_size}"
                 )
-            time.sleep(max(0.001, self.options.reuse_delay / 5))
-        slot, gen = reserved
-        try:
-            _copy_in(arena, slot, views, _pointers(value, views))
-            csum = checksum(views, self._algorithm) if self._algorithm else 0
-            if self.options.fsync:
-                arena.flush(slot, nbytes)
+            self._log_failure("set", CapacityError(f"{oversize} objects exceed the slot size"))
+            self._add_item_errors(oversize)
+        deadline = time.monotonic() + max(5.0, 20 * self.options.reuse_delay)
+        while pending:
             with self._writer_lock():
                 self._catch_up()
-                row = arena.slots[slot]
-                row["length"] = nbytes
-                row["checksum"] = csum
-                row["last_access"] = time.time()
-                if name in self._index:
-                    row["state"] = FREE  # another process stored the key meanwhile: it won
-                    return True
-                row["state"] = COMMITTED
-                self._append([(PUT, name, _Entry(slot, gen, nbytes, csum, self._algorithm))])
+                waiting = []
+                for i in pending:
+                    name = names[i]
+                    taken = any(names[j] == name for j in slots)
+                    if taken or self._find(name) is not None:
+                        results[i] = True  # stored already, or twice in this batch
+                        if name in self._index:
+                            arena.slots[self._index[name].slot]["last_access"] = time.time()
+                        continue
+                    reserved = self._reserve_slot(arena)
+                    if reserved is None:
+                        waiting.append(i)
+                    else:
+                        slots[i] = reserved
+            pending = waiting
+            if pending:
+                if time.monotonic() > deadline:
+                    self._release([s for s, _ in slots.values()], arena)
+                    raise CapacityError("no slot became free in time (all busy or resting)")
+                time.sleep(max(0.001, self.options.reuse_delay / 5))
+        order = list(slots)
+
+        def copy(k: int) -> int:
+            i = order[k]
+            _, value, views = items[i]
+            _copy_in(arena, slots[i][0], views, _pointers(value, views))
+            if self.options.fsync:
+                arena.flush(slots[i][0], sizes[i])
+            return checksum(views, self._algorithm) if self._algorithm else 0
+
+        try:
+            sums = self._io.map(copy, len(order))
+            with self._writer_lock():
+                self._catch_up()
+                now = time.time()
+                records = []
+                for i, csum in zip(order, sums, strict=True):
+                    slot, gen = slots[i]
+                    row = arena.slots[slot]
+                    if names[i] in self._index:
+                        row["state"] = FREE  # another process stored the key meanwhile: it won
+                        continue
+                    row["length"] = sizes[i]
+                    row["checksum"] = csum
+                    row["last_access"] = now
+                    row["state"] = COMMITTED
+                    entry = _Entry(slot, gen, sizes[i], csum, self._algorithm)
+                    records.append((PUT, names[i], entry))
+                if records:
+                    self._append(records)
         except BaseException:
-            if arena.slots[slot]["state"] == WRITING:
-                arena.slots[slot]["state"] = FREE
+            self._release([s for s, _ in slots.values()], arena)
             raise
-        self._record(bytes_written=nbytes)
-        return True
+        for i in order:
+            results[i] = True
+        self._record(bytes_written=sum(sizes[i] for i in order))
+        return results
+
+    @staticmethod
+    def _release(slots: list[int], arena: _Arena) -> None:
+        """Give back reserved slots that were not committed."""
+        for slot in slots:
+            if int(arena.slots[slot]["state"]) == WRITING:
+                arena.slots[slot]["state"] = FREE
 
     def _read(self, key: str, views: list[memoryview] | None, target: Any) -> Any:
         entry = self._find(self.object_name(key).path)
@@ -674,7 +726,7 @@ class MmapBackend(HiCacheStorage):
     def set(self, key: str, value: Any) -> bool:
         # docstring inherited
         with self._op():
-            return self._write(key, value)
+            return self._write_many([(key, value, source_views(value))])[0]
 
     def exists(self, key: str) -> bool:
         # docstring inherited
@@ -689,20 +741,17 @@ class MmapBackend(HiCacheStorage):
                     return i
             return len(keys)
 
-    def _pages(
-        self, op: str, keys: list[str], pages: Sequence[PageBuffer], write: bool
-    ) -> list[bool]:
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         errors = [0]
 
         def one(i: int) -> bool:
             try:
-                if write:
-                    return self._write(keys[i], pages[i], pages[i].views)
                 return self._read(keys[i], pages[i].views, pages[i]) is not None
             except Exception as exc:  # noqa: BLE001 - one page fails, the batch goes on
-                self._log_failure(op, exc)
+                self._log_failure("batch_get_pages", exc)
                 errors[0] += 1
                 return False
 
@@ -711,13 +760,12 @@ class MmapBackend(HiCacheStorage):
         self._add_item_errors(errors[0])
         return out
 
-    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
-        return self._pages("batch_get_pages", keys, pages, write=False)
-
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         # docstring inherited
-        return self._pages("batch_set_pages", keys, pages, write=True)
+        if len(pages) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
+        with self._op():
+            return self._write_many([(k, p, p.views) for k, p in zip(keys, pages, strict=True)])
 
     def delete(self, key: str) -> bool:
         # docstring inherited

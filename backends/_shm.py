@@ -63,6 +63,7 @@ class ShmBackend(FileStore):
     name = "shm"
     capabilities = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
     options_class = ShmOptions
+    persist_recency = False  # a read costs no inode update; recency restarts with the node
 
     def _location(self, opts: Any) -> str:
         directory: str = opts.directory

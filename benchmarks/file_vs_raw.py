@@ -76,7 +76,7 @@ def timed(fn: Callable[[], Any]) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pages", type=int, default=256)
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument(
         "--dir", default=None, help="directory to benchmark in (default: a new one under /tmp)"

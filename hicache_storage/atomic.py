@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import logging
 import os
 import secrets
@@ -69,10 +70,18 @@ def _writer_tag() -> str:
     return _WRITER_TAG[1]
 
 
+_SEQUENCE = itertools.count()
+_RUN = secrets.token_hex(3)
+
+
 def temp_path(directory: str) -> str:
-    """A fresh temporary path in ``directory`` naming this host and process."""
+    """A fresh temporary path in ``directory`` naming this host and process.
+
+    Unique without a system call: a random tag per process run plus a counter
+    (``next()`` on ``itertools.count`` is atomic under the GIL).
+    """
     return os.path.join(
-        directory, f"{TEMP_PREFIX}{_HOST_TAG}.{_writer_tag()}.{secrets.token_hex(6)}"
+        directory, f"{TEMP_PREFIX}{_HOST_TAG}.{_writer_tag()}.{_RUN}{next(_SEQUENCE):x}"
     )
 
 

@@ -116,6 +116,8 @@ class FileStore(HiCacheStorage):
     dir_mode: int = 0o700
     #: Group that owns what this store creates (``None``: the process's group).
     group_id: int | None = None
+    #: Refresh a file's mtime when it is read, so LRU order survives a restart.
+    persist_recency: bool = True
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config)
@@ -304,10 +306,11 @@ class FileStore(HiCacheStorage):
     def _touch(self, name: ObjectName, path: str) -> None:
         if self._tracker.enabled:
             self._tracker.touch(name.path)
-            try:
-                os.utime(path)  # recency survives a restart (the start-up scan reads mtime)
-            except OSError:
-                pass
+            if self.persist_recency:
+                try:
+                    os.utime(path)  # recency survives a restart (the start-up scan reads mtime)
+                except OSError:
+                    pass
 
     def get(self, key: str, target: Any = None) -> Any:
         # docstring inherited

@@ -34,7 +34,7 @@ class BenchShape:
     """Geometry of the benchmark's KV pages (defaults: 2 MiB bf16 pages, Llama-3-8B-like)."""
 
     pages: int = 128
-    batch: int = 64
+    batch: int = 128
     page_size: int = 16
     layer_num: int = 32
     kv_heads: int = 8

@@ -196,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_args(p, default="file")
     p.add_argument("--pages", type=int, default=128, help="pages to write and read (default 128)")
     p.add_argument(
-        "--batch", type=int, default=64, help="pages per batch call (default 64; engine max 128)"
+        "--batch",
+        type=int,
+        default=128,
+        help="pages per batch call (default 128, the engine's largest)",
     )
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument("--layer-num", type=int, default=32)

@@ -1,0 +1,264 @@
+"""The ``mmap`` backend: a persistent slab arena with a crash-safe, shared index."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache_storage import StorageConfig
+from hicache_storage.backends import MmapBackend
+from hicache_storage.conformance import BackendConformance, BackendSpec
+from hicache_storage.errors import ConfigError
+
+WORKER = Path(__file__).parent / "workers" / "mmap_writer.py"
+MiB = 2**20
+
+
+class TestMmapConformance(BackendConformance):
+    @pytest.fixture
+    def backend_spec(self, tmp_path: Path) -> BackendSpec:
+        return BackendSpec(
+            "mmap", {"path": str(tmp_path / "arena"), "capacity": "256MiB", "slot_size": "4MiB"}
+        )
+
+
+class TestMmapConformanceDurable(BackendConformance):
+    """fsync on, checksums written and verified."""
+
+    @pytest.fixture
+    def backend_spec(self, tmp_path: Path) -> BackendSpec:
+        opts = {"path": str(tmp_path / "arena"), "capacity": "160MiB", "slot_size": "4MiB", "fsync": True,
+                "checksum": "xxh3", "verify_checksum": True}  # fmt: skip
+        return BackendSpec("mmap", opts)
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Iterator[Callable[..., MmapBackend]]:
+    made: list[MmapBackend] = []
+
+    def make(**options: object) -> MmapBackend:
+        options.setdefault("path", str(tmp_path / "arena"))
+        b = MmapBackend(StorageConfig(), **options)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def value(i: int, n: int = 1000) -> bytes:
+    return bytes([i % 256]) * n
+
+
+def test_geometry_is_fixed_at_creation(arena: Callable[..., MmapBackend], tmp_path: Path) -> None:
+    a = arena(capacity="64MiB", slot_size="1MiB")
+    u = a.usage()
+    assert u["slot_size"] == MiB
+    assert 55 <= u["slots"] <= 63
+    assert os.path.getsize(tmp_path / "arena") <= 64 * MiB
+    a.set("k", b"v")
+    a.close()
+    again = arena(capacity="1GiB", slot_size="8MiB")  # ignored: the arena exists
+    assert again.usage() == {**u, "live": 1}
+    assert again.capabilities.max_object_bytes == MiB
+    assert again.set("big", b"x" * (MiB + 1)) is False
+
+
+def test_slot_size_follows_the_registered_pool(arena: Callable[..., MmapBackend]) -> None:
+    from .conftest import make_pool
+
+    pool = make_pool()
+    b = arena(capacity="8MiB")
+    b.register_mem_pool_host(pool)
+    assert b.usage()["slot_size"] == 4096  # the pool's 768-byte pages, rounded to 4 KiB
+
+
+def test_persistence_and_sharing_between_instances(arena: Callable[..., MmapBackend]) -> None:
+    a = arena(capacity="32MiB", slot_size="64KiB")
+    other = arena()  # a second instance on the same arena (think: another rank)
+    assert a.batch_set([f"k{i}" for i in range(20)], [value(i) for i in range(20)]) == [True] * 20
+    assert other.batch_exists([f"k{i}" for i in range(20)]) == 20
+    assert bytes(other.get("k7").numpy()) == value(7)
+    a.close()
+    reopened = arena()
+    assert [bytes(t.numpy()) for t in reopened.batch_get([f"k{i}" for i in range(20)])] == [
+        value(i) for i in range(20)
+    ]
+
+
+def test_another_process_sees_new_keys(arena: Callable[..., MmapBackend], tmp_path: Path) -> None:
+    a = arena(capacity="16MiB", slot_size="64KiB")
+    assert not a.exists("from-child")
+    r = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "arena"), "put", "from-child", "5000"],
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    assert r.stdout.strip() == "True"
+    got = a.get("from-child")
+    assert got is not None
+    assert bytes(got.numpy()) == b"\x09" * 5000
+
+
+def test_full_store_evicts_least_recently_used(arena: Callable[..., MmapBackend]) -> None:
+    b = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    slots = b.usage()["slots"]
+    keys = [f"k{i}" for i in range(slots)]
+    assert b.batch_set(keys, [value(i) for i in range(slots)]) == [True] * slots
+    time.sleep(0.01)
+    assert b.get("k0") is not None  # k0 is now the most recently used
+    assert b.set("new", b"n")
+    assert b.exists("new")
+    assert b.exists("k0")
+    assert not b.exists("k1")
+    assert b.get_stats().evictions == 1
+    for i in range(3 * slots):  # keeps working when full, never fails
+        assert b.set(f"more{i}", value(i))
+    assert b.usage()["live"] <= slots
+
+
+def test_a_torn_index_record_is_ignored(arena: Callable[..., MmapBackend], tmp_path: Path) -> None:
+    b = arena(capacity="8MiB", slot_size="64KiB")
+    for i in range(10):
+        b.set(f"k{i}", value(i))
+    b.close()
+    index = tmp_path / "arena.index"
+    size = index.stat().st_size
+    os.truncate(index, size - 7)  # a crash in the middle of appending the last record
+    again = arena()
+    assert again.batch_exists([f"k{i}" for i in range(10)]) == 9
+    assert not again.exists("k9")
+    assert again.set("after", b"a")  # the torn tail is cut before appending
+    third = arena()
+    assert third.batch_exists([f"k{i}" for i in range(9)]) == 9
+    assert bytes(third.get("after").numpy()) == b"a"
+    assert not third.exists("k9")
+
+
+def test_a_damaged_record_hides_what_follows_never_shows_garbage(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    b = arena(capacity="8MiB", slot_size="64KiB")
+    for i in range(6):
+        b.set(f"k{i}", value(i))
+    b.close()
+    index = tmp_path / "arena.index"
+    raw = bytearray(index.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    index.write_bytes(bytes(raw))
+    again = arena()
+    visible = [i for i in range(6) if again.exists(f"k{i}")]
+    assert visible == list(range(len(visible)))
+    assert len(visible) < 6
+    for i in visible:
+        assert bytes(again.get(f"k{i}").numpy()) == value(i)
+    for i in range(20):  # the orphaned slots are reclaimed
+        assert again.set(f"n{i}", value(i))
+
+
+def test_compaction_is_atomic_and_seen_by_other_instances(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    b = arena(capacity="4MiB", slot_size="16KiB", reuse_delay=0)
+    watcher = arena()
+    index = tmp_path / "arena.index"
+    for i in range(1000):  # 1000 puts and ~750 evictions: past the compaction threshold
+        assert b.set(f"k{i}", value(i, 100))
+    assert b.compactions >= 1
+    record = 36 + len(b.object_name("k0").path) + 4
+    # ~1750 records were appended; compaction keeps the log under its threshold of 1024.
+    assert index.stat().st_size <= 1024 * record
+    assert not list(tmp_path.glob("arena.index.tmp*"))
+    assert watcher.exists("k999")  # reloads the new log
+    assert bytes(watcher.get("k999").numpy()) == value(999, 100)
+    live = b.usage()["live"]
+    assert watcher.usage()["live"] == live
+
+
+def test_readers_never_get_bytes_of_a_reused_slot(arena: Callable[..., MmapBackend]) -> None:
+    """Eviction and immediate reuse racing a reader: the reader misses or reads right."""
+    size = 2 * MiB
+    b = arena(capacity="12MiB", slot_size="2MiB", reuse_delay=0, low_free_slots=0)
+    reader = arena()
+    stop = threading.Event()
+    wrong: list[int] = []
+    hits = [0]
+
+    def read_loop() -> None:
+        target = bytearray(size)
+        while not stop.is_set():
+            for i in range(40):
+                if reader.get(f"k{i}", target) is not None:
+                    hits[0] += 1
+                    if target[0] != i or target[-1] != i:
+                        wrong.append(i)
+
+    t = threading.Thread(target=read_loop)
+    t.start()
+    try:
+        for i in range(40):
+            assert b.set(f"k{i}", bytes([i]) * size)
+    finally:
+        stop.set()
+        t.join()
+    assert wrong == []
+    assert hits[0] > 0
+
+
+def test_a_writer_killed_mid_copy_leaves_nothing_visible(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    slot = 64 * MiB
+    b = arena(capacity="200MiB", slot_size="64MiB")
+    path = str(tmp_path / "arena")
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), path, "big", str(slot)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    keys = []
+    for line in proc.stdout:
+        keys.append(line.split()[1])
+        if len(keys) == 3:  # two objects done, the third being copied
+            break
+    time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    keys += [line.split()[1] for line in proc.stdout.read().splitlines()]
+    proc.stdout.close()
+    target = bytearray(slot)
+    for k in keys:
+        got = b.get(k, target)
+        if got is not None:
+            assert target == b"\x05" * slot, k
+        else:
+            assert not b.exists(k)
+    # The dead writer's slot is reclaimed: the arena still takes as many objects as it has slots.
+    for i in range(b.usage()["slots"] + 1):
+        assert b.set(f"after{i}", b"x" * 1000)
+
+
+def test_bad_arenas_and_options(tmp_path: Path) -> None:
+    bad = tmp_path / "not-an-arena"
+    bad.write_bytes(b"garbage" * 1000)
+    with pytest.raises(ConfigError, match="not a hicache-storage mmap arena"):
+        MmapBackend(StorageConfig(), path=str(bad))
+    with pytest.raises(ConfigError):
+        MmapBackend(StorageConfig(), path=str(tmp_path / "a"), capacity="1KiB", slot_size="1MiB")
+    with pytest.raises(ConfigError):
+        MmapBackend(StorageConfig(), path=str(tmp_path / "b"), verify_checksum=True)
+
+
+def test_zero_copy_from_a_tensor(arena: Callable[..., MmapBackend]) -> None:
+    b = arena(capacity="8MiB", slot_size="1MiB")
+    src = torch.arange(1000, dtype=torch.int64)
+    assert b.set("t", src)
+    dst = torch.zeros(1000, dtype=torch.int64)
+    assert b.get("t", dst) is dst
+    assert torch.equal(dst, src)
