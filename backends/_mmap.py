@@ -13,8 +13,11 @@ its record is in the log, so a writer killed at any point leaves no visible torn
 and a torn record at the end of the log (a crash mid-append) fails its CRC and is
 ignored. Other processes learn new keys by reading the log's new records.
 
-Eviction is LRU over the slot table's last-access times (updated by readers in every
-process). An evicted slot is logged (DEL), its generation bumped, and it is *retired*: it
+A writer holds an open-file-description lock (``F_OFD_SETLK``) on its slot's byte of the
+lock file while it copies; the kernel drops it if the writer dies, which is how other
+processes tell a crashed writer's slot (reclaimable) from a live one, whatever pid
+namespace either runs in. Eviction is LRU over the slot table's last-access times
+(updated by readers in every process). An evicted slot is logged (DEL), its generation bumped, and it is *retired*: it
 is reused only after ``reuse_delay`` seconds, so no reader can still be copying out of it;
 readers also re-check the slot's generation after their copy and report a miss if it
 changed. The log is compacted (live records to a temporary, then renamed over it) when it
@@ -30,6 +33,7 @@ import fcntl
 import logging
 import mmap
 import os
+import secrets
 import struct
 import threading
 import time
@@ -39,11 +43,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from hicache_storage.atomic import _start_time, fsync_dir, writev_all
+from hicache_storage.atomic import fsync_dir, temp_path, writev_all
 from hicache_storage.backend import Capabilities, HiCacheStorage
 from hicache_storage.buffers import PageBuffer, is_tensor, source_views, target_views, total_nbytes
 from hicache_storage.config import Size, StorageConfig, parse_options
-from hicache_storage.errors import BackendError, CapacityError, ConfigError, InvalidArgumentError
+from hicache_storage.errors import (
+    BackendError,
+    BackendTimeoutError,
+    CapacityError,
+    ConfigError,
+    InvalidArgumentError,
+    NotSupportedError,
+)
 from hicache_storage.header import algorithm_id, checksum
 from hicache_storage.iopool import IOPool
 
@@ -63,7 +74,7 @@ _SLOT_DTYPE = [
     ("checksum", "<u8"),
     ("last_access", "<f8"),
     ("since", "<f8"),
-    ("pid_start", "<u8"),
+    ("token", "<u8"),
     ("pad", "<u8"),
 ]
 FREE, WRITING, COMMITTED, RETIRED = 0, 1, 2, 3
@@ -138,20 +149,16 @@ class _Entry:
     algorithm: int
 
 
-def _alive(pid: int, pid_start: int) -> bool:
-    """True if process ``pid`` (started at ``pid_start`` clock ticks) still runs."""
-    if pid <= 0:
-        return False
-    started = _start_time(pid)
-    if started is None:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return pid_start == 0 or int(started) == pid_start
+_FLOCK = struct.Struct(
+    "hhqqi4x"
+)  # struct flock on 64-bit Linux (l_type, l_whence, start, len, pid)
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier (a lock round trip), between a copy and its generation re-check."""
+    with _FENCE:
+        pass
 
 
 class _Arena:
@@ -161,25 +168,25 @@ class _Arena:
         import numpy as np
 
         self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # creation races with other processes
-            try:
-                size = os.fstat(fd).st_size
-                if size == 0:
-                    self._create(fd, capacity, slot_size, prefault)
-                    size = os.fstat(fd).st_size
-                head = os.pread(fd, _SUPER.size + 4, 0)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            magic, version, _flags, self.slot_size, self.nslots, table_off, self.data_off = (
-                _SUPER.unpack(head[: _SUPER.size])
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = self._create(path, capacity, slot_size, prefault)
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, _SUPER.size + 4, 0)
+            if len(head) < _SUPER.size + 4:
+                raise ConfigError(f"{path} is not a hicache-storage mmap arena (too short)")
+            magic, version, _flags, slot, nslots, table_off, data_off = _SUPER.unpack(
+                head[: _SUPER.size]
             )
             (crc,) = _CRC.unpack(head[_SUPER.size :])
             if magic != _MAGIC or version != _VERSION or zlib.crc32(head[: _SUPER.size]) != crc:
                 raise ConfigError(f"{path} is not a hicache-storage mmap arena (or is damaged)")
-            if size < self.data_off + self.nslots * self.slot_size:
+            if size < data_off + nslots * slot:
                 raise ConfigError(f"{path} is truncated ({size} bytes)")
+            self.slot_size, self.nslots, self.data_off = int(slot), int(nslots), int(data_off)
+            self.table_off = int(table_off)
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
@@ -190,27 +197,49 @@ class _Arena:
         )
 
     @staticmethod
-    def _create(fd: int, capacity: int, slot_size: int, prefault: bool) -> None:
+    def _create(path: str, capacity: int, slot_size: int, prefault: bool) -> int:
+        """Build a complete arena under a temporary name, then link it into place.
+
+        A creator killed half way leaves only a temporary (removed by the next opener),
+        never a full-size file without a superblock. Returns an open descriptor.
+        """
         slot_size = _round_up(slot_size, PAGE)
-        table_bytes = _round_up((capacity // slot_size) * 64, PAGE)
-        nslots = (capacity - PAGE - table_bytes) // slot_size
+        nslots = 0
+        for n in range(capacity // slot_size, 0, -1):
+            if PAGE + _round_up(n * 64, PAGE) + n * slot_size <= capacity:
+                nslots = n
+                break
         if nslots < 1:
             raise ConfigError(f"capacity {capacity} holds no slot of {slot_size} bytes")
         table_off = PAGE
         data_off = PAGE + _round_up(nslots * 64, PAGE)
         total = data_off + nslots * slot_size
+        tmp = temp_path(os.path.dirname(path) or ".")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.posix_fallocate(fd, 0, total)
-        except OSError as exc:
-            os.ftruncate(fd, 0)
-            raise CapacityError(f"cannot allocate a {total}-byte arena: {exc}") from exc
-        head = _SUPER.pack(_MAGIC, _VERSION, 0, slot_size, nslots, table_off, data_off)
-        if prefault:
-            chunk = bytes(1 << 22)
-            for off in range(0, total, len(chunk)):
-                os.pwrite(fd, chunk[: min(len(chunk), total - off)], off)
-        os.pwrite(fd, head + _CRC.pack(zlib.crc32(head)), 0)
-        os.fsync(fd)
+            try:
+                os.posix_fallocate(fd, 0, total)
+            except OSError as exc:
+                raise CapacityError(f"cannot allocate a {total}-byte arena: {exc}") from exc
+            if prefault:
+                chunk = bytes(1 << 22)
+                for off in range(0, total, len(chunk)):
+                    os.pwrite(fd, chunk[: min(len(chunk), total - off)], off)
+            head = _SUPER.pack(_MAGIC, _VERSION, 0, slot_size, nslots, table_off, data_off)
+            os.pwrite(fd, head + _CRC.pack(zlib.crc32(head)), 0)
+            os.fsync(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                os.close(fd)
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # another process won the race
+            fsync_dir(os.path.dirname(path) or ".")
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            os.unlink(tmp)
+        return fd
 
     def slot_addr(self, slot: int) -> int:
         return int(self.base + self.data_off + slot * self.slot_size)
@@ -219,10 +248,17 @@ class _Arena:
         start = self.data_off + slot * self.slot_size
         return memoryview(self.map)[start : start + length]
 
-    def flush(self, slot: int, length: int) -> None:
-        start = self.data_off + slot * self.slot_size
+    def _flush_range(self, start: int, length: int) -> None:
         aligned = start - start % mmap.PAGESIZE
         self.map.flush(aligned, _round_up(start + length - aligned, mmap.PAGESIZE))
+
+    def flush(self, slot: int, length: int) -> None:
+        """msync a slot's data."""
+        self._flush_range(self.data_off + slot * self.slot_size, max(length, 1))
+
+    def flush_row(self, slot: int) -> None:
+        """msync a slot's table row."""
+        self._flush_range(self.table_off + slot * 64, 64)
 
     def close(self) -> None:
         del self.slots
@@ -286,10 +322,15 @@ class _MmapCapabilities:
         return replace(_CAPS, max_object_bytes=obj._slot_limit())
 
 
+class _NoSlot(Exception):
+    """No slot can be used yet (all resting after eviction, or being written)."""
+
+
 class MmapBackend(HiCacheStorage):
     """A fixed-capacity slab of page slots in one memory-mapped file, with a crash-safe index."""
 
     name = "mmap"
+    capabilities = _MmapCapabilities()
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config)
@@ -297,7 +338,11 @@ class MmapBackend(HiCacheStorage):
         self.path = os.path.abspath(os.path.expanduser(self.options.path))
         self.index_path = self.path + ".index"
         self._algorithm = algorithm_id(self.options.checksum)
-        self._lock = threading.RLock()
+        # _index_lock guards the in-memory index and the log position (readers take it to
+        # catch up); _wlock orders this process's writers before they take the flock.
+        # Neither is ever held while waiting for another process, but for _wlock.
+        self._index_lock = threading.RLock()
+        self._wlock = threading.Lock()
         self._arena: _Arena | None = None
         self._index: dict[str, _Entry] = {}
         self._by_slot: dict[int, str] = {}
@@ -308,22 +353,22 @@ class MmapBackend(HiCacheStorage):
         self._log_records = 0
         self.compactions = 0
         self._pid = os.getpid()
-        self._pid_start = int(_start_time(self._pid) or 0)
+        self._token = int.from_bytes(secrets.token_bytes(8), "little") or 1
         self._io = IOPool(self.options.io_threads, "hicache-mmap")
         self._gate = threading.Condition()
         self._inflight = 0
         self._closing = False
+        directory = os.path.dirname(self.path) or "."
         try:
-            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+            os.makedirs(directory, mode=0o700, exist_ok=True)
             self._lock_fd = os.open(
                 self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
             )
         except OSError as exc:
             raise ConfigError(f"cannot open the mmap arena lock {self.path}.lock: {exc}") from exc
+        self._remove_stale_creations(directory)
         if self.options.slot_size is not None or os.path.exists(self.path):
             self._open_arena(self.options.slot_size or DEFAULT_SLOT)
-
-    capabilities = _MmapCapabilities()
 
     def _slot_limit(self) -> int | None:
         """The largest storable object: the slot size, once known."""
@@ -333,11 +378,31 @@ class MmapBackend(HiCacheStorage):
             return _round_up(self.options.slot_size, PAGE)
         return None
 
+    @staticmethod
+    def _remove_stale_creations(directory: str) -> None:
+        """Temporaries of arena creators that died (this directory only, not recursive)."""
+        from hicache_storage.atomic import is_temporary, writer_is_dead
+
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            return
+        for name in names:
+            if is_temporary(name) and writer_is_dead(name):
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except OSError:
+                    pass
+
     # ------------------------------------------------------------------ lifecycle gate
 
     @contextmanager
     def _op(self) -> Iterator[None]:
         """Count an operation in flight, so close() never unmaps memory being copied."""
+        if os.getpid() != self._pid:
+            raise NotSupportedError(
+                "an MmapBackend cannot be used across fork(): create a new one in the child"
+            )
         with self._gate:
             if self._closing:
                 raise BackendError("the mmap backend is closing")
@@ -353,13 +418,32 @@ class MmapBackend(HiCacheStorage):
     # ------------------------------------------------------------------ arena and index
 
     def _open_arena(self, slot_size: int) -> _Arena:
-        with self._lock:
+        with self._index_lock:
             if self._arena is None:
-                self._arena = _Arena(
-                    self.path, self.options.capacity, slot_size, self.options.prefault
-                )
+                arena = _Arena(self.path, self.options.capacity, slot_size, self.options.prefault)
+                self._arena = arena
                 self._reload_index()
+                with self._writer_lock():
+                    self._repair_rows(arena)
             return self._arena
+
+    def _repair_rows(self, arena: _Arena) -> None:
+        """Make the slot table agree with the log (writer lock held).
+
+        Under the lock a live key's row is always COMMITTED with the key's generation; a
+        row that is not was lost (a power failure after the log reached the disk).
+        """
+        for entry in self._index.values():
+            row = arena.slots[entry.slot]
+            if int(row["generation"]) != entry.generation or int(row["state"]) != COMMITTED:
+                row["generation"] = entry.generation
+                row["length"] = entry.length
+                row["checksum"] = entry.checksum
+                row["state"] = COMMITTED
+                row["token"] = 0
+                logger.warning(
+                    "repaired the slot-table row of slot %d of %s", entry.slot, self.path
+                )
 
     def _arena_for(self, nbytes: int) -> _Arena:
         """The arena, created on first write with the default (or the object's) slot size."""
@@ -376,59 +460,93 @@ class MmapBackend(HiCacheStorage):
 
     @contextmanager
     def _writer_lock(self) -> Iterator[None]:
-        """This process's threads and other processes' writers, one at a time."""
-        with self._lock:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        """Writers of this process one at a time, then writers of all processes (flock)."""
+        deadline = time.monotonic() + 60.0
+        with self._wlock:
+            while True:
+                try:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise BackendTimeoutError(
+                            f"another process has held {self.path}.lock for over 60 s"
+                        ) from None
+                    time.sleep(0.0005)
             try:
-                yield
+                with self._index_lock:
+                    yield
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
+    def _slot_lock(self, slot: int, take: bool) -> bool:
+        """Take (or release) this instance's OFD lock on the slot's byte of the lock file.
+
+        Taking fails (returns False) when another open file description holds it: a live
+        writer, in any process and any pid namespace. The kernel releases the lock when
+        its holder dies.
+        """
+        kind = fcntl.F_WRLCK if take else fcntl.F_UNLCK
+        try:
+            fcntl.fcntl(
+                self._lock_fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, slot, 1, 0)
+            )
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            if exc.errno in (11, 13):  # EAGAIN / EACCES: held elsewhere
+                return False
+            raise
+        return True
+
     def _reload_index(self) -> None:
         """Read the whole log again (first open, or after another process compacted it)."""
-        if self._log_fd >= 0:
-            os.close(self._log_fd)
-            self._log_fd = -1
-        index: dict[str, _Entry] = {}
-        self._index = index
-        self._by_slot = {}
-        self._free_hint = []
-        self._log_pos = 0
-        self._log_records = 0
-        try:
-            self._log_fd = os.open(self.index_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise BackendError(f"cannot open {self.index_path}: {exc}") from exc
-        self._log_ino = os.fstat(self._log_fd).st_ino
-        self._catch_up()
+        with self._index_lock:
+            if self._log_fd >= 0:
+                os.close(self._log_fd)
+                self._log_fd = -1
+            self._index = {}
+            self._by_slot = {}
+            self._free_hint = []
+            self._log_pos = 0
+            self._log_records = 0
+            try:
+                self._log_fd = os.open(
+                    self.index_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+                )
+            except OSError as exc:
+                raise BackendError(f"cannot open {self.index_path}: {exc}") from exc
+            self._log_ino = os.fstat(self._log_fd).st_ino
+            self._catch_up()
 
     def _catch_up(self) -> None:
         """Apply records appended since the last read; reload if the log was replaced."""
-        try:
-            st = os.stat(self.index_path)
-        except FileNotFoundError:
-            st = None
-        if st is not None and st.st_ino != self._log_ino:
-            self._reload_index()
-            return
-        size = os.fstat(self._log_fd).st_size
-        if size <= self._log_pos:
-            return
-        data = os.pread(self._log_fd, size - self._log_pos, self._log_pos)
-        off = 0
-        while off + _REC.size + _CRC.size <= len(data):
-            magic, kind, algo, name_len, slot, gen, length, csum = _REC.unpack_from(data, off)
-            end = off + _REC.size + name_len
-            if magic != _REC_MAGIC or end + _CRC.size > len(data):
-                break
-            (crc,) = _CRC.unpack_from(data, end)
-            if zlib.crc32(data[off:end]) != crc:
-                break  # a torn record (crash mid-append): everything after it is ignored
-            name = data[off + _REC.size : end].decode("utf-8")
-            self._apply(kind, name, _Entry(slot, gen, length, csum, algo))
-            off = end + _CRC.size
-            self._log_records += 1
-        self._log_pos += off
+        with self._index_lock:
+            try:
+                st = os.stat(self.index_path)
+            except FileNotFoundError:
+                st = None
+            if st is not None and st.st_ino != self._log_ino:
+                self._reload_index()
+                return
+            size = os.fstat(self._log_fd).st_size
+            if size <= self._log_pos:
+                return
+            data = os.pread(self._log_fd, size - self._log_pos, self._log_pos)
+            off = 0
+            while off + _REC.size + _CRC.size <= len(data):
+                magic, kind, algo, name_len, slot, gen, length, csum = _REC.unpack_from(data, off)
+                end = off + _REC.size + name_len
+                if magic != _REC_MAGIC or end + _CRC.size > len(data):
+                    break
+                (crc,) = _CRC.unpack_from(data, end)
+                if zlib.crc32(data[off:end]) != crc:
+                    break  # a torn record (crash mid-append): everything after it is ignored
+                name = data[off + _REC.size : end].decode("utf-8")
+                self._apply(kind, name, _Entry(slot, gen, length, csum, algo))
+                off = end + _CRC.size
+                self._log_records += 1
+            self._log_pos += off
 
     def _apply(self, kind: int, name: str, entry: _Entry) -> None:
         old = self._index.pop(name, None)
@@ -444,13 +562,10 @@ class MmapBackend(HiCacheStorage):
     @staticmethod
     def _encode(kind: int, name: str, e: _Entry) -> bytes:
         raw = name.encode("utf-8")
-        rec = (
-            _REC.pack(
-                _REC_MAGIC, kind, e.algorithm, len(raw), e.slot, e.generation, e.length, e.checksum
-            )
-            + raw
+        rec = _REC.pack(
+            _REC_MAGIC, kind, e.algorithm, len(raw), e.slot, e.generation, e.length, e.checksum
         )
-        return rec + _CRC.pack(zlib.crc32(rec))
+        return rec + raw + _CRC.pack(zlib.crc32(rec + raw))
 
     def _append(self, records: list[tuple[int, str, _Entry]]) -> None:
         """Append records to the log (writer lock held); they are the commit point."""
@@ -496,9 +611,8 @@ class MmapBackend(HiCacheStorage):
             arena = self._open_arena(DEFAULT_SLOT)
         entry = self._index.get(name)
         if entry is None or int(arena.slots[entry.slot]["generation"]) != entry.generation:
-            with self._lock:
-                self._catch_up()
-                entry = self._index.get(name)
+            self._catch_up()
+            entry = self._index.get(name)
         if entry is None:
             return None
         row = arena.slots[entry.slot]
@@ -513,52 +627,50 @@ class MmapBackend(HiCacheStorage):
         slots = arena.slots
         state = slots["state"]
         now = time.time()
-        usable = (state == FREE) | (
-            (state == RETIRED) & (slots["since"] <= now - self.options.reuse_delay)
-        )
+        resting = (state == RETIRED) & (slots["since"] > now - self.options.reuse_delay)
+        usable = (state == FREE) | ((state == RETIRED) & ~resting)
         hint = [int(i) for i in np.flatnonzero(usable)]
         if not hint:
             live = np.zeros(arena.nslots, dtype=bool)
             if self._by_slot:
                 live[np.fromiter(self._by_slot, dtype=np.int64)] = True
             # Orphans: committed in the table but never logged (a crash between the two),
-            # or being written by a process that died.
-            for i in np.flatnonzero(((state == COMMITTED) | (state == WRITING)) & ~live):
-                row = slots[int(i)]
-                if int(row["state"]) == COMMITTED or not _alive(
-                    int(row["pid"]), int(row["pid_start"])
-                ):
-                    hint.append(int(i))
+            # or reserved by a writer that died (its slot lock is gone).
+            mine = slots["token"] == self._token
+            orphans = ((state == COMMITTED) | ((state == WRITING) & ~mine)) & ~live
+            hint = [int(i) for i in np.flatnonzero(orphans)]
         hint.reverse()  # pop() from the end takes the lowest slot first
         self._free_hint = hint
 
     def _reserve_slot(self, arena: _Arena) -> tuple[int, int] | None:
         """A free slot for a new object (writer lock held): (slot, new generation)."""
         slots = arena.slots
+        refilled = False
         while True:
             if not self._free_hint:
-                self._refill_hint(arena)
+                if not refilled:
+                    self._refill_hint(arena)
+                    refilled = True
                 if not self._free_hint:
                     self._evict_some(arena)
                     return None  # evicted slots rest for reuse_delay first
             slot = self._free_hint.pop()
-            state = int(slots[slot]["state"])
-            if slot in self._by_slot or (
-                state == WRITING and _alive(int(slots[slot]["pid"]), int(slots[slot]["pid_start"]))
-            ):
-                continue  # taken since the hint was made
-            if (
-                state == RETIRED
-                and float(slots[slot]["since"]) > time.time() - self.options.reuse_delay
-            ):
+            row = slots[slot]
+            state = int(row["state"])
+            if slot in self._by_slot:
                 continue
+            if state == RETIRED and float(row["since"]) > time.time() - self.options.reuse_delay:
+                continue
+            if state == WRITING and int(row["token"]) == self._token:
+                continue  # ours, in flight
+            if not self._slot_lock(slot, take=True):
+                continue  # a live writer elsewhere holds it
             break
-        gen = int(slots[slot]["generation"]) + 1
-        row = slots[slot]
+        gen = int(row["generation"]) + 1
         row["generation"] = gen
         row["state"] = WRITING
         row["pid"] = self._pid
-        row["pid_start"] = self._pid_start
+        row["token"] = self._token
         row["since"] = time.time()
         if len(self._free_hint) + 1 < self.options.low_free_slots * arena.nslots:
             # Evict ahead, so the slots have rested by the time they are needed.
@@ -591,7 +703,57 @@ class MmapBackend(HiCacheStorage):
             row["state"] = RETIRED
             row["since"] = now
 
+    def _still_mine(self, arena: _Arena, slot: int, gen: int) -> bool:
+        row = arena.slots[slot]
+        return (
+            int(row["generation"]) == gen
+            and int(row["state"]) == WRITING
+            and int(row["token"]) == self._token
+        )
+
+    def _release(self, arena: _Arena, reserved: dict[int, tuple[int, int]]) -> None:
+        """Give back reserved slots that were not committed (only those still ours)."""
+        for slot, gen in reserved.values():
+            if self._still_mine(arena, slot, gen):
+                arena.slots[slot]["state"] = FREE
+            self._slot_lock(slot, take=False)
+
     # ------------------------------------------------------------------ protocol
+
+    def _reserve_all(
+        self, arena: _Arena, names: list[str], pending: list[int], results: list[bool]
+    ) -> dict[int, tuple[int, int]]:
+        """Reserve a slot per pending item; items already stored count as done."""
+        slots: dict[int, tuple[int, int]] = {}
+        deadline = time.monotonic() + max(5.0, 20 * self.options.reuse_delay)
+        try:
+            while pending:
+                with self._writer_lock():
+                    self._catch_up()
+                    waiting = []
+                    for i in pending:
+                        name = names[i]
+                        if any(names[j] == name for j in slots) or self._find(name) is not None:
+                            results[i] = True  # stored already, or twice in this batch
+                            entry = self._index.get(name)
+                            if entry is not None:
+                                arena.slots[entry.slot]["last_access"] = time.time()
+                            continue
+                        reserved = self._reserve_slot(arena)
+                        if reserved is None:
+                            waiting.append(i)
+                        else:
+                            slots[i] = reserved
+                pending = waiting
+                if pending:
+                    if time.monotonic() > deadline:
+                        raise CapacityError("no slot became free in time (all busy or resting)")
+                    time.sleep(max(0.001, self.options.reuse_delay / 5))
+        except BaseException:
+            with self._writer_lock():
+                self._release(arena, slots)
+            raise
+        return slots
 
     def _write_many(self, items: Sequence[tuple[str, Any, list[memoryview]]]) -> list[bool]:
         """Store ``(key, value, views)`` items: reserve slots for all under one lock, copy
@@ -605,40 +767,16 @@ class MmapBackend(HiCacheStorage):
         arena = self._arena_for(max(sizes))
         names = [self.object_name(key).path for key, _, _ in items]
         results = [False] * len(items)
-        slots: dict[int, tuple[int, int]] = {}  # item -> (slot, generation)
         pending = [i for i, n in enumerate(sizes) if n <= arena.slot_size]
         if len(pending) < len(items):
-            oversize = len(items) - len(pending)
             if len(items) == 1:
                 raise CapacityError(
                     f"{sizes[0]}-byte object exceeds the slot size {arena.slot_size}"
                 )
+            oversize = len(items) - len(pending)
             self._log_failure("set", CapacityError(f"{oversize} objects exceed the slot size"))
             self._add_item_errors(oversize)
-        deadline = time.monotonic() + max(5.0, 20 * self.options.reuse_delay)
-        while pending:
-            with self._writer_lock():
-                self._catch_up()
-                waiting = []
-                for i in pending:
-                    name = names[i]
-                    taken = any(names[j] == name for j in slots)
-                    if taken or self._find(name) is not None:
-                        results[i] = True  # stored already, or twice in this batch
-                        if name in self._index:
-                            arena.slots[self._index[name].slot]["last_access"] = time.time()
-                        continue
-                    reserved = self._reserve_slot(arena)
-                    if reserved is None:
-                        waiting.append(i)
-                    else:
-                        slots[i] = reserved
-            pending = waiting
-            if pending:
-                if time.monotonic() > deadline:
-                    self._release([s for s, _ in slots.values()], arena)
-                    raise CapacityError("no slot became free in time (all busy or resting)")
-                time.sleep(max(0.001, self.options.reuse_delay / 5))
+        slots = self._reserve_all(arena, names, pending, results)
         order = list(slots)
 
         def copy(k: int) -> int:
@@ -651,38 +789,43 @@ class MmapBackend(HiCacheStorage):
 
         try:
             sums = self._io.map(copy, len(order))
+            _fence()
             with self._writer_lock():
                 self._catch_up()
                 now = time.time()
                 records = []
                 for i, csum in zip(order, sums, strict=True):
                     slot, gen = slots[i]
+                    if not self._still_mine(arena, slot, gen):
+                        logger.error(
+                            "slot %d of %s was taken during a write; dropped", slot, self.path
+                        )
+                        continue
                     row = arena.slots[slot]
                     if names[i] in self._index:
                         row["state"] = FREE  # another process stored the key meanwhile: it won
+                        results[i] = True
                         continue
                     row["length"] = sizes[i]
                     row["checksum"] = csum
                     row["last_access"] = now
                     row["state"] = COMMITTED
-                    entry = _Entry(slot, gen, sizes[i], csum, self._algorithm)
-                    records.append((PUT, names[i], entry))
+                    if self.options.fsync:
+                        arena.flush_row(slot)
+                    records.append(
+                        (PUT, names[i], _Entry(slot, gen, sizes[i], csum, self._algorithm))
+                    )
+                    results[i] = True
                 if records:
                     self._append(records)
+                for slot, _ in slots.values():
+                    self._slot_lock(slot, take=False)
         except BaseException:
-            self._release([s for s, _ in slots.values()], arena)
+            with self._writer_lock():
+                self._release(arena, slots)
             raise
-        for i in order:
-            results[i] = True
-        self._record(bytes_written=sum(sizes[i] for i in order))
+        self._record(bytes_written=sum(sizes[i] for i in order if results[i]))
         return results
-
-    @staticmethod
-    def _release(slots: list[int], arena: _Arena) -> None:
-        """Give back reserved slots that were not committed."""
-        for slot in slots:
-            if int(arena.slots[slot]["state"]) == WRITING:
-                arena.slots[slot]["state"] = FREE
 
     def _read(self, key: str, views: list[memoryview] | None, target: Any) -> Any:
         entry = self._find(self.object_name(key).path)
@@ -701,8 +844,10 @@ class MmapBackend(HiCacheStorage):
             self._record(size_mismatches=1)
             return None
         _copy_out(arena, entry.slot, views, _pointers(target, views) if views else None)
+        _fence()
         # Seqlock check: the slot must still hold this generation after the copy.
-        if int(arena.slots[entry.slot]["generation"]) != entry.generation:
+        row = arena.slots[entry.slot]
+        if int(row["generation"]) != entry.generation or int(row["state"]) != COMMITTED:
             return None
         if (
             self.options.verify_checksum
@@ -714,7 +859,7 @@ class MmapBackend(HiCacheStorage):
                 "checksum mismatch in slot %d of %s; the read is a miss", entry.slot, self.path
             )
             return None
-        arena.slots[entry.slot]["last_access"] = time.time()
+        row["last_access"] = time.time()
         self._record(bytes_read=entry.length)
         return out
 
@@ -804,7 +949,7 @@ class MmapBackend(HiCacheStorage):
             while self._inflight:
                 self._gate.wait()
         self._io.close()
-        with self._lock:
+        with self._index_lock:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
@@ -820,9 +965,8 @@ class MmapBackend(HiCacheStorage):
         arena = self._arena
         if arena is None:
             return {"slots": 0, "slot_size": 0, "live": 0}
-        with self._lock:
-            self._catch_up()
-            return {"slots": arena.nslots, "slot_size": arena.slot_size, "live": len(self._index)}
+        self._catch_up()
+        return {"slots": arena.nslots, "slot_size": arena.slot_size, "live": len(self._index)}
 
     def __repr__(self) -> str:
         return f"MmapBackend(path={self.path!r}, namespace={self.namespace.digest}, shard={self.config.shard})"

@@ -33,6 +33,7 @@ __all__ = [
     "remove_stale_temporaries",
     "temp_path",
     "write_atomic",
+    "writer_is_dead",
     "writev_all",
 ]
 
@@ -221,7 +222,7 @@ def write_atomic(
     return published
 
 
-def _writer_is_dead(name: str) -> bool:
+def writer_is_dead(name: str) -> bool:
     """True if the temporary ``name`` was made on this host by a process that is gone."""
     parts = name[len(TEMP_PREFIX) :].split(".")
     if len(parts) != 3 or parts[0] != _HOST_TAG:
@@ -260,7 +261,7 @@ def remove_stale_temporaries(root: str, max_age: float = 3600.0) -> int:
                 continue
             path = os.path.join(dirpath, name)
             try:
-                stale = _writer_is_dead(name) or now - os.stat(path).st_mtime > max_age
+                stale = writer_is_dead(name) or now - os.stat(path).st_mtime > max_age
                 if stale:
                     os.unlink(path)
                     removed += 1

@@ -6,9 +6,10 @@ release the GIL, so a few threads overlap the copies of a batch's pages.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from hicache_storage.errors import BackendClosedError
@@ -30,6 +31,7 @@ class IOPool:
         self.threads = threads
         self.name = name
         self._executor: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._closing = False
 
@@ -40,8 +42,10 @@ class IOPool:
         with self._lock:
             if self._closing:
                 raise BackendClosedError(f"{self.name}: closing")
-            if self._executor is None:
+            if self._executor is None or self._pid != os.getpid():
+                # (after a fork the parent's worker threads do not exist in the child)
                 self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
+                self._pid = os.getpid()
             executor = self._executor
         # One task per thread, each over a strided share of the items: far fewer futures
         # and wake-ups than one task per item, and neighbours run in parallel.
@@ -52,7 +56,11 @@ class IOPool:
             for i in range(start, n, k):
                 out[i] = fn(i)
 
-        for future in [executor.submit(run, s) for s in range(k)]:
+        futures = [executor.submit(run, s) for s in range(k)]
+        # Wait for every worker before raising: a caller that cleans up after an error
+        # must not race workers still touching its buffers.
+        wait(futures)
+        for future in futures:
             future.result()
         return out  # type: ignore[return-value]
 
