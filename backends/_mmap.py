@@ -266,38 +266,45 @@ class _Arena:
         self.map.close()
 
 
-def _copy_in(
-    arena: _Arena, slot: int, views: Sequence[memoryview], ptrs: Sequence[int] | None
+def _copy(
+    arena: _Arena,
+    slot: int,
+    views: Sequence[memoryview],
+    ptrs: Sequence[int] | None,
+    into_slot: bool,
 ) -> None:
-    """Copy a value's views into a slot (memmove releases the GIL)."""
+    """Copy between a slot and a value's views, either way (memmove releases the GIL)."""
     addr = arena.slot_addr(slot)
     if ptrs is not None:
         for v, p in zip(views, ptrs, strict=True):
-            ctypes.memmove(addr, p, v.nbytes)
+            if into_slot:
+                ctypes.memmove(addr, p, v.nbytes)
+            else:
+                ctypes.memmove(p, addr, v.nbytes)
             addr += v.nbytes
         return
-    dst = arena.slot_view(slot, sum(v.nbytes for v in views))
+    region = arena.slot_view(slot, sum(v.nbytes for v in views))
     off = 0
     for v in views:
-        dst[off : off + v.nbytes] = v
+        if into_slot:
+            region[off : off + v.nbytes] = v
+        else:
+            v[:] = region[off : off + v.nbytes]
         off += v.nbytes
+
+
+def _copy_in(
+    arena: _Arena, slot: int, views: Sequence[memoryview], ptrs: Sequence[int] | None
+) -> None:
+    """Copy a value's views into a slot."""
+    _copy(arena, slot, views, ptrs, into_slot=True)
 
 
 def _copy_out(
     arena: _Arena, slot: int, views: Sequence[memoryview], ptrs: Sequence[int] | None
 ) -> None:
     """Copy a slot into a target's views."""
-    addr = arena.slot_addr(slot)
-    if ptrs is not None:
-        for v, p in zip(views, ptrs, strict=True):
-            ctypes.memmove(p, addr, v.nbytes)
-            addr += v.nbytes
-        return
-    src = arena.slot_view(slot, sum(v.nbytes for v in views))
-    off = 0
-    for v in views:
-        v[:] = src[off : off + v.nbytes]
-        off += v.nbytes
+    _copy(arena, slot, views, ptrs, into_slot=False)
 
 
 def _pointers(value: Any, views: Sequence[memoryview]) -> list[int] | None:

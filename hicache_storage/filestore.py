@@ -11,6 +11,7 @@ which differ only in their options and defaults. Layout:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -388,28 +389,19 @@ class FileStore(HiCacheStorage):
             )
         with reservation:
             header = encode_header(payload, checksum(views, self._algorithm), self._algorithm)
+            publish = functools.partial(
+                write_atomic, fsync=self.options.fsync, mode=self.file_mode, gid=self.group_id
+            )
             try:
                 try:
                     self._ensure_dir(name)
-                    published = write_atomic(
-                        path,
-                        [header, *views],
-                        fsync=self.options.fsync,
-                        mode=self.file_mode,
-                        gid=self.group_id,
-                    )
+                    published = publish(path, [header, *views])
                 except FileNotFoundError:
                     # The fan-out directory vanished (clear() in another process): once more.
                     with self._dirs_lock:
                         self._dirs.discard(name.fanout)
                     self._ensure_dir(name)
-                    published = write_atomic(
-                        path,
-                        [header, *views],
-                        fsync=self.options.fsync,
-                        mode=self.file_mode,
-                        gid=self.group_id,
-                    )
+                    published = publish(path, [header, *views])
             except OSError as exc:
                 raise from_os_error(exc, f"write {path}") from exc
             if published:
