@@ -356,12 +356,8 @@ class FileStore(HiCacheStorage):
     def _exists(self, name: ObjectName, path: str) -> bool:
         if self._meta.contains(path):
             return True
-        try:
-            os.stat(path)
-        except FileNotFoundError:
+        if not self._on_disk(path):
             return False
-        except OSError as exc:
-            raise from_os_error(exc, f"stat {path}") from exc
         self._meta.add(path)
         return True
 
