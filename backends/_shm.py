@@ -35,11 +35,15 @@ class ShmOptions(FileStoreOptions):
             the group; default private (0600 / 0700).
         checksum: default ``"none"``: memory has no media errors, and torn objects are
             already impossible (atomic publish) and detected by length (header).
+        recycle: when full, evict by overwriting the least-recently-used page's tmpfs
+            file with the new page (when no reader holds it) instead of freeing it and
+            allocating a new one: about 1.5x faster writes, and faster reads of the result.
         (and the other options of :class:`~hicache_storage.filestore.FileStoreOptions`.)
     """
 
     directory: str = "/dev/shm/hicache-storage"
     group: str | None = None
+    recycle: bool = True
     checksum: Literal["xxh3", "none"] = "none"
 
     def __post_init__(self) -> None:
@@ -64,12 +68,14 @@ class ShmBackend(FileStore):
     capabilities = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
     options_class = ShmOptions
     persist_recency = False  # a read costs no inode update; recency restarts with the node
+    recycles_files = True  # readers lock and re-check (see FileStore._open_published)
 
     def _location(self, opts: Any) -> str:
         directory: str = opts.directory
         return directory
 
     def _configure(self, opts: Any) -> None:
+        self.recycle = bool(opts.recycle)
         if opts.group is not None:
             self.group_id = _group_id(str(opts.group))
             self.file_mode = 0o640

@@ -8,13 +8,20 @@ Every contender moves the same 2 MiB pages (bf16, ``page_first``: a K and a V se
   bytes on this machine, and the baseline of the ratios;
 * **memcpy, bulk**: one ``copy_`` of all pages at once (the best case, for reference);
 * **shm v1**: ``batch_set_v1`` / ``batch_get_v1`` through :class:`ShmBackend` (tmpfs files
-  in ``/dev/shm``, ``writev``/``preadv`` on 4 threads);
+  in ``/dev/shm``, ``writev``/``preadv`` on 4 threads), three ways: *cold*, into an empty
+  store (every page is a new tmpfs file); *full*, the steady state of a cache: the store
+  is at its cap with other pages (filled untimed with twice its capacity, so it has
+  turned over once), so every set evicts the least-recently-used page and, by default,
+  rewrites its tmpfs file in place (``recycle``); and *full, recycle=false*, the same
+  evicting by unlink and allocating new files;
 * **mmap v1**: through :class:`MmapBackend` (a prefaulted arena, so page-cache resident;
   ``memmove`` on 2 threads);
 * **file v1**: through :class:`FileBackend` on ``/tmp`` (checksummed).
 
 Rounds alternate the contenders' order; medians are reported; every read is verified
-byte for byte outside the timed part.
+byte for byte outside the timed part. The cyclic garbage collector is off while a
+contender runs (as ``timeit`` does): a full collection of this process's ~170,000
+objects takes about 50 ms and would land in whichever timing it happens to hit.
 
     .venv/bin/python benchmarks/memory_stores.py --pages 256 --rounds 5
 """
@@ -22,6 +29,7 @@ byte for byte outside the timed part.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import secrets
@@ -38,6 +46,7 @@ import torch
 from hicache_storage import HiCacheStorage, StorageConfig, page_hashes
 from hicache_storage.backends import FileBackend, MmapBackend, ShmBackend
 from hicache_storage.cli.bench import BenchShape, fill_random, namespace_for, verify_pages
+from hicache_storage.header import HEADER_SIZE
 
 
 def main() -> int:
@@ -88,14 +97,22 @@ def main() -> int:
         return t, t
 
     def through(
-        make: Callable[[StorageConfig], HiCacheStorage],
+        make: Callable[[StorageConfig], HiCacheStorage], *, full: bool = False
     ) -> Callable[[], tuple[float, float]]:
+        """Time v1 set then get of every page; ``full``: into a store already at its cap."""
+
         def run() -> tuple[float, float]:
             ns = namespace_for(shape, "bench-" + secrets.token_hex(4))
             b = make(StorageConfig(namespace=ns))
             b.register_mem_pool_host(pool)
             keys = page_hashes(torch.randint(0, 2**31 - 1, (shape.pages * ps,)).tolist(), ps)
             srows, drows = src.view(-1, ps), dst.view(-1, ps)
+            if full:  # untimed: fill the store to its cap, twice over (it has turned over)
+                n_old = 2 * full_pages
+                old = page_hashes(torch.randint(0, 2**31 - 1, (n_old * ps,)).tolist(), ps)
+                for i in range(0, n_old, shape.batch):
+                    rows = srows[[j % shape.pages for j in range(i, min(i + shape.batch, n_old))]]
+                    b.batch_set_v1(old[i : i + shape.batch], rows.reshape(-1))
 
             def batches(
                 call: Callable[[list[str], torch.Tensor], list[bool]], rows: torch.Tensor
@@ -120,10 +137,26 @@ def main() -> int:
         return run
 
     arena = os.path.join(tmp, "arena")
+    # The cap of a "full" store: room for the timed pages even after an eviction down to
+    # the default watermark (0.9 of the cap), so none of them is evicted by the others.
+    full_pages = -(-shape.pages * 10 // 9) + 2
+    full_cap = full_pages * (HEADER_SIZE + page_bytes)
     contenders: dict[str, Callable[[], tuple[float, float]]] = {
         "memcpy, per page (baseline)": memcpy_pages,
         "memcpy, bulk": memcpy_bulk,
-        "shm v1": through(lambda c: ShmBackend(c, directory=shm_dir, io_threads=4)),
+        "shm v1, cold (new pages)": through(
+            lambda c: ShmBackend(c, directory=shm_dir, io_threads=4)
+        ),
+        "shm v1, full (recycling)": through(
+            lambda c: ShmBackend(c, directory=shm_dir, io_threads=4, max_size=full_cap),
+            full=True,
+        ),
+        "shm v1, full, recycle=false": through(
+            lambda c: ShmBackend(
+                c, directory=shm_dir, io_threads=4, max_size=full_cap, recycle=False
+            ),
+            full=True,
+        ),
         "mmap v1": through(
             lambda c: MmapBackend(
                 c, path=arena, capacity=2 * nbytes + 2**24, slot_size=page_bytes, reuse_delay=0
@@ -142,7 +175,12 @@ def main() -> int:
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 zero_dst()
-                t_set, t_get = contenders[name]()
+                gc.collect()
+                gc.disable()  # as timeit does: no collection of our objects inside a timing
+                try:
+                    t_set, t_get = contenders[name]()
+                finally:
+                    gc.enable()
                 bad += verify_pages(pool, src, dst)
                 results[name]["set"].append(t_set)
                 results[name]["get"].append(t_get)

@@ -202,6 +202,39 @@ class CapacityTracker:
             self._reserved += nbytes
             return Reservation(self, name, nbytes, self._generation)
 
+    def reserve_reusing(self, name: str, nbytes: int) -> tuple[Reservation, str] | None:
+        """Hand the least-recently-used object's bytes to ``name``, when the store is full.
+
+        For stores that recycle an evicted object's storage instead of freeing it (``shm``
+        overwrites the evicted tmpfs file): if ``name`` would not fit without evicting, and
+        the oldest object has exactly ``nbytes``, that object leaves the accounting and
+        its bytes become ``name``'s reservation, with no net change in usage. Returns the
+        reservation and the evicted name (the caller must remove or reuse that object),
+        or None when there is room, when the oldest object has another size, or without
+        a cap or floor (then :meth:`reserve` applies).
+        """
+        if not self.enabled:
+            return None
+        with self._lock:
+            if not self._lru:
+                return None
+            victim, size = next(iter(self._lru.items()))
+            if size != nbytes or not self._full_for(nbytes):
+                return None
+            del self._lru[victim]
+            self._used -= size
+            self._reserved += nbytes
+            self.evictions += 1
+            return Reservation(self, name, nbytes, self._generation), victim
+
+    def _full_for(self, nbytes: int) -> bool:
+        """True if ``nbytes`` more would cross the cap or the free-space floor."""
+        if self.max_bytes is not None and self._used + self._reserved + nbytes > self.max_bytes:
+            return True
+        if self.min_free_bytes and self._free_space is not None:
+            return self._free_space() - self._reserved - nbytes < self.min_free_bytes
+        return False
+
     def _make_room_under_cap(self, name: str, nbytes: int) -> bool:
         cap = self.max_bytes
         if cap is None:

@@ -11,6 +11,7 @@ which differ only in their options and defaults. Layout:
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -24,8 +25,11 @@ from typing import Any, ClassVar, Literal, TypeVar
 from hicache_storage.atomic import (
     fsync_dir,
     preadv_all,
+    publish,
     remove_stale_temporaries,
+    temp_path,
     write_atomic,
+    writev_all,
 )
 from hicache_storage.backend import HiCacheStorage
 from hicache_storage.buffers import (
@@ -35,7 +39,7 @@ from hicache_storage.buffers import (
     target_views,
     total_nbytes,
 )
-from hicache_storage.capacity import CapacityTracker
+from hicache_storage.capacity import CapacityTracker, Reservation
 from hicache_storage.config import Size, StorageConfig, parse_options
 from hicache_storage.errors import (
     CapacityError,
@@ -63,6 +67,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TRASH_PREFIX = ".trash."
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return a.st_ino == b.st_ino and a.st_dev == b.st_dev
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,12 @@ class FileStore(HiCacheStorage):
     group_id: int | None = None
     #: Refresh a file's mtime when it is read, so LRU order survives a restart.
     persist_recency: bool = True
+    #: Objects of this store may be evicted by overwriting their file in place with another
+    #: object of the same size (see :meth:`_recycle`); readers then lock and re-check.
+    #: Every instance of a store type must agree, so this is per class; whether an
+    #: instance itself recycles is :attr:`recycle`.
+    recycles_files: ClassVar[bool] = False
+    recycle: bool = False
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config)
@@ -244,16 +258,43 @@ class FileStore(HiCacheStorage):
         with self._dirs_lock:
             self._dirs.add(name.fanout)
 
+    def _open_published(self, path: str) -> int | None:
+        """Open the object at ``path`` for reading; None if there is none.
+
+        In a store that recycles evicted files, the file is also locked shared (``flock``)
+        and checked to be still the one published at ``path``: a recycler overwrites only
+        a file it could lock exclusively *after* taking it out of the namespace, so once
+        both hold, the bytes cannot change under this reader until it closes the file.
+        """
+        for _ in range(2):  # once more if the name was re-published meanwhile
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise from_os_error(exc, f"open {path}") from exc
+            if not self.recycles_files:
+                return fd
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                same = _same_file(os.fstat(fd), os.stat(path))
+            except (BlockingIOError, FileNotFoundError):
+                same = False  # being recycled, or evicted: no longer this key's object
+            except OSError as exc:
+                os.close(fd)
+                raise from_os_error(exc, f"open {path}") from exc
+            if same:
+                return fd
+            os.close(fd)
+        return None
+
     def _read(self, name: ObjectName, views: list[memoryview] | None) -> Any:
         """Read an object into ``views`` (or a new tensor); None on miss, mismatch or corruption."""
         path = self._path(name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        fd = self._open_published(path)
+        if fd is None:
             self._meta.discard(path)
             return None
-        except OSError as exc:
-            raise from_os_error(exc, f"open {path}") from exc
         out: Any = True
         try:
             st = os.fstat(fd)
@@ -378,26 +419,45 @@ class FileStore(HiCacheStorage):
             self._touch(name, path)
             return True
         payload = total_nbytes(views)
-        reservation = self._tracker.reserve(name.path, HEADER_SIZE + payload)
+        victim = None
+        reservation: Reservation | None
+        reused = (
+            self._tracker.reserve_reusing(name.path, HEADER_SIZE + payload)
+            if self.recycle
+            else None
+        )
+        if reused is not None:
+            reservation, victim = reused
+        else:
+            reservation = self._tracker.reserve(name.path, HEADER_SIZE + payload)
         if reservation is None:
             raise CapacityError(
                 f"no room for {HEADER_SIZE + payload} bytes under max_size/min_free_space"
             )
         with reservation:
             header = encode_header(payload, checksum(views, self._algorithm), self._algorithm)
-            publish = functools.partial(
+            write_new = functools.partial(
                 write_atomic, fsync=self.options.fsync, mode=self.file_mode, gid=self.group_id
             )
             try:
-                try:
-                    self._ensure_dir(name)
-                    published = publish(path, [header, *views])
-                except FileNotFoundError:
-                    # The fan-out directory vanished (clear() in another process): once more.
-                    with self._dirs_lock:
-                        self._dirs.discard(name.fanout)
-                    self._ensure_dir(name)
-                    published = publish(path, [header, *views])
+                published = None
+                if victim is not None:
+                    try:
+                        published = self._recycle(
+                            victim, name, path, [header, *views], HEADER_SIZE + payload
+                        )
+                    except FileNotFoundError:
+                        published = None  # directories removed by a clear(): a new file
+                if published is None:
+                    try:
+                        self._ensure_dir(name)
+                        published = write_new(path, [header, *views])
+                    except FileNotFoundError:
+                        # The fan-out directory vanished (clear() in another process).
+                        with self._dirs_lock:
+                            self._dirs.discard(name.fanout)
+                        self._ensure_dir(name)
+                        published = write_new(path, [header, *views])
             except OSError as exc:
                 raise from_os_error(exc, f"write {path}") from exc
             if published:
@@ -409,6 +469,63 @@ class FileStore(HiCacheStorage):
                 self._touch(name, path)
         self._meta.add(path)
         return True
+
+    def _recycle(
+        self,
+        victim_rel: str,
+        name: ObjectName,
+        path: str,
+        views: list[memoryview | bytes],
+        nbytes: int,
+    ) -> bool | None:
+        """Evict ``victim_rel`` by overwriting its file with ``views`` (``nbytes``), then publish.
+
+        Rewriting pages the filesystem already holds is much cheaper than allocating new
+        ones (tmpfs: about 1.5x for writes, and reads of the result are faster too). The
+        file first leaves the namespace (``rename`` to a temporary: new readers miss it),
+        then is overwritten only if no reader holds it (``flock`` exclusive, not waiting;
+        see :meth:`_open_published` for the readers' side), then published like a new
+        file. Returns True/False as :func:`~hicache_storage.atomic.publish`, or None when
+        the file could not be reused (gone, another size, read by someone): it is then
+        removed, and the caller writes a new file.
+        """
+        victim = os.path.join(self.root, victim_rel)
+        self._meta.discard(victim)
+        tmp = temp_path(os.path.dirname(victim))
+        try:
+            os.rename(victim, tmp)
+        except FileNotFoundError:
+            return None  # deleted meanwhile: nothing to reuse, nothing to evict
+        except OSError:
+            if not self._evict(victim_rel):
+                self._tracker.add(victim_rel, nbytes)  # still there: keep counting it
+                raise
+            return None
+        self._record(evictions=1)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                if os.fstat(fd).st_size != nbytes:
+                    return None
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return None  # a reader still copies the evicted object: leave it be
+                writev_all(fd, views)
+                if self.options.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)  # releases the lock before the object is visible
+            self._ensure_dir(name)
+            published = publish(tmp, path)
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if published and self.options.fsync:
+            fsync_dir(os.path.dirname(path))
+        return published
 
     def set(self, key: str, value: Any) -> bool:
         # docstring inherited
