@@ -184,3 +184,47 @@ def test_in_flight_reservations_block_without_evicting() -> None:
     assert held is not None
     assert t.reserve("x", 30) is None  # 80 in flight + 30 > 100 whatever is evicted
     assert s.evicted == []
+
+
+def test_reserve_reusing_hands_the_oldest_objects_bytes_over_only_when_full() -> None:
+    s = Store()
+    t = CapacityTracker(60, s.evict)
+    fill(t, ["a", "b"], 20)
+    assert t.reserve_reusing("x", 20) is None  # room left: a new object, nothing evicted
+    fill(t, ["c"], 20)
+    t.touch("a")  # LRU order: b c a
+    got = t.reserve_reusing("x", 20)
+    assert got is not None
+    r, victim = got
+    assert victim == "b" and "b" not in t and s.evicted == []  # the caller removes b
+    assert (t.used_bytes, t.reserved_bytes) == (40, 20)  # no net change: never over the cap
+    assert t.evictions == 1
+    assert r.commit()
+    assert t.names_oldest_first() == ["c", "a", "x"] and t.used_bytes == 60
+
+
+def test_reserve_reusing_declines_another_size_and_a_released_reuse_frees_the_bytes() -> None:
+    s = Store()
+    t = CapacityTracker(60, s.evict)
+    fill(t, ["a", "b", "c"], 20)
+    assert t.reserve_reusing("x", 10) is None  # the oldest has 20 bytes, not 10
+    assert t.names_oldest_first() == ["a", "b", "c"]
+    got = t.reserve_reusing("x", 20)
+    assert got is not None
+    got[0].release()  # the write failed: the evicted object's bytes are gone for good
+    assert (t.used_bytes, t.reserved_bytes, len(t)) == (40, 0, 2)
+
+
+def test_reserve_reusing_under_a_free_space_floor_and_after_clear() -> None:
+    free = [100]
+    s = Store()
+    t = CapacityTracker(None, s.evict, min_free_bytes=50, free_space=lambda: free[0])
+    fill(t, ["a", "b"], 20)
+    assert t.reserve_reusing("x", 20) is None  # 100 - 20 >= 50: room
+    free[0] = 60
+    got = t.reserve_reusing("x", 20)  # 60 - 20 < 50: full, reuse a
+    assert got is not None and got[1] == "a"
+    t.clear()
+    assert not got[0].commit()  # cleared meanwhile: the caller re-checks its object
+    assert t.reserved_bytes == 0 and len(t) == 0
+    assert CapacityTracker(None, s.evict).reserve_reusing("x", 20) is None  # no bound at all

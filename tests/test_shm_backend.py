@@ -153,3 +153,176 @@ def test_another_process_reads_what_one_wrote(shm_dir: str) -> None:
     for page in pool.page_buffers(torch.arange(16, 32)):
         assert page.tobytes() == b"\x07" * pool.page_bytes
     b.close()
+
+
+# ---------------------------------------------------------------- recycling when full
+
+HEAD = 32  # the object header
+SIZE = 64 * 1024
+
+
+def value_of(i: int, size: int = SIZE) -> torch.Tensor:
+    """A value that names its key: the index in the first 8 bytes, then a fill byte."""
+    v = torch.full((size,), i % 251, dtype=torch.uint8)
+    v[:8] = torch.tensor([i], dtype=torch.int64).view(torch.uint8)
+    return v
+
+
+def full_store(shm_dir: str, objects: int, **opts: Any) -> ShmBackend:
+    """A store capped at exactly ``objects`` values of SIZE, filled with keys k0.."""
+    b = ShmBackend(
+        StorageConfig(namespace=NS), directory=shm_dir, max_size=objects * (HEAD + SIZE), **opts
+    )
+    for i in range(objects):
+        assert b.set(f"k{i}", value_of(i))
+    return b
+
+
+NS = pool_namespace(make_pool(num_pages=1))
+
+
+def inode(b: ShmBackend, key: str) -> int:
+    return os.stat(b._path(b.object_name(key))).st_ino
+
+
+def test_a_full_store_recycles_the_evicted_files_in_place(shm_dir: str) -> None:
+    b = full_store(shm_dir, 4)
+    old = {inode(b, f"k{i}") for i in range(4)}
+    b.get("k0")  # k0 becomes the most recently used: k1 is evicted first
+    for i in range(4, 7):
+        assert b.set(f"k{i}", value_of(i))
+    assert {inode(b, f"k{i}") for i in range(4, 7)} <= old  # the same tmpfs files
+    assert [b.exists(f"k{i}") for i in range(7)] == [True, False, False, False, True, True, True]
+    for i in (0, 4, 5, 6):
+        assert torch.equal(b.get(f"k{i}"), value_of(i))
+    assert b.usage()["used_bytes"] == 4 * (HEAD + SIZE)
+    assert len(tree_files(b.directory)) == 4  # no temporaries left behind
+    assert b.get_stats().evictions == 3
+    b.close()
+
+
+def test_recycle_false_frees_and_allocates_new_files(shm_dir: str) -> None:
+    b = full_store(shm_dir, 3, recycle=False)
+    old = {inode(b, f"k{i}") for i in range(3)}
+    assert b.set("k3", value_of(3))
+    assert inode(b, "k3") not in old
+    assert torch.equal(b.get("k3"), value_of(3))
+    b.close()
+
+
+def test_another_size_is_never_recycled(shm_dir: str) -> None:
+    b = full_store(shm_dir, 2)
+    old = {inode(b, "k0"), inode(b, "k1")}
+    assert b.set("small", value_of(9, SIZE // 2))
+    assert inode(b, "small") not in old
+    assert torch.equal(b.get("small"), value_of(9, SIZE // 2))
+    assert b.usage()["used_bytes"] <= 2 * (HEAD + SIZE)
+    b.close()
+
+
+def test_a_file_a_reader_holds_is_not_overwritten(shm_dir: str) -> None:
+    """A reader in the middle of its copy holds a shared flock: the recycler leaves that
+    file alone (evicts it by unlink) and writes a new one."""
+    b = full_store(shm_dir, 2)
+    victim = b._path(b.object_name("k0"))
+    fd = os.open(victim, os.O_RDONLY)
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        assert b.set("k2", value_of(2))
+        assert not b.exists("k0")
+        assert os.fstat(fd).st_ino != inode(b, "k2")
+        held = os.pread(fd, HEAD + SIZE, 0)[HEAD:]
+        assert held == value_of(0).numpy().tobytes()  # the reader's bytes never changed
+    finally:
+        os.close(fd)
+    assert torch.equal(b.get("k2"), value_of(2))
+    assert len(tree_files(b.directory)) == 2 and b.usage()["objects"] == 2
+    b.close()
+
+
+def test_a_reader_that_opened_the_file_before_it_was_recycled_misses(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interleaving a lock alone does not cover: the reader opened k0, then the file was
+    recycled for k2 and released, then the reader locks. It must see that k0's name no
+    longer leads to this file and report a miss, never k2's bytes as k0."""
+    import fcntl
+
+    from hicache_storage import filestore
+
+    writer = full_store(shm_dir, 2)
+    reader = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir)
+    real_flock = fcntl.flock
+    fired = []
+
+    def flock(fd: int, op: int) -> None:
+        if op & fcntl.LOCK_SH and not fired:
+            fired.append(os.fstat(fd).st_ino)
+            assert writer.set("k2", value_of(2))  # recycles k0's file under the reader
+        real_flock(fd, op)
+
+    monkeypatch.setattr(filestore.fcntl, "flock", flock)
+    assert reader.get("k0") is None
+    assert fired and fired[0] == inode(writer, "k2")  # it really was the same file
+    monkeypatch.setattr(filestore.fcntl, "flock", real_flock)
+    assert torch.equal(reader.get("k2"), value_of(2))
+    writer.close()
+    reader.close()
+
+
+RECYCLER = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, sys.argv[2])
+    from tests.test_shm_backend import NS, SIZE, HEAD, value_of
+    from hicache_storage import StorageConfig
+    from hicache_storage.backends import ShmBackend
+    b = ShmBackend(StorageConfig(namespace=NS), directory=sys.argv[1], max_size=4 * (HEAD + SIZE))
+    i, end = 0, time.monotonic() + float(sys.argv[3])
+    while time.monotonic() < end:
+        assert b.set(f"k{i % 64}", value_of(i % 64)) or True
+        i += 1
+    print(i, b.get_stats().evictions)
+""")
+
+
+def test_readers_never_see_another_keys_bytes_while_another_process_recycles(
+    shm_dir: str,
+) -> None:
+    """A real race: a process cycles 64 keys through a 4-object store (every set recycles
+    the file of the oldest), while two threads here read the same keys as fast as they
+    can. Every hit must be exactly its key's value."""
+    import threading
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RECYCLER, shm_dir, str(ROOT), "3"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    reader = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir)
+    hits, wrong = [0], []
+
+    def read(seed: int) -> None:
+        j = seed
+        while proc.poll() is None:
+            j = (j * 1103515245 + 12345) % 64
+            got = reader.get(f"k{j}")
+            if got is not None:
+                hits[0] += 1
+                if not torch.equal(got, value_of(j)):
+                    wrong.append(j)
+
+    threads = [threading.Thread(target=read, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    out, _ = proc.communicate(timeout=60)
+    for t in threads:
+        t.join()
+    writes, evictions = map(int, out.split())
+    assert proc.returncode == 0
+    assert wrong == []
+    assert writes > 200 and evictions > 100  # the race really ran
+    assert hits[0] > 50
+    assert len(tree_files(os.path.join(shm_dir, NS.digest))) <= 4
+    reader.close()
