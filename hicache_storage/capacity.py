@@ -210,8 +210,9 @@ class CapacityTracker:
         the oldest object has exactly ``nbytes``, that object leaves the accounting and
         its bytes become ``name``'s reservation, with no net change in usage. Returns the
         reservation and the evicted name (the caller must remove or reuse that object),
-        or None when there is room, when the oldest object has another size, or without
-        a cap or floor (then :meth:`reserve` applies).
+        or None when there is room, when the oldest object has another size, when the
+        store is already over its limits (it must shrink), or without a cap or floor
+        (then :meth:`reserve` applies).
         """
         if not self.enabled:
             return None
@@ -219,13 +220,23 @@ class CapacityTracker:
             if not self._lru:
                 return None
             victim, size = next(iter(self._lru.items()))
-            if size != nbytes or not self._full_for(nbytes):
+            if size != nbytes or not self._full_for(nbytes) or self._over_limits():
                 return None
             del self._lru[victim]
             self._used -= size
             self._reserved += nbytes
             self.evictions += 1
             return Reservation(self, name, nbytes, self._generation), victim
+
+    def _over_limits(self) -> bool:
+        """True if the store is already over its cap or under its floor (a smaller cap
+        after a restart, another program filling the filesystem): it must shrink, which
+        swapping one object for another would never do."""
+        if self.max_bytes is not None and self._used + self._reserved > self.max_bytes:
+            return True
+        if self.min_free_bytes and self._free_space is not None:
+            return self._free_space() - self._reserved < self.min_free_bytes
+        return False
 
     def _full_for(self, nbytes: int) -> bool:
         """True if ``nbytes`` more would cross the cap or the free-space floor."""

@@ -420,7 +420,6 @@ class FileStore(HiCacheStorage):
             return True
         payload = total_nbytes(views)
         victim = None
-        reservation: Reservation | None
         reused = (
             self._tracker.reserve_reusing(name.path, HEADER_SIZE + payload)
             if self.recycle
@@ -429,12 +428,8 @@ class FileStore(HiCacheStorage):
         if reused is not None:
             reservation, victim = reused
         else:
-            reservation = self._tracker.reserve(name.path, HEADER_SIZE + payload)
-        if reservation is None:
-            raise CapacityError(
-                f"no room for {HEADER_SIZE + payload} bytes under max_size/min_free_space"
-            )
-        with reservation:
+            reservation = self._reserve(name, HEADER_SIZE + payload)
+        try:  # released on any exit unless committed (the reservation may be replaced)
             header = encode_header(payload, checksum(views, self._algorithm), self._algorithm)
             write_new = functools.partial(
                 write_atomic, fsync=self.options.fsync, mode=self.file_mode, gid=self.group_id
@@ -448,6 +443,10 @@ class FileStore(HiCacheStorage):
                         )
                     except FileNotFoundError:
                         published = None  # directories removed by a clear(): a new file
+                    if published is None:
+                        # Not reused: a new file needs room like any other (cap and floor).
+                        reservation.release()
+                        reservation = self._reserve(name, HEADER_SIZE + payload)
                 if published is None:
                     try:
                         self._ensure_dir(name)
@@ -467,8 +466,17 @@ class FileStore(HiCacheStorage):
                 self._record(bytes_written=payload)
             else:
                 self._touch(name, path)
+        finally:
+            reservation.release()
         self._meta.add(path)
         return True
+
+    def _reserve(self, name: ObjectName, nbytes: int) -> Reservation:
+        """Room for a new file of ``nbytes`` (evicting LRU objects), or CapacityError."""
+        reservation = self._tracker.reserve(name.path, nbytes)
+        if reservation is None:
+            raise CapacityError(f"no room for {nbytes} bytes under max_size/min_free_space")
+        return reservation
 
     def _recycle(
         self,
@@ -490,20 +498,24 @@ class FileStore(HiCacheStorage):
         removed, and the caller writes a new file.
         """
         victim = os.path.join(self.root, victim_rel)
-        self._meta.discard(victim)
         tmp = temp_path(os.path.dirname(victim))
         try:
             os.rename(victim, tmp)
         except FileNotFoundError:
+            self._meta.discard(victim)
             return None  # deleted meanwhile: nothing to reuse, nothing to evict
         except OSError:
             if not self._evict(victim_rel):
                 self._tracker.add(victim_rel, nbytes)  # still there: keep counting it
                 raise
             return None
+        self._meta.discard(victim)  # after the rename: exists() cannot bring it back
         self._record(evictions=1)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+            except PermissionError:
+                return None  # another user's page (group sharing): evicted, not reused
             try:
                 if os.fstat(fd).st_size != nbytes:
                     return None
@@ -524,7 +536,10 @@ class FileStore(HiCacheStorage):
             except FileNotFoundError:
                 pass
         if published and self.options.fsync:
-            fsync_dir(os.path.dirname(path))
+            try:
+                fsync_dir(os.path.dirname(path))
+            except OSError as exc:  # visible and complete: as write_atomic, log it
+                logger.error("published %s but fsync of its directory failed: %s", path, exc)
         return published
 
     def set(self, key: str, value: Any) -> bool:

@@ -326,3 +326,68 @@ def test_readers_never_see_another_keys_bytes_while_another_process_recycles(
     assert hits[0] > 50
     assert len(tree_files(os.path.join(shm_dir, NS.digest))) <= 4
     reader.close()
+
+
+def test_a_store_over_its_cap_shrinks_instead_of_recycling(shm_dir: str) -> None:
+    """Restarted with a smaller max_size, a full store must come down to it: swapping one
+    page for another (recycling) never would."""
+    full_store(shm_dir, 8).close()
+    b = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, max_size=4 * (HEAD + SIZE))
+    for i in range(8, 11):
+        assert b.set(f"k{i}", value_of(i))
+    assert b.usage()["used_bytes"] <= 4 * (HEAD + SIZE)
+    assert len(tree_files(b.directory)) <= 4
+    b.close()
+
+
+def test_a_victim_gone_elsewhere_still_leaves_the_floor_in_place(small_tmpfs: str) -> None:
+    """Two instances share a namespace on a 2 MiB tmpfs: B recycles the files A still counts,
+    so A's victims are gone when A writes; A's new files must still keep the free-space
+    floor (a tenth of the tmpfs) rather than take the reused page's place unchecked."""
+    page = b"\x01" * (64 * 1024 - HEAD)
+    kv = os.path.join(small_tmpfs, "kv")
+    a = ShmBackend(StorageConfig(), directory=kv)
+    floor = a._tracker.min_free_bytes
+    assert all(a.set(f"a{i}", page) for i in range(16))  # A's default cap: half the tmpfs
+    b = ShmBackend(StorageConfig(), directory=kv)  # loads A's pages as its own
+    assert all(b.set(f"b{i}", page) for i in range(16))  # recycles them
+    lowest = []
+    for i in range(16):
+        a.set(f"m{i}", page)
+        st = os.statvfs(small_tmpfs)
+        lowest.append(st.f_bavail * st.f_frsize)
+    assert min(lowest) >= floor
+    a.close()
+    b.close()
+
+
+GROUP_RECYCLER = textwrap.dedent("""
+    import os, sys
+    from hicache_storage import StorageConfig
+    from hicache_storage.backends import ShmBackend
+    os.setgroups([4242]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+    b = ShmBackend(StorageConfig(), directory=sys.argv[1], group="4242", max_size=2 * 4096)
+    print(b.set("k2", b"\\x02" * (4096 - 32)))
+""")
+
+
+def test_another_users_page_is_evicted_not_recycled(shm_dir: str) -> None:
+    """Group sharing: the oldest page belongs to another user, whose 0640 file this process
+    may not rewrite. The write must still succeed (evict it, write a new file)."""
+    owner = ShmBackend(StorageConfig(), directory=shm_dir, group="4242", max_size=2 * 4096)
+    assert owner.set("k0", b"\x00" * (4096 - 32)) and owner.set("k1", b"\x01" * (4096 - 32))
+    owner.close()
+    os.chmod(shm_dir, 0o755)
+    r = subprocess.run(
+        [sys.executable, "-c", GROUP_RECYCLER, shm_dir],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True"], r.stderr
+    reader = ShmBackend(StorageConfig(), directory=shm_dir, group="4242")
+    assert bytes(reader.get("k2").numpy()) == b"\x02" * (4096 - 32)
+    assert [reader.exists(k) for k in ("k0", "k1")].count(True) <= 1  # one was evicted
+    reader.close()
