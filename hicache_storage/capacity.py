@@ -220,7 +220,7 @@ class CapacityTracker:
             if not self._lru:
                 return None
             victim, size = next(iter(self._lru.items()))
-            if size != nbytes or not self._full_for(nbytes) or self._over_limits():
+            if size != nbytes or not self._reuse_fits(nbytes):
                 return None
             del self._lru[victim]
             self._used -= size
@@ -228,23 +228,21 @@ class CapacityTracker:
             self.evictions += 1
             return Reservation(self, name, nbytes, self._generation), victim
 
-    def _over_limits(self) -> bool:
-        """True if the store is already over its cap or under its floor (a smaller cap
-        after a restart, another program filling the filesystem): it must shrink, which
-        swapping one object for another would never do."""
-        if self.max_bytes is not None and self._used + self._reserved > self.max_bytes:
-            return True
+    def _reuse_fits(self, nbytes: int) -> bool:
+        """True if ``nbytes`` more would cross the cap or the floor, while the store is not
+        already over them (a smaller cap after a restart, another program filling the
+        filesystem): such a store must shrink, which swapping objects would never do."""
+        used = self._used + self._reserved
+        cap = self.max_bytes
+        if cap is not None and used > cap:
+            return False
+        full = cap is not None and used + nbytes > cap
         if self.min_free_bytes and self._free_space is not None:
-            return self._free_space() - self._reserved < self.min_free_bytes
-        return False
-
-    def _full_for(self, nbytes: int) -> bool:
-        """True if ``nbytes`` more would cross the cap or the free-space floor."""
-        if self.max_bytes is not None and self._used + self._reserved + nbytes > self.max_bytes:
-            return True
-        if self.min_free_bytes and self._free_space is not None:
-            return self._free_space() - self._reserved - nbytes < self.min_free_bytes
-        return False
+            free = self._free_space() - self._reserved  # one statvfs per write
+            if free < self.min_free_bytes:
+                return False
+            full = full or free - nbytes < self.min_free_bytes
+        return full
 
     def _make_room_under_cap(self, name: str, nbytes: int) -> bool:
         cap = self.max_bytes
