@@ -27,11 +27,16 @@ from hicache_storage.keys import DEFAULT_NAMESPACE, KVCacheNamespace
 
 __all__ = [
     "CONTROLLER_KEYS",
+    "REDACTED",
     "Size",
     "StorageConfig",
     "load_extra_config",
     "parse_options",
     "parse_size",
+    "redact_options",
+    "redact_text",
+    "secret",
+    "is_secret_option",
 ]
 
 #: Keys of the extra config that belong to the engine's controller or to the reference
@@ -49,6 +54,71 @@ CONTROLLER_KEYS = frozenset(
         "class_name",
     }
 )
+
+#: What a secret value is replaced by wherever options are shown.
+REDACTED = "<redacted>"
+#: Words that make an option name a secret, as a whole part of the name (``_``/``-``
+#: separated): ``password``, ``redis_password``, ``aws_secret_access_key``, ``token``...
+_SECRET_WORDS = frozenset(
+    {"password", "passwd", "pass", "secret", "token", "key", "credential", "credentials"}
+)
+#: ``scheme://user:password@host``: the password part of a URL.
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:)(?P<pw>[^@/\s]+)(?=@)")
+
+
+def secret(default: Any = None) -> Any:
+    """A dataclass field marked as a secret (shown redacted wherever options are shown).
+
+    Use in a backend's options class for a secret whose name does not say so::
+
+        auth: str | None = secret()
+    """
+    return field(default=default, metadata={"secret": True})
+
+
+def is_secret_option(name: str, options_class: type | None = None) -> bool:
+    """True if option ``name`` holds a secret: its name says so (a part of it is
+    ``password``, ``secret``, ``token``, ``key``, ``credentials``...), or the backend's
+    options class marks the field with :func:`secret`."""
+    parts = re.split(r"[_\-.\s]+", name.lower())
+    if any(p in _SECRET_WORDS for p in parts):
+        return True
+    if options_class is not None and dataclasses.is_dataclass(options_class):
+        for f in dataclasses.fields(options_class):
+            if f.name == name and f.metadata.get("secret"):
+                return True
+    return False
+
+
+def redact_text(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@`` URL redacted."""
+    return _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED, text)
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, Mapping):
+        return redact_options(value)
+    if isinstance(value, (list, tuple)):
+        return [_redact_value(v) for v in value]
+    return value
+
+
+def redact_options(
+    options: Mapping[str, Any] | None, options_class: type | None = None
+) -> dict[str, Any]:
+    """A copy of ``options`` safe to print, log or report: secret options (see
+    :func:`is_secret_option`) become :data:`REDACTED`, URL passwords are cut out, nested
+    mappings are redacted the same way."""
+    out: dict[str, Any] = {}
+    for name, value in (options or {}).items():
+        if is_secret_option(str(name), options_class) and value is not None:
+            out[name] = REDACTED
+        else:
+            out[name] = _redact_value(value)
+    return out
+
 
 _SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 _UNITS = {
@@ -209,20 +279,27 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def _coerce(value: Any, annotation: Any, name: str) -> Any:
+def _coerce(value: Any, annotation: Any, name: str, hidden: bool = False) -> Any:
+    """``value`` as ``annotation``; a ConfigError never shows a ``hidden`` (secret) value."""
+    shown = REDACTED if hidden else repr(value)
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], name)
+        return _coerce(value, inner[0], name, hidden)
     if origin is typing.Literal:
         if value not in args:
-            raise ConfigError(f"option {name}={value!r} must be one of {list(args)}")
+            raise ConfigError(f"option {name}={shown} must be one of {list(args)}")
         return value
     if annotation is Size:
-        return parse_size(value)
+        try:
+            return parse_size(value)
+        except ConfigError:
+            if hidden:
+                raise ConfigError(f"option {name}={shown} is not a valid size") from None
+            raise
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -230,24 +307,24 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
             return bool(value)
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
-        raise ConfigError(f"option {name}={value!r} must be a boolean")
+        raise ConfigError(f"option {name}={shown} must be a boolean")
     if annotation is int:
         try:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
             return int(value)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"option {name}={value!r} must be an integer") from exc
+            raise ConfigError(f"option {name}={shown} must be an integer") from (None if hidden else exc)
     if annotation is float:
         try:
             if isinstance(value, bool):
                 raise ValueError
             return float(value)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"option {name}={value!r} must be a number") from exc
+            raise ConfigError(f"option {name}={shown} must be a number") from (None if hidden else exc)
     if annotation is str:
         if not isinstance(value, (str, os.PathLike)):
-            raise ConfigError(f"option {name}={value!r} must be a string")
+            raise ConfigError(f"option {name}={shown} must be a string")
         return os.fspath(value)
     return value
 
@@ -276,5 +353,5 @@ def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
             raw = env
         else:
             continue
-        kwargs[name] = _coerce(raw, hints[name], name)
+        kwargs[name] = _coerce(raw, hints[name], name, is_secret_option(name, cls))
     return cls(**kwargs)
