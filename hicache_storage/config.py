@@ -30,13 +30,13 @@ __all__ = [
     "REDACTED",
     "Size",
     "StorageConfig",
+    "is_secret_option",
     "load_extra_config",
     "parse_options",
     "parse_size",
     "redact_options",
     "redact_text",
     "secret",
-    "is_secret_option",
 ]
 
 #: Keys of the extra config that belong to the engine's controller or to the reference
@@ -314,14 +314,18 @@ def _coerce(value: Any, annotation: Any, name: str, hidden: bool = False) -> Any
                 raise ValueError
             return int(value)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"option {name}={shown} must be an integer") from (None if hidden else exc)
+            raise ConfigError(f"option {name}={shown} must be an integer") from (
+                None if hidden else exc
+            )
     if annotation is float:
         try:
             if isinstance(value, bool):
                 raise ValueError
             return float(value)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"option {name}={shown} must be a number") from (None if hidden else exc)
+            raise ConfigError(f"option {name}={shown} must be a number") from (
+                None if hidden else exc
+            )
     if annotation is str:
         if not isinstance(value, (str, os.PathLike)):
             raise ConfigError(f"option {name}={shown} must be a string")
