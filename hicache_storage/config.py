@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import os
 import re
 import sys
@@ -19,6 +20,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ from hicache_storage.keys import DEFAULT_NAMESPACE, KVCacheNamespace
 
 __all__ = [
     "CONTROLLER_KEYS",
+    "MAX_SIZE",
     "REDACTED",
     "Size",
     "StorageConfig",
@@ -135,32 +138,65 @@ _UNITS = {
 }  # fmt: skip
 
 
+#: Largest size accepted (bytes): a signed 64-bit offset, what every OS call takes.
+MAX_SIZE = 2**63 - 1
+#: Digits a size string may have before and after the point (bounds the work done on
+#: hostile input; 2**63 has 19 digits).
+_MAX_SIZE_DIGITS = 40
+
+_SIZE_HELP = "use a number with an optional suffix such as 4096, 512MiB, 1.5G, 200GB or 1Ti"
+
+
+def _bounded_size(exact: Fraction, value: object) -> int:
+    if exact < 0:
+        raise ConfigError(f"size must be >= 0, got {value!r}")
+    if exact > MAX_SIZE:
+        raise ConfigError(f"size {value!r} is too large: the limit is {MAX_SIZE} bytes (2**63-1)")
+    return int(exact)  # whole bytes, rounded down
+
+
 def parse_size(value: object) -> int:
     """Parse a byte size: an int, or a string with an SI or IEC suffix.
 
-    ``"512MiB"`` -> 536870912, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096. Invalid values
-    raise :class:`ConfigError` (they never silently disable a limit).
+    ``"512MiB"`` -> 536870912, ``"1.5G"`` -> 1500000000, ``"4096"`` -> 4096. Fractions of
+    a byte are dropped. Invalid values (negative, infinite, NaN, over :data:`MAX_SIZE`,
+    garbage) raise :class:`ConfigError`; they never silently disable a limit.
     """
     if isinstance(value, bool):
-        raise ConfigError(f"invalid size {value!r}")
+        raise ConfigError(f"invalid size {value!r}: {_SIZE_HELP}")
     if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"size must be >= 0, got {value}")
-        return value
+        return _bounded_size(Fraction(value), value)
     if isinstance(value, float):
-        if value < 0 or math.isnan(value):
-            raise ConfigError(f"invalid size {value!r}")
-        return int(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"invalid size {value!r}: a size must be a finite number of bytes")
+        return _bounded_size(Fraction(value), value)
     if not isinstance(value, str):
-        raise ConfigError(f"invalid size {value!r}")
+        try:  # other integers (numpy.int64...)
+            index = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            raise ConfigError(
+                f"invalid size of type {type(value).__name__}: {_SIZE_HELP}"
+            ) from None
+        return _bounded_size(Fraction(index), value)
     m = _SIZE_RE.fullmatch(value)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
+        raise ConfigError(f"invalid size {_short(value)}: {_SIZE_HELP}")
+    number = m.group(1)
+    whole, _, frac = number.partition(".")
+    if len(whole.lstrip("0")) > _MAX_SIZE_DIGITS or len(frac) > _MAX_SIZE_DIGITS:
         raise ConfigError(
-            f"invalid size {value!r}: use a number with an optional suffix such as 4096, "
-            "512MiB, 1.5G, 200GB or 1Ti"
+            f"size {_short(value)} is too large: the limit is {MAX_SIZE} bytes (2**63-1)"
+            if len(whole.lstrip("0")) > _MAX_SIZE_DIGITS
+            else f"invalid size {_short(value)}: at most {_MAX_SIZE_DIGITS} decimals"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    return _bounded_size(Fraction(number) * _UNITS[unit], _short(value, quote=False))
+
+
+def _short(text: str, limit: int = 40, quote: bool = True) -> str:
+    """``text`` for an error message, cut to ``limit`` characters (a 401-digit size)."""
+    shown = text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    return repr(shown) if quote else shown
 
 
 class Size(int):
@@ -281,7 +317,7 @@ _FALSE = {"0", "false", "no", "off"}
 
 def _coerce(value: Any, annotation: Any, name: str, hidden: bool = False) -> Any:
     """``value`` as ``annotation``; a ConfigError never shows a ``hidden`` (secret) value."""
-    shown = REDACTED if hidden else repr(value)
+    shown = _shown(value, hidden)
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -296,10 +332,10 @@ def _coerce(value: Any, annotation: Any, name: str, hidden: bool = False) -> Any
     if annotation is Size:
         try:
             return parse_size(value)
-        except ConfigError:
+        except ConfigError as exc:
             if hidden:
                 raise ConfigError(f"option {name}={shown} is not a valid size") from None
-            raise
+            raise ConfigError(f"option {name}: {exc}") from None
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -312,25 +348,46 @@ def _coerce(value: Any, annotation: Any, name: str, hidden: bool = False) -> Any
         try:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
-            return int(value)
-        except (TypeError, ValueError) as exc:
+            number_i = int(value)
+        except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"option {name}={shown} must be an integer") from (
                 None if hidden else exc
             )
+        if not -(2**63) <= number_i <= 2**63 - 1:
+            raise ConfigError(f"option {name}={shown} is out of range (a 64-bit integer)")
+        return number_i
     if annotation is float:
         try:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
-        except (TypeError, ValueError) as exc:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"option {name}={shown} must be a number") from (
                 None if hidden else exc
             )
+        if not math.isfinite(number):
+            raise ConfigError(f"option {name}={shown} must be a finite number")
+        return number
     if annotation is str:
         if not isinstance(value, (str, os.PathLike)):
             raise ConfigError(f"option {name}={shown} must be a string")
-        return os.fspath(value)
+        text = os.fspath(value)
+        if not isinstance(text, str):  # a bytes path
+            raise ConfigError(f"option {name}={shown} must be a string")
+        if "\x00" in text:
+            raise ConfigError(f"option {name}={shown} must not contain a NUL byte")
+        return text
     return value
+
+
+def _shown(value: Any, hidden: bool) -> str:
+    """``value`` as an error message shows it: redacted when secret, cut when long."""
+    if hidden:
+        return REDACTED
+    if isinstance(value, str):
+        return _short(redact_text(value))
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
@@ -358,4 +415,16 @@ def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
         else:
             continue
         kwargs[name] = _coerce(raw, hints[name], name, is_secret_option(name, cls))
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        # An options class's own check that is not a ConfigError: still a bad option,
+        # and its message may hold a value, so secrets are cut out of it.
+        secrets_ = [str(v) for k, v in kwargs.items() if v is not None and is_secret_option(k, cls)]
+        msg = redact_text(f"{type(exc).__name__}: {exc}")
+        for s in sorted(secrets_, key=len, reverse=True):
+            if s:
+                msg = msg.replace(s, REDACTED)
+        raise ConfigError(f"invalid options for backend {backend!r}: {msg}") from None

@@ -116,3 +116,112 @@ def test_storage_config_validation() -> None:
         StorageConfig(namespace="m")  # type: ignore[arg-type]
     cfg = StorageConfig(extra_config={"root": "/x", "prefetch_threshold": 1})
     assert cfg.backend_options() == {"root": "/x"}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        "Infinity",
+        "-Infinity",
+        "inf",
+        "nan",
+        "NaN",
+        "9" * 401,  # float() of it is inf: int(inf) raised OverflowError
+        "1" * 5000,  # past Python's int-string limit
+        "0." + "1" * 100,
+        -1,
+        -0.5,
+        "-5",
+        2**63,  # over the 64-bit bound
+        "9223372036854775808",
+        "8388608TiB",  # 2**63 bytes
+        1e19,
+        b"4096",
+        [4096],
+    ],
+)
+def test_parse_size_rejects_non_finite_huge_and_negative_with_config_error(bad: object) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_size(bad)
+    assert len(str(err.value)) < 300  # a 5000-digit value is cut in the message
+
+
+def test_parse_size_bounds_are_exact() -> None:
+    assert parse_size(2**63 - 1) == 2**63 - 1
+    assert parse_size("9223372036854775807") == 2**63 - 1
+    assert parse_size("8388607.5TiB") == int(8388607.5 * 2**40)
+    assert parse_size("0.5KiB") == 512
+    assert parse_size(1.9) == 1  # fractions of a byte are dropped
+    assert parse_size("123456789012345678") == 123456789012345678  # no float rounding
+
+
+@pytest.mark.parametrize(
+    ("opts", "match"),
+    [
+        ({"limit": float("inf")}, r"option limit: invalid size inf"),
+        ({"limit": "Infinity"}, r"option limit: invalid size 'Infinity'"),
+        ({"limit": "9" * 401}, r"option limit: size .* too large"),
+        ({"limit": float("nan")}, r"option limit"),
+        ({"limit": -1}, r"option limit"),
+        ({"ratio": float("nan")}, "finite"),
+        ({"ratio": float("inf")}, "finite"),
+        ({"ratio": "Infinity"}, "finite"),
+        ({"ratio": 10**400}, "number"),  # float(10**400) raised OverflowError
+        ({"threads": float("inf")}, "integer"),  # int(inf) raised OverflowError
+        ({"threads": float("nan")}, "integer"),
+        ({"threads": 10**30}, "out of range"),
+        ({"threads": "9" * 5000}, "integer"),
+        ({"root": "/tmp/a\x00b"}, "NUL"),
+        ({"root": b"/tmp"}, "string"),
+        ({"on": [1]}, "boolean"),
+        ({"mode": ["a"]}, "one of"),
+    ],
+)
+def test_every_option_coercion_error_is_a_config_error(opts: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as err:
+        parse_options(_Opts, "demo", opts)
+    assert len(str(err.value)) < 300
+
+
+def test_env_option_coercion_errors_are_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HICACHE_STORAGE_DEMO_LIMIT", "Infinity")
+    with pytest.raises(ConfigError, match="option limit"):
+        parse_options(_Opts, "demo", {})
+    monkeypatch.setenv("HICACHE_STORAGE_DEMO_LIMIT", "1KiB")
+    monkeypatch.setenv("HICACHE_STORAGE_DEMO_RATIO", "nan")
+    with pytest.raises(ConfigError, match="finite"):
+        parse_options(_Opts, "demo", {})
+
+
+@dataclass(frozen=True)
+class _Checked:
+    password: str | None = None
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.threads > 4:  # a check that raises ValueError, not ConfigError
+            raise ValueError(f"too many threads ({self.threads}) for password {self.password}")
+
+
+def test_options_class_errors_become_config_errors_without_secrets() -> None:
+    with pytest.raises(ConfigError, match="too many threads") as err:
+        parse_options(_Checked, "demo", {"threads": 9, "password": "CANARY-s3cr3t"})
+    assert "CANARY" not in str(err.value)
+    assert err.value.__cause__ is None
+
+
+def test_real_backend_options_reject_infinity_and_huge_sizes(tmp_path: Path) -> None:
+    from hicache_storage.backends import FileBackend
+
+    for bad in (float("inf"), "Infinity", "inf", "nan", "9" * 401, -1, 2**64):
+        with pytest.raises(ConfigError, match="max_size"):
+            FileBackend(None, root=str(tmp_path), max_size=bad)
+    with pytest.raises(ConfigError, match="NUL"):
+        FileBackend(None, root=f"{tmp_path}/a\x00b")
+    # The JSON spelling (json.loads accepts Infinity and NaN) fails the same way.
+    opts = load_extra_config('{"max_size": Infinity, "root": ' + json.dumps(str(tmp_path)) + "}")
+    with pytest.raises(ConfigError, match="max_size"):
+        FileBackend(None, **opts)
