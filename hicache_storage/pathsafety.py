@@ -1,0 +1,326 @@
+"""Safe use of directories and files that other local users might have touched.
+
+Every file-based store (``file``, ``shm``, ``mmap``) keeps pages in a directory tree that
+often lives in a world-writable place (``/tmp``, ``/dev/shm``). Namespace digests and the
+page hashes of a well-known prompt are predictable, so another local user could pre-create
+a store's directory, plant pages that would be served as hits, or read what is written.
+This module holds the rules, once for every backend:
+
+* :func:`user_dir`: a per-user default location (``<base>/<name>-<euid>``).
+* :func:`ensure_dir`: create a directory with an exact mode and group, or verify an
+  existing one: a real directory (not a symlink), owned by this user (group mode: by this
+  user or with the configured group), not writable by others (private mode: not by the
+  group either). Otherwise :class:`UnsafePathError` (a
+  :class:`~hicache_storage.errors.ConfigError`) names the path, what is wrong and the fix.
+* :func:`check_file`: the same trust rule for an existing regular file.
+* :func:`open_regular`: open without following a symlink and without blocking on a FIFO,
+  and refuse anything that is not a regular file (:class:`NotRegularFileError`).
+* :func:`check_path`: a configured path is a non-empty string without NUL bytes.
+
+Trust rule, in one place (documented in ``docs/backends/file.md``):
+
+=============  ==============================================  ===========================
+mode           owner                                           mode bits that must be off
+=============  ==============================================  ===========================
+private        the effective uid                               group and other write
+group ``G``    the effective uid, or any user with group ``G``  other write
+=============  ==============================================  ===========================
+
+In group mode the members of ``G`` trust each other (any of them may add pages); a file
+or directory that is not this user's and not of group ``G`` is never trusted. Only a
+member of ``G`` (or root) can give a file group ``G``, so an outsider cannot plant one.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+from hicache_storage.errors import ConfigError, CorruptObjectError
+
+__all__ = [
+    "NotRegularFileError",
+    "UnsafePathError",
+    "check_file",
+    "check_path",
+    "ensure_dir",
+    "ensure_parent",
+    "is_trusted",
+    "open_regular",
+    "open_regular_stat",
+    "user_dir",
+]
+
+#: Directories of the system that may be world-writable (sticky, root-owned) parents.
+_SYSTEM_DIRS = frozenset({"/", "/tmp", "/var/tmp", "/dev/shm", "/run", "/run/user"})
+
+
+class UnsafePathError(ConfigError):
+    """A directory or file is not safe to use: wrong owner, writable by others, a symlink,
+    or not of the expected kind. The message names the path, the problem and the fix."""
+
+
+class NotRegularFileError(CorruptObjectError):
+    """Something other than a regular file (FIFO, socket, symlink, directory, device)
+    sits where a stored object should be. Reads treat it as a miss."""
+
+
+def user_dir(base: str, name: str) -> str:
+    """The per-user default location ``<base>/<name>-<euid>`` (e.g. ``/tmp/hicache-storage-1000``).
+
+    Each user gets their own directory, so two users never share (or fight over) one by
+    default; :func:`ensure_dir` then makes sure it really is this user's.
+    """
+    return f"{base.rstrip('/') or '/'}/{name}-{os.geteuid()}".replace("//", "/")
+
+
+def check_path(path: object, what: str = "path") -> str:
+    """``path`` as an absolute path string, or :class:`ConfigError` if it is not usable
+    (not a string, empty, or holding a NUL byte)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise ConfigError(f"{what} must be a path string, got {type(path).__name__}")
+    if not path:
+        raise ConfigError(f"{what} must not be empty")
+    if "\x00" in path:
+        raise ConfigError(f"{what} {path!r} must not contain a NUL byte")
+    try:
+        return os.path.abspath(os.path.expanduser(path))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{what} {path!r} is not a valid path: {exc}") from None
+
+
+def _mode_str(mode: int) -> str:
+    return f"{stat.S_IMODE(mode):04o}"
+
+
+def is_trusted(st: os.stat_result, gid: int | None = None) -> bool:
+    """True if an object with this ``lstat``/``fstat`` result passes the trust rule
+    (owner and write bits, see the module docstring); the kind is not checked."""
+    return _problem(st, gid) is None
+
+
+def _problem(st: os.stat_result, gid: int | None) -> str | None:
+    """What makes ``st`` untrusted (owner, then write bits), or None."""
+    euid = os.geteuid()
+    mine = st.st_uid == euid
+    if gid is None:
+        if not mine:
+            return f"it is owned by uid {st.st_uid}, not by you (uid {euid})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"its mode {_mode_str(st.st_mode)} lets other users write to it"
+        return None
+    if not mine and st.st_gid != gid:
+        return (
+            f"it is owned by uid {st.st_uid} and group {st.st_gid}: neither you (uid {euid}) "
+            f"nor the sharing group {gid}"
+        )
+    if st.st_mode & stat.S_IWOTH:
+        return f"its mode {_mode_str(st.st_mode)} lets every user write to it"
+    return None
+
+
+def _refuse(path: str, problem: str, fix: str) -> UnsafePathError:
+    return UnsafePathError(f"refusing to use {path}: {problem}. Fix: {fix}")
+
+
+def _dir_fix(path: str, mode: int, gid: int | None) -> str:
+    owner = f"{os.geteuid()}" if gid is None else f"{os.geteuid()}:{gid}"
+    return (
+        f"`chown {owner} {path} && chmod {mode & 0o7777:o} {path}` (as its owner or root), "
+        "remove it, or choose another directory"
+    )
+
+
+def _check_existing_dir(path: str, st: os.stat_result, mode: int, gid: int | None) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        raise _refuse(
+            path,
+            f"it is a symbolic link (to {target}), which could be redirected",
+            "configure the real directory instead, or remove the link",
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refuse(path, "it exists and is not a directory", "remove it or choose another path")
+    problem = _problem(st, gid)
+    if problem is not None:
+        raise _refuse(path, problem, _dir_fix(path, mode, gid))
+    if (
+        gid is not None
+        and st.st_uid == os.geteuid()
+        and (st.st_gid != gid or stat.S_IMODE(st.st_mode) != mode & 0o7777)
+    ):
+        # Our own directory, asked to be shared: give it to the group (only adds access
+        # for the configured group; others still cannot write).
+        os.chown(path, -1, gid)
+        os.chmod(path, mode)
+
+
+def _check_ancestors(path: str) -> None:
+    """Refuse a path below a directory that anyone may write without the sticky bit:
+    anyone could then rename this path away and put their own in its place."""
+    parent = os.path.dirname(path)
+    while True:
+        try:
+            st = os.stat(parent)
+        except FileNotFoundError:
+            st = None
+        if st is not None and st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise _refuse(
+                path,
+                f"its parent {parent} (mode {_mode_str(st.st_mode)}) lets every user replace it",
+                f"`chmod o-w {parent}` or `chmod +t {parent}`, or choose another directory",
+            )
+        up = os.path.dirname(parent)
+        if up == parent:
+            return
+        parent = up
+
+
+def _make_dir(path: str, mode: int, gid: int | None) -> bool:
+    """mkdir with exactly ``mode`` and group ``gid``; False if something already exists."""
+    try:
+        os.mkdir(path, 0o700)  # nobody else can enter while mode and group are set
+    except FileExistsError:
+        return False
+    if gid is not None:
+        os.chown(path, -1, gid)
+    os.chmod(path, mode)  # mkdir masks the mode with the umask and may drop setgid
+    return True
+
+
+def ensure_dir(path: str, mode: int = 0o700, gid: int | None = None, parents: bool = True) -> None:
+    """Make ``path`` a directory this user may safely keep pages in, or raise.
+
+    Guarantees, on return:
+
+    * ``path`` is a real directory (``lstat``: not a symlink), owned by the effective uid
+      (with ``gid``: owned by it, or having group ``gid``), not writable by others (and,
+      without ``gid``, not group-writable);
+    * if this call created it, it has exactly ``mode`` (umask ignored, setgid kept) and,
+      with ``gid``, that group. Missing parents (with ``parents``) are created 0700, or,
+      with ``gid``, 2750 with group ``gid`` so that members can traverse them;
+    * with ``gid``, an existing directory of this user is given group ``gid`` and
+      ``mode``, so that sharing works without a manual step;
+    * no ancestor is writable by every user without the sticky bit.
+
+    Raises:
+        UnsafePathError: (a :class:`ConfigError`) the path exists and breaks a rule; the
+            message names the path, the owner or mode found, and the fix.
+        ConfigError: the path is invalid or cannot be created (the ``OSError`` is chained).
+    """
+    path = check_path(path)
+    try:
+        created = _make_dir(path, mode, gid)
+    except FileNotFoundError:
+        if not parents:
+            raise ConfigError(f"cannot create {path}: its parent does not exist") from None
+        created = False
+        parent = os.path.dirname(path)
+        if parent != path:
+            ensure_parent(parent, gid)
+        try:
+            created = _make_dir(path, mode, gid)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the directory {path}: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot create the directory {path}: {exc}") from exc
+    try:
+        st = os.lstat(path)
+        if not created:
+            _check_existing_dir(path, st, mode, gid)
+        elif not stat.S_ISDIR(st.st_mode):  # replaced between mkdir and lstat
+            raise _refuse(path, "it was replaced while being created", "retry")
+    except UnsafePathError:
+        raise
+    except OSError as exc:
+        raise ConfigError(f"cannot use the directory {path}: {exc}") from exc
+    _check_ancestors(path)
+
+
+def ensure_parent(path: str, gid: int | None = None) -> None:
+    """Create ``path`` and its missing parents as traversable-only directories (0700, or
+    2750 with group ``gid``); existing ones are left as they are."""
+    missing = []
+    while True:
+        try:
+            os.lstat(path)
+            break
+        except FileNotFoundError:
+            missing.append(path)
+            up = os.path.dirname(path)
+            if up == path:
+                break
+            path = up
+        except OSError as exc:
+            raise ConfigError(f"cannot use the directory {path}: {exc}") from exc
+    mode = 0o700 if gid is None else 0o2750
+    for p in reversed(missing):
+        try:
+            _make_dir(p, mode, gid)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the directory {p}: {exc}") from exc
+
+
+def check_file(path: str, st: os.stat_result, gid: int | None = None) -> None:
+    """Raise :class:`UnsafePathError` unless ``st`` (of ``path``, from ``lstat`` or
+    ``fstat``) is a regular file that passes the trust rule: owned by the effective uid
+    (with ``gid``: owned by it or having group ``gid``), not writable by others (and,
+    without ``gid``, not group-writable)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(path, "it is not a regular file", "remove it")
+    problem = _problem(st, gid)
+    if problem is not None:
+        owner = f"{os.geteuid()}" if gid is None else f"{os.geteuid()}:{gid}"
+        raise _refuse(
+            path,
+            problem,
+            f"remove it, or `chown {owner} {path} && chmod go-w {path}` if you trust it",
+        )
+
+
+_NOT_A_FILE_ERRNOS = frozenset({errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV})
+
+
+def open_regular_stat(path: str, flags: int, mode: int = 0o600) -> tuple[int, os.stat_result]:
+    """As :func:`open_regular`, and also return the opened file's ``fstat``."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, mode)
+    except OSError as exc:
+        if exc.errno in _NOT_A_FILE_ERRNOS:
+            raise NotRegularFileError(f"{path} is not a regular file ({exc.strerror})") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(f"{path} is not a regular file (mode {st.st_mode:o})")
+        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fl & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def open_regular(path: str, flags: int, mode: int = 0o600) -> int:
+    """Open ``path`` as a regular file, never following a symlink, never blocking.
+
+    ``flags`` (``os.O_RDONLY``, ``os.O_WRONLY | os.O_CREAT | os.O_EXCL``...) get
+    ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY``: a symlink in the last component
+    fails instead of being followed, a FIFO opens (or fails) at once instead of waiting for
+    a writer. The opened file is then checked with ``fstat``; anything but a regular file
+    is closed and refused. ``O_NONBLOCK`` is cleared before the descriptor is returned.
+
+    Raises:
+        NotRegularFileError: (a :class:`~hicache_storage.errors.CorruptObjectError`) a
+            symlink, FIFO, socket, directory or device is at ``path``.
+        OSError: any other failure (``FileNotFoundError``, ``PermissionError``...).
+    """
+    fd, _ = open_regular_stat(path, flags, mode)
+    return fd

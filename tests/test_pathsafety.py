@@ -1,0 +1,184 @@
+"""hicache_storage.pathsafety: per-user locations, directory and file trust, safe opens."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from hicache_storage.errors import ConfigError, CorruptObjectError
+from hicache_storage.pathsafety import (
+    NotRegularFileError,
+    UnsafePathError,
+    check_file,
+    check_path,
+    ensure_dir,
+    open_regular,
+    user_dir,
+)
+
+OTHER = 65534  # nobody
+GID = 4242
+
+
+def mode_of(path: str | Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_user_dir_names_the_effective_uid() -> None:
+    assert user_dir("/tmp", "hicache-storage") == f"/tmp/hicache-storage-{os.geteuid()}"
+    assert user_dir("/dev/shm/", "x") == f"/dev/shm/x-{os.geteuid()}"
+
+
+def test_check_path_refuses_nul_and_empty() -> None:
+    with pytest.raises(ConfigError, match="NUL"):
+        check_path("/tmp/a\x00b")
+    with pytest.raises(ConfigError, match="empty"):
+        check_path("")
+    assert check_path("rel") == os.path.abspath("rel")
+
+
+def test_ensure_dir_creates_with_the_exact_mode_despite_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        d = tmp_path / "a" / "b" / "c"
+        ensure_dir(str(d), 0o2770, gid=GID)
+    finally:
+        os.umask(old)
+    assert mode_of(d) == 0o2770 and os.stat(d).st_gid == GID
+    # missing parents: traversable by the group, writable by nobody else
+    assert mode_of(d.parent) == 0o2750 and os.stat(d.parent).st_gid == GID
+    p = tmp_path / "private" / "x"
+    ensure_dir(str(p))
+    assert mode_of(p) == 0o700 and mode_of(p.parent) == 0o700
+    ensure_dir(str(p))  # existing and fine: no error
+
+
+def test_ensure_dir_refuses_a_directory_of_another_user(tmp_path: Path) -> None:
+    d = tmp_path / "planted"
+    d.mkdir(mode=0o755)
+    os.chown(d, OTHER, OTHER)
+    with pytest.raises(UnsafePathError, match=rf"{d}.*owned by uid {OTHER}.*Fix: `chown"):
+        ensure_dir(str(d))
+    with pytest.raises(UnsafePathError, match="owned by uid"):
+        ensure_dir(str(d), 0o2770, gid=GID)  # not the sharing group either
+    os.chown(d, OTHER, GID)
+    os.chmod(d, 0o2770)
+    ensure_dir(str(d), 0o2770, gid=GID)  # a member's directory: trusted in group mode
+    with pytest.raises(UnsafePathError):
+        ensure_dir(str(d))  # but never in private mode
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770, 0o720])
+def test_ensure_dir_refuses_a_directory_others_may_write(tmp_path: Path, mode: int) -> None:
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, mode)
+    with pytest.raises(UnsafePathError, match=f"mode {mode:04o}.*chmod 700"):
+        ensure_dir(str(d))
+    if not mode & 0o002:
+        ensure_dir(str(d), 0o2770, gid=GID)  # group-writable is the point of group mode
+
+
+def test_ensure_dir_gives_an_own_directory_to_the_group(tmp_path: Path) -> None:
+    d = tmp_path / "mine"
+    d.mkdir(mode=0o700)
+    ensure_dir(str(d), 0o2770, gid=GID)
+    assert mode_of(d) == 0o2770 and os.stat(d).st_gid == GID
+
+
+def test_ensure_dir_refuses_symlinks_and_files(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(UnsafePathError, match="symbolic link"):
+        ensure_dir(str(link))
+    f = tmp_path / "file"
+    f.write_bytes(b"")
+    with pytest.raises(UnsafePathError, match="not a directory"):
+        ensure_dir(str(f))
+    with pytest.raises(ConfigError, match="NUL"):
+        ensure_dir(str(tmp_path / "a\x00b"))
+    with pytest.raises(ConfigError, match="parent does not exist"):
+        ensure_dir(str(tmp_path / "no" / "such"), parents=False)
+
+
+def test_ensure_dir_refuses_a_world_writable_parent_without_sticky_bit(tmp_path: Path) -> None:
+    parent = tmp_path / "open"
+    parent.mkdir()
+    os.chmod(parent, 0o777)
+    with pytest.raises(UnsafePathError, match="lets every user replace it"):
+        ensure_dir(str(parent / "store"))
+    os.chmod(parent, 0o1777)  # sticky, as /tmp: others cannot rename what is ours
+    ensure_dir(str(parent / "store"))
+
+
+def test_check_file(tmp_path: Path) -> None:
+    f = tmp_path / "page"
+    f.write_bytes(b"x")
+    os.chmod(f, 0o600)
+    check_file(str(f), os.lstat(f))
+    os.chmod(f, 0o620)
+    with pytest.raises(UnsafePathError, match="write"):
+        check_file(str(f), os.lstat(f))
+    os.chmod(f, 0o640)
+    os.chown(f, OTHER, OTHER)
+    with pytest.raises(UnsafePathError, match=f"uid {OTHER}"):
+        check_file(str(f), os.lstat(f))
+    with pytest.raises(UnsafePathError):
+        check_file(str(f), os.lstat(f), gid=GID)
+    os.chown(f, OTHER, GID)
+    check_file(str(f), os.lstat(f), gid=GID)  # a member's page, group mode
+    os.chmod(f, 0o646)
+    with pytest.raises(UnsafePathError, match="every user"):
+        check_file(str(f), os.lstat(f), gid=GID)
+    with pytest.raises(UnsafePathError, match="not a regular file"):
+        check_file(str(tmp_path), os.lstat(tmp_path))
+
+
+@pytest.mark.timeout(20)
+def test_open_regular_never_blocks_or_follows(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    target = tmp_path / "target"
+    target.write_bytes(b"data")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    sock_path = tmp_path / "sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    results: dict[str, object] = {}
+
+    def attempt() -> None:
+        for name in ("fifo", "link", "sock", "."):
+            for flags in (os.O_RDONLY, os.O_WRONLY):
+                try:
+                    fd = open_regular(str(tmp_path / name), flags)
+                    os.close(fd)
+                    results[f"{name}{flags}"] = "opened"
+                except NotRegularFileError as exc:
+                    results[f"{name}{flags}"] = exc
+                except OSError as exc:
+                    results[f"{name}{flags}"] = exc
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(10)
+    sock.close()
+    assert not t.is_alive(), "open_regular blocked"
+    assert len(results) == 8
+    assert all(isinstance(r, NotRegularFileError) for r in results.values()), results
+    assert isinstance(NotRegularFileError("x"), CorruptObjectError)
+    fd = open_regular(str(target), os.O_RDONLY)
+    try:
+        assert os.read(fd, 10) == b"data"
+        import fcntl
+
+        assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
+    finally:
+        os.close(fd)
