@@ -244,6 +244,54 @@ class KVCacheNamespace:
         return data
 
     @classmethod
+    def for_pool(cls, pool: Any, *, model_id: str, **extra: Any) -> KVCacheNamespace:
+        """The namespace of the pages of host pool ``pool``, for model ``model_id``.
+
+        Reads what :meth:`HiCacheStorage.register_mem_pool_host
+        <hicache_storage.backend.HiCacheStorage.register_mem_pool_host>` checks from the
+        pool: ``page_size``, ``dtype``, ``layout`` (the stored object layout) and MLA
+        (``mla`` or ``is_mla``: an MLA pool's pages are rank-replicated). Works with
+        :class:`~hicache_storage.host_pool.HostKVPool` and SGLang-style host pools.
+
+        ``extra`` sets the other fields (``tenant``, ``total_kv_heads``,
+        ``layer_range``, ``weights_fingerprint``...) and may supply a fact the pool does
+        not have; a field that contradicts the pool raises :class:`ConfigError`, since a
+        backend would refuse that pool anyway.
+        """
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = set(extra) - known
+        if unknown:
+            raise ConfigError(f"unknown namespace fields {sorted(unknown)}; known: {sorted(known)}")
+        facts: dict[str, Any] = {}
+        page_size = getattr(pool, "page_size", None)
+        if page_size is not None:
+            facts["page_size"] = page_size
+        dtype = getattr(pool, "dtype", None)
+        if dtype is not None:
+            facts["dtype"] = normalize_dtype(dtype)
+        layout = getattr(pool, "layout", None)
+        if layout is not None:
+            facts["object_layout"] = str(layout)
+        # The same lookup as register_mem_pool_host: ``mla``, then ``is_mla``.
+        facts["rank_replicated"] = bool(getattr(pool, "mla", getattr(pool, "is_mla", False)))
+        for name, value in facts.items():
+            if name not in extra:
+                continue
+            given = normalize_dtype(extra[name]) if name == "dtype" else extra[name]
+            if given != value:
+                raise ConfigError(
+                    f"for_pool: {name}={extra[name]!r} contradicts the pool's {value!r}; "
+                    f"leave {name} out to take it from the pool"
+                )
+        for name in ("page_size", "dtype"):
+            if name not in facts and name not in extra:
+                raise ConfigError(
+                    f"for_pool: the pool ({type(pool).__name__}) has no {name!r} attribute; "
+                    f"pass {name}=... explicitly"
+                )
+        return cls(model_id=model_id, **{**extra, **facts})
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheNamespace:
         """Build a namespace from a dict, rejecting unknown fields."""
         known = {f.name for f in fields(cls) if f.init}

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from pathlib import Path
 
 import pytest
 
-from hicache_storage import KVCacheNamespace, object_name, page_hashes, storage_namespace_seed
+from hicache_storage import (
+    KVCacheNamespace,
+    StorageConfig,
+    object_name,
+    page_hashes,
+    storage_namespace_seed,
+)
 from hicache_storage.errors import (
     ConfigError,
     InvalidArgumentError,
     InvalidKeyError,
     InvalidTypeError,
+    NamespaceMismatchError,
 )
 from hicache_storage.keys import KEY_MAX_LEN, validate_key
 
@@ -209,3 +217,106 @@ def test_object_names() -> None:
     # Fan-out spreads keys over many directories.
     fans = {object_name("d", f"k{i}").fanout for i in range(5000)}
     assert len(fans) == 256
+
+
+# --------------------------------------------------------------------------- for_pool
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("mla", [False, True])
+def test_for_pool_builds_the_namespace_register_mem_pool_host_accepts(
+    tmp_path: Path, layout: str, mla: bool
+) -> None:
+    import torch
+
+    from hicache_storage.backends import FileBackend
+    from hicache_storage.host_pool import HostKVPool
+
+    pool = HostKVPool(num_pages=4, page_size=8, layer_num=2, kv_heads=2, head_dim=16,
+                      dtype=torch.float16, layout=layout, mla=mla)  # fmt: skip
+    ns = KVCacheNamespace.for_pool(pool, model_id="acme/model-7b", tenant="t1")
+    assert (ns.page_size, ns.dtype, ns.object_layout, ns.rank_replicated) == (
+        8, "float16", layout, mla,
+    )  # fmt: skip
+    assert ns.tenant == "t1"
+    b = FileBackend(StorageConfig(namespace=ns), root=str(tmp_path))
+    try:
+        b.register_mem_pool_host(pool)  # no NamespaceMismatchError
+        idx = pool.alloc(8)
+        assert idx is not None
+        key = page_hashes(list(range(8)), 8)[0]
+        assert b.batch_set_v1([key], idx) == [True]
+        assert b.batch_get_v1([key], idx) == [True]
+    finally:
+        b.close()
+
+
+def test_the_namespace_mismatch_advice_works(tmp_path: Path) -> None:
+    """The error names KVCacheNamespace.for_pool; following it fixes the mismatch."""
+    import torch
+
+    from hicache_storage.backends import FileBackend
+    from hicache_storage.host_pool import HostKVPool
+
+    pool = HostKVPool(num_pages=2, page_size=16, layer_num=1, kv_heads=1, head_dim=8,
+                      dtype=torch.bfloat16, layout="page_first")  # fmt: skip
+    wrong = KVCacheNamespace(model_id="m", dtype="float16", page_size=4)
+    b = FileBackend(StorageConfig(namespace=wrong), root=str(tmp_path))
+    with pytest.raises(NamespaceMismatchError, match=r"KVCacheNamespace\.for_pool\(pool"):
+        b.register_mem_pool_host(pool)
+    b.close()
+    b = FileBackend(
+        StorageConfig(namespace=KVCacheNamespace.for_pool(pool, model_id="m")), root=str(tmp_path)
+    )
+    b.register_mem_pool_host(pool)
+    b.close()
+
+
+class _SGLangStylePool:
+    """The attributes an SGLang HostKVCache exposes (no HostKVPool methods)."""
+
+    def __init__(self, **attrs: object) -> None:
+        self.__dict__.update(attrs)
+
+
+@pytest.mark.parametrize("mla_attr", ["is_mla", "mla"])
+def test_for_pool_reads_sglang_style_pools(tmp_path: Path, mla_attr: str) -> None:
+    import torch
+
+    from hicache_storage.backends import FileBackend
+
+    pool = _SGLangStylePool(page_size=64, dtype=torch.float8_e4m3fn, layout="page_first_direct",
+                            **{mla_attr: True})  # fmt: skip
+    ns = KVCacheNamespace.for_pool(pool, model_id="deepseek-ai/DeepSeek-V3")
+    assert (ns.page_size, ns.dtype, ns.object_layout, ns.rank_replicated) == (
+        64, "float8_e4m3fn", "page_first_direct", True,
+    )  # fmt: skip
+    b = FileBackend(StorageConfig(namespace=ns), root=str(tmp_path))
+    b.register_mem_pool_host(pool)
+    b.close()
+    plain = KVCacheNamespace.for_pool(
+        _SGLangStylePool(page_size=1, dtype="torch.bfloat16"), model_id="m", total_kv_heads=8
+    )
+    assert (plain.object_layout, plain.rank_replicated, plain.dtype) == (
+        "opaque", False, "bfloat16",
+    )  # fmt: skip
+    assert plain.total_kv_heads == 8
+
+
+def test_for_pool_refuses_contradictions_and_missing_facts() -> None:
+    pool = _SGLangStylePool(page_size=16, dtype="bfloat16", layout="page_first")
+    with pytest.raises(ConfigError, match="page_size=32 contradicts"):
+        KVCacheNamespace.for_pool(pool, model_id="m", page_size=32)
+    with pytest.raises(ConfigError, match="rank_replicated"):
+        KVCacheNamespace.for_pool(pool, model_id="m", rank_replicated=True)
+    # Restating a fact the pool has is fine (torch spelling included).
+    ns = KVCacheNamespace.for_pool(pool, model_id="m", dtype="torch.bfloat16", page_size=16)
+    assert ns == KVCacheNamespace.for_pool(pool, model_id="m")
+    with pytest.raises(ConfigError, match="unknown namespace fields"):
+        KVCacheNamespace.for_pool(pool, model_id="m", tennant="x")
+    with pytest.raises(ConfigError, match="has no 'dtype'"):
+        KVCacheNamespace.for_pool(_SGLangStylePool(page_size=4), model_id="m")
+    ns = KVCacheNamespace.for_pool(_SGLangStylePool(page_size=4), model_id="m", dtype="int8")
+    assert ns.dtype == "int8"
+    with pytest.raises(ConfigError, match="model_id"):
+        KVCacheNamespace.for_pool(pool, model_id="")
