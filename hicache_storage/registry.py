@@ -77,9 +77,9 @@ def _entry_points() -> dict[str, list[metadata.EntryPoint]]:
     by_name: dict[str, list[metadata.EntryPoint]] = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         found = by_name.setdefault(ep.name, [])
-        dist = _dist_name(ep)
+        dist = _safe_dist_name(ep)
         # The same distribution seen twice (e.g. on two sys.path entries): keep one.
-        if any(_dist_name(o) == dist and o.value == ep.value for o in found):
+        if any(_safe_dist_name(o) == dist and o.value == ep.value for o in found):
             continue
         found.append(ep)
     return by_name
@@ -95,21 +95,46 @@ def _dist_version(ep: metadata.EntryPoint) -> str | None:
     return None if dist is None else str(dist.version)
 
 
+def _safe_dist_name(ep: metadata.EntryPoint) -> str | None:
+    """:func:`_dist_name`, or ``None`` when the distribution's metadata is unreadable."""
+    try:
+        return _dist_name(ep)
+    except Exception:  # noqa: BLE001 - unreadable metadata: no name
+        return None
+
+
+def _safe_dist_version(ep: metadata.EntryPoint) -> str | None:
+    try:
+        return _dist_version(ep)
+    except Exception:  # noqa: BLE001 - unreadable metadata: no version
+        return None
+
+
 def _check_class(obj: Any, where: str) -> type[HiCacheStorage]:
     if not isinstance(obj, type) or not issubclass(obj, HiCacheStorage):
         raise BackendLoadError(f"{where} is {obj!r}, not a HiCacheStorage subclass")
     return obj
 
 
+def _describe_import_error(exc: BaseException) -> str:
+    """One line on why an import failed, whatever it raised."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: the module called sys.exit({exc.code!r}) at import"
+    text = " ".join(str(exc).split())  # one line, whatever the message
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _load_entry_point(ep: metadata.EntryPoint) -> type[HiCacheStorage]:
     try:
         obj = ep.load()
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit, GeneratorExit... at import: still a load error
         hint = INSTALL_HINTS.get(ep.name)
         extra = f"; install with: {hint}" if hint else ""
         raise BackendLoadError(
-            f"backend {ep.name!r} ({ep.value}, from {_dist_name(ep) or 'unknown distribution'}) "
-            f"failed to load: {type(exc).__name__}: {exc}{extra}"
+            f"backend {ep.name!r} ({ep.value}, from {_safe_dist_name(ep) or 'unknown distribution'}) "
+            f"failed to load: {_describe_import_error(exc)}{extra}"
         ) from exc
     return _check_class(obj, f"backend {ep.name!r} ({ep.value})")
 
@@ -118,9 +143,11 @@ def _load_path(spec: str) -> type[HiCacheStorage]:
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
         raise BackendLoadError(
-            f"cannot import {module_name!r} for backend {spec!r}: {exc}"
+            f"cannot import {module_name!r} for backend {spec!r}: {_describe_import_error(exc)}"
         ) from exc
     obj: Any = module
     for part in attr.split("."):
@@ -141,12 +168,26 @@ def available_backends(load: bool = True) -> dict[str, list[BackendInfo]]:
     for name, eps in sorted(_entry_points().items()):
         infos = []
         for ep in eps:
-            info = BackendInfo(name, ep.value, _dist_name(ep), _dist_version(ep))
+            info = BackendInfo(name, ep.value, _safe_dist_name(ep), _safe_dist_version(ep))
             if load:
+                # One broken plugin costs its own row, never the listing: whatever its
+                # import raises (but Ctrl-C) becomes its load error.
                 try:
-                    info.capabilities = _load_entry_point(ep).capabilities
-                except BackendLoadError as exc:
-                    info.load_error = str(exc)
+                    caps = _load_entry_point(ep).capabilities
+                    if not isinstance(caps, Capabilities):
+                        raise BackendLoadError(
+                            f"backend {name!r} ({ep.value}) declares capabilities {caps!r}, "
+                            "not a Capabilities"
+                        )
+                    info.capabilities = caps
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - shown on the plugin's row
+                    info.load_error = (
+                        str(exc)
+                        if isinstance(exc, BackendLoadError)
+                        else _describe_import_error(exc)
+                    )
             infos.append(info)
         out[name] = infos
     return out
@@ -163,7 +204,7 @@ def load_backend_class(name: str) -> type[HiCacheStorage]:
     candidates = eps.get(base, [])
     if wanted_dist:
         candidates = [
-            ep for ep in candidates if (_dist_name(ep) or "").lower() == wanted_dist.lower()
+            ep for ep in candidates if (_safe_dist_name(ep) or "").lower() == wanted_dist.lower()
         ]
     if not candidates:
         installed = ", ".join(sorted(eps)) or "none"
@@ -176,7 +217,7 @@ def load_backend_class(name: str) -> type[HiCacheStorage]:
             msg += f". Known but not installed: {', '.join(missing)}"
         raise UnknownBackendError(msg)
     if len(candidates) > 1:
-        who = ", ".join(f"{_dist_name(ep)} ({ep.value})" for ep in candidates)
+        who = ", ".join(f"{_safe_dist_name(ep)} ({ep.value})" for ep in candidates)
         raise AmbiguousBackendError(
             f"backend {base!r} is registered by several distributions: {who}. "
             f"Pick one with '{base}@<distribution>'"

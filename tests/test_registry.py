@@ -148,3 +148,93 @@ def test_file_options_through_the_registry(tmp_path: Path) -> None:
     b.close()
     with pytest.raises(ConfigError, match="unknown option"):
         create_backend("file", root=str(tmp_path), rooot="typo")
+
+
+# --------------------------------------------------------------------------- broken plugins
+
+BAD_IMPORTS = {
+    "exits": "import sys\nsys.exit(3)\n",
+    "raises": "raise RuntimeError('no licence server')\n",
+    "syntax": "def broken(:\n    pass\n",
+    "genexit": "raise GeneratorExit('odd')\n",
+    "custom": "class Weird(BaseException):\n    pass\n\nraise Weird('very odd')\n",
+    "prints": "print('hello from a plugin at import')\nimport sys\nsys.exit('bye')\n",
+}
+
+
+@pytest.fixture
+def bad_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "bad-site"
+    d.mkdir()
+    for name, body in BAD_IMPORTS.items():
+        fake_dist(d, f"bad-{name}", f"bad_{name}_mod", body, {f"bad-{name}": f"bad_{name}_mod:X"})
+    monkeypatch.syspath_prepend(str(d))
+    return d
+
+
+def test_a_plugin_that_fails_to_import_in_any_way_costs_only_its_row(bad_site: Path) -> None:
+    infos = available_backends()
+    for builtin in ("file", "shm", "mmap"):
+        (info,) = infos[builtin]
+        assert info.load_error is None, info.load_error
+        assert info.capabilities is not None
+    errors = {name: infos[f"bad-{name}"][0].load_error or "" for name in BAD_IMPORTS}
+    assert "SystemExit" in errors["exits"]
+    assert "sys.exit(3)" in errors["exits"]
+    assert "RuntimeError: no licence server" in errors["raises"]
+    assert "SyntaxError" in errors["syntax"]
+    assert "GeneratorExit: odd" in errors["genexit"]
+    assert "Weird: very odd" in errors["custom"]
+    assert "sys.exit('bye')" in errors["prints"]
+    for e in errors.values():
+        assert "\n" not in e
+        assert "failed to load" in e
+    # Selecting one is a BackendLoadError, never an exit of the caller.
+    with pytest.raises(BackendLoadError, match="SystemExit"):
+        create_backend("bad-exits")
+    with pytest.raises(BackendLoadError, match="SystemExit"):
+        create_backend("bad_exits_mod:X")
+
+
+def test_keyboard_interrupt_at_import_is_not_swallowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = tmp_path / "ki-site"
+    d.mkdir()
+    fake_dist(d, "bad-ki", "bad_ki_mod", "raise KeyboardInterrupt\n", {"bad-ki": "bad_ki_mod:X"})
+    monkeypatch.syspath_prepend(str(d))
+    with pytest.raises(KeyboardInterrupt):
+        available_backends()
+
+
+def test_cli_lists_every_backend_when_a_plugin_calls_sys_exit(tmp_path: Path) -> None:
+    """A real installed plugin (dist-info with entry_points.txt) calls sys.exit(3) at import."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    site.mkdir()
+    fake_dist(site, "exiting-storage", "exiting_mod",
+              "print('noise on stdout')\nimport sys\nsys.exit(3)\n", {"exiting": "exiting_mod:X"})  # fmt: skip
+    exe = Path(sys.executable).parent / "hicache-storage"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    r = subprocess.run([str(exe), "backends"], env=env, capture_output=True, text=True,
+                       check=False, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.strip()}
+    for builtin in ("file", "shm", "mmap"):
+        assert builtin in rows, r.stdout
+        assert "LOAD ERROR" not in rows[builtin]
+    assert "exiting-storage" in rows["exiting"]
+    assert "LOAD ERROR" in rows["exiting"]
+    assert "sys.exit(3)" in rows["exiting"]
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([str(exe), "backends", "--json"], env=env, capture_output=True, text=True,
+                       check=False, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)  # the plugin's print did not corrupt the JSON
+    assert {"file", "shm", "mmap", "exiting"} <= set(data)
+    assert "sys.exit(3)" in data["exiting"][0]["load_error"]
+    assert data["file"][0]["load_error"] is None
