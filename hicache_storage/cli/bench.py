@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
+import os
+import re
 import secrets
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,14 +16,18 @@ from typing import Any
 import torch
 
 from hicache_storage.backend import HiCacheStorage
-from hicache_storage.config import StorageConfig
-from hicache_storage.host_pool import HostKVPool
+from hicache_storage.config import StorageConfig, redact_options
+from hicache_storage.errors import ConfigError, HiCacheStorageError
+from hicache_storage.host_pool import LAYOUTS, HostKVPool
 from hicache_storage.keys import KVCacheNamespace, page_hashes
 from hicache_storage.registry import create_backend
 
 __all__ = [
     "BenchShape",
     "PhaseResult",
+    "available_memory",
+    "build_backend",
+    "dtype_name",
     "fill_random",
     "namespace_for",
     "run_bench",
@@ -43,6 +51,37 @@ class BenchShape:
     layout: str = "page_first"
     mla: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("pages", "batch", "page_size", "layer_num", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"unknown layout {self.layout!r}; choose one of {list(LAYOUTS)}")
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV page of this shape."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        heads, halves = (1, 1) if self.mla else (self.kv_heads, 2)
+        return halves * self.layer_num * self.page_size * heads * self.head_dim * itemsize
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the benchmark allocates: source and destination pages."""
+        return 2 * self.pages * self.page_bytes
+
+    def check_memory(self) -> None:
+        """Raise :class:`ConfigError` when the pages do not fit in the available memory."""
+        need, avail = self.host_bytes, available_memory()
+        if avail is not None and need > avail:
+            raise ConfigError(
+                f"the benchmark needs {need / 2**30:.1f} GiB of host memory (2 x {self.pages} "
+                f"pages of {self.page_bytes / 2**20:.2f} MiB) but {avail / 2**30:.1f} GiB is "
+                "available: lower --pages or the page geometry"
+            )
+
     def pool(self, num_pages: int) -> HostKVPool:
         """A host pool of ``num_pages`` pages of this shape."""
         return HostKVPool(
@@ -59,32 +98,89 @@ class BenchShape:
 
 @dataclass
 class PhaseResult:
-    """Timing of one phase (set, exists or get) over all pages."""
+    """Timing of one phase (set, exists or get) over all pages.
+
+    ``page_bytes`` is what one successful page moves (0 for ``exists``). Every rate counts
+    only the pages that succeeded: a phase where none did has no rate (``None``), so no
+    figure is ever shown for work that did not happen.
+    """
 
     name: str
     pages: int
-    nbytes: int
+    page_bytes: int
     seconds: float = 0.0
     ok: int = 0
     batch_seconds: list[float] = field(default_factory=list)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages that succeeded."""
+        return self.ok * self.page_bytes
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary: GB/s (10^9 bytes per second), latencies in ms and us."""
-        lat = sorted(self.batch_seconds) or [0.0]
-        p99 = lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))]
+        lat = sorted(self.batch_seconds)
+        done = self.ok > 0 and self.seconds > 0
         return {
             "pages": self.pages,
             "ok": self.ok,
             "bytes": self.nbytes,
             "seconds": round(self.seconds, 6),
             "GBps": float(f"{self.nbytes / self.seconds / 1e9:.4g}")
-            if self.seconds and self.nbytes
+            if done and self.nbytes
             else None,
-            "pages_per_s": round(self.pages / self.seconds, 1) if self.seconds else None,
-            "batch_ms_p50": round(statistics.median(lat) * 1e3, 3),
-            "batch_ms_p99": round(p99 * 1e3, 3),
-            "page_us_mean": round(self.seconds / self.pages * 1e6, 1) if self.pages else None,
+            "pages_per_s": round(self.ok / self.seconds, 1) if done else None,
+            "batch_ms_p50": round(statistics.median(lat) * 1e3, 3) if lat else None,
+            "batch_ms_p99": round(lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))] * 1e3, 3)
+            if lat
+            else None,
+            "page_us_mean": round(self.seconds / self.ok * 1e6, 1) if done else None,
         }
+
+
+def dtype_name(dtype: object) -> str:
+    """The torch dtype name of ``dtype`` (``"bfloat16"``, ``"torch.half"``, ``torch.float8_e4m3fn``)
+    as a canonical name; :class:`ConfigError` if it is not a dtype a KV pool can hold."""
+    text = str(dtype).strip().removeprefix("torch.")
+    obj = getattr(torch, text, None) if text and not text.startswith("_") else None
+    if not isinstance(obj, torch.dtype):
+        names = sorted(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
+        near = difflib.get_close_matches(text, names, n=3)
+        hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+        raise ConfigError(
+            f"unknown dtype {str(dtype)!r}; {hint}use a torch dtype such as bfloat16, "
+            "float16, float32 or float8_e4m3fn"
+        )
+    name = str(obj).removeprefix("torch.")
+    integer = re.fullmatch(r"u?int(8|16|32|64)", name) is not None  # no sub-byte ints
+    if not (obj.is_floating_point or integer) or obj.is_complex:
+        raise ConfigError(
+            f"dtype {text!r} cannot hold a KV pool; use a floating-point or integer dtype"
+        )
+    try:  # sub-byte and other exotic dtypes cannot back a byte-addressed pool
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.zeros(2, dtype=obj).view(torch.uint8)
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"dtype {text!r} cannot hold a KV pool here (torch cannot allocate or view it)"
+        ) from None
+    return name
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (``MemAvailable``), if known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def namespace_for(shape: BenchShape, tenant: str) -> KVCacheNamespace:
@@ -97,6 +193,19 @@ def namespace_for(shape: BenchShape, tenant: str) -> KVCacheNamespace:
         rank_replicated=shape.mla,
         tenant=tenant,
     )
+
+
+def build_backend(name: str, ns: KVCacheNamespace, options: dict[str, Any]) -> HiCacheStorage:
+    """Build backend ``name``; whatever its constructor raises becomes one
+    :class:`HiCacheStorageError` (the message is the caller's to redact)."""
+    try:
+        return create_backend(name, StorageConfig(namespace=ns), **options)
+    except HiCacheStorageError:
+        raise
+    except Exception as exc:
+        raise HiCacheStorageError(
+            f"cannot create backend {name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def fill_random(pool: HostKVPool, seed: int = 0) -> None:
@@ -121,7 +230,7 @@ def timed_batches(
     progress: Any = None,
 ) -> PhaseResult:
     """Run ``call`` on each batch slice, timing each; count successes."""
-    result = PhaseResult(name, n, n * page_bytes if name != "exists" else 0)
+    result = PhaseResult(name, n, page_bytes if name != "exists" else 0)
     t_all = time.perf_counter()
     for sl in batches(n, batch):
         t0 = time.perf_counter()
@@ -157,32 +266,35 @@ def run_bench(
     backend: HiCacheStorage | None = None,
 ) -> dict[str, Any]:
     """Write ``shape.pages`` pages with ``batch_set_v1``, check them with ``batch_exists``,
-    read them back with ``batch_get_v1`` into other host pages, and verify every byte."""
+    read them back with ``batch_get_v1`` into other host pages, and verify every byte.
+
+    Everything that can be refused (the shape, the memory it needs, the backend and its
+    options, the pool) is checked before the first page is written; the report's
+    ``options`` has its secrets redacted.
+    """
     from tqdm import tqdm
 
+    shape.check_memory()  # before any allocation or I/O
     tenant = "bench-" + secrets.token_hex(4)
     ns = namespace_for(shape, tenant)
-    pool = shape.pool(2 * shape.pages)
-    fill_random(pool, seed=int.from_bytes(secrets.token_bytes(4), "little"))
-    src = pool.alloc(shape.pages * shape.page_size)
-    dst = pool.alloc(shape.pages * shape.page_size)
-    if src is None or dst is None:
-        raise RuntimeError("benchmark pool too small")
-    dst_pages = dst.view(-1, shape.page_size)
-    src_pages = src.view(-1, shape.page_size)
-    for page in pool.page_buffers(dst):  # zero the destination so stale bytes cannot pass
-        for seg in page.segments:
-            torch.frombuffer(seg.memoryview, dtype=torch.uint8).zero_()
-    keys = page_hashes(
-        torch.randint(0, 2**31 - 1, (shape.pages * shape.page_size,)).tolist(), shape.page_size
-    )
-    b = (
-        backend
-        if backend is not None
-        else create_backend(backend_name, StorageConfig(namespace=ns), **options)
-    )
+    b = backend if backend is not None else build_backend(backend_name, ns, options)
     try:
+        pool = shape.pool(2 * shape.pages)
+        src = pool.alloc(shape.pages * shape.page_size)
+        dst = pool.alloc(shape.pages * shape.page_size)
+        if src is None or dst is None:
+            raise RuntimeError("benchmark pool too small")
         b.register_mem_pool_host(pool)
+        fill_random(pool, seed=int.from_bytes(secrets.token_bytes(4), "little"))
+        dst_pages = dst.view(-1, shape.page_size)
+        src_pages = src.view(-1, shape.page_size)
+        for page in pool.page_buffers(dst):  # zero the destination so stale bytes cannot pass
+            for seg in page.segments:
+                torch.frombuffer(seg.memoryview, dtype=torch.uint8).zero_()
+        keys = page_hashes(
+            torch.randint(0, 2**31 - 1, (shape.pages * shape.page_size,)).tolist(),
+            shape.page_size,
+        )
         b.get_stats(reset=True)
         pb = pool.page_bytes
 
@@ -213,7 +325,7 @@ def run_bench(
             b.close()
     return {
         "backend": backend_name,
-        "options": options,
+        "options": redact_options(options, getattr(type(b), "options_class", None)),
         "namespace": ns.digest,
         "pool": pool.describe(),
         "pages": shape.pages,

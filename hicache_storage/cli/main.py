@@ -8,17 +8,112 @@ copied between the two: ``--hicache-storage-backend NAME`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import re
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
 
-from hicache_storage.config import load_extra_config
+from hicache_storage.config import REDACTED, is_secret_option, load_extra_config, redact_text
 from hicache_storage.errors import HiCacheStorageError
 from hicache_storage.registry import available_backends
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+#: The password of a ``scheme://user:password@host`` URL.
+_URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:([^@/\s]+)@")
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (and exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _secret_values(options: Any, options_class: type | None = None) -> set[str]:
+    """Every secret in ``options``: values of secret options, URL passwords, nested too."""
+    found: set[str] = set()
+    if isinstance(options, Mapping):
+        for name, value in options.items():
+            if is_secret_option(str(name), options_class) and value is not None:
+                if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                    found.add(str(value))
+                else:
+                    found.update(str(v) for v in _flatten(value))
+            found |= _secret_values(value, options_class)
+    elif isinstance(options, (list, tuple)):
+        for value in options:
+            found |= _secret_values(value, options_class)
+    elif isinstance(options, str):
+        found.update(m.group(1) for m in _URL_PASSWORD.finditer(options))
+    # A secret of 1-3 characters is not cut out of messages: it would mangle them.
+    return {s for s in found if len(s) >= 4}
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, Mapping):
+        return [x for v in value.values() for x in _flatten(v)]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flatten(v)]
+    return [value]
+
+
+def _scrub(text: str, secrets: set[str]) -> str:
+    """``text`` with every secret and every URL password replaced by ``<redacted>``."""
+    text = redact_text(text)
+    for s in sorted(secrets, key=len, reverse=True):
+        text = text.replace(s, REDACTED)
+    return text
+
+
+class _RedactingFilter(logging.Filter):
+    """Cuts the run's secrets out of every log record (backends log their errors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secrets: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string: logging reports it itself
+            return True
+        scrubbed = _scrub(message, self.secrets)
+        if scrubbed != message:
+            record.msg, record.args = scrubbed, None
+        if record.exc_info and self.secrets:
+            import traceback
+
+            record.exc_text = _scrub(
+                "".join(traceback.format_exception(*record.exc_info)), self.secrets
+            )
+            record.exc_info = None
+        return True
+
+
+_REDACTOR = _RedactingFilter()
+
+
+def _load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The backend options of ``args``; their secrets are cut from every later message."""
+    options = load_extra_config(args.extra_config)
+    try:
+        from hicache_storage.registry import load_backend_class
+
+        options_class = getattr(load_backend_class(args.backend), "options_class", None)
+    except HiCacheStorageError:
+        options_class = None  # the name is reported when the backend is built
+    secrets = _secret_values(options, options_class)
+    args.secrets = secrets
+    _REDACTOR.secrets |= secrets
+    return options
 
 
 def _add_backend_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -38,7 +133,9 @@ def _add_backend_args(p: argparse.ArgumentParser, default: str | None = None) ->
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
-    infos = available_backends(load=True)
+    # A plugin that prints at import must not corrupt the listing (or its JSON).
+    with contextlib.redirect_stdout(sys.stderr):
+        infos = available_backends(load=True)
     if args.json:
         out = {
             name: [
@@ -69,7 +166,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     for name, entries in infos.items():
         for i in entries:
             if i.load_error:
-                what = "LOAD ERROR: " + i.load_error
+                what = "LOAD ERROR: " + _one_line(i.load_error)
             elif i.capabilities is not None:
                 what = ", ".join(i.capabilities.claimed()) or "-"
             else:
@@ -86,7 +183,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from hicache_storage.cli.bench import BenchShape, run_bench
 
-    options = load_extra_config(args.extra_config)
+    options = _load_options(args)
     shape = BenchShape(
         pages=args.pages,
         batch=args.batch,
@@ -99,6 +196,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         mla=args.mla,
     )
     report = run_bench(args.backend, options, shape, progress=not args.no_progress, keep=args.keep)
+    # The report's options are already redacted (run_bench); it holds no other text
+    # from the options, so it is printed as is (a substring scrub could mangle figures).
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -106,8 +205,39 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _preflight(args: argparse.Namespace, options: dict[str, Any]) -> None:
+    """Build the backend once, as the conformance kit will, so that a misspelt name or a
+    bad option is one error, not a failure of every check."""
+    import secrets
+
+    from hicache_storage.config import StorageConfig
+    from hicache_storage.keys import KVCacheNamespace
+    from hicache_storage.registry import create_backend
+
+    ns = KVCacheNamespace(
+        model_id="hicache-conformance",
+        dtype="bfloat16",
+        page_size=4,
+        object_layout="page_first",
+        tenant=f"conformance-preflight-{secrets.token_hex(6)}",
+    )
+    try:
+        backend = create_backend(args.backend, StorageConfig(namespace=ns), **options)
+    except HiCacheStorageError:
+        raise
+    except Exception as exc:
+        raise HiCacheStorageError(
+            f"cannot create backend {args.backend!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    with contextlib.suppress(Exception):  # a close that fails is the kit's to report
+        backend.close()
+
+
 def _cmd_conformance(args: argparse.Namespace) -> int:
     import tempfile
+
+    options = _load_options(args)
+    _preflight(args, options)
 
     import pytest
 
@@ -155,6 +285,11 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     return code
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    """A figure, or ``-`` where there is none (nothing succeeded, nothing was timed)."""
+    return "-" if value is None else format(value, spec)
+
+
 def _print_report(r: dict[str, Any]) -> None:
     pool = r["pool"]
     print(
@@ -167,18 +302,40 @@ def _print_report(r: dict[str, Any]) -> None:
     )
     for phase in ("set", "exists", "get"):
         p = r[phase]
-        gbps = "-" if p["GBps"] is None else f"{p['GBps']:.3f}"
         print(
-            f"{phase:<7}{p['ok']:>6}{gbps:>9}{p['pages_per_s'] or 0:>10.0f}"
-            f"{p['batch_ms_p50']:>14.3f}{p['batch_ms_p99']:>14.3f}{p['page_us_mean'] or 0:>10.1f}"
+            f"{phase:<7}{p['ok']:>6}{_fmt(p['GBps'], '.3f'):>9}{_fmt(p['pages_per_s'], '.0f'):>10}"
+            f"{_fmt(p['batch_ms_p50'], '.3f'):>14}{_fmt(p['batch_ms_p99'], '.3f'):>14}"
+            f"{_fmt(p['page_us_mean'], '.1f'):>10}"
         )
     status = "OK" if r["ok"] else "FAILED"
     print(f"verified {r['verified_pages']}/{r['pages']} pages byte-exact: {status}")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value > 2**40:
+        raise argparse.ArgumentTypeError(f"{value} is too large")
+    return value
+
+
+def _dtype(text: str) -> str:
+    from hicache_storage.cli.bench import dtype_name
+    from hicache_storage.errors import ConfigError
+
+    try:
+        return dtype_name(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hicache-storage``."""
-    parser = argparse.ArgumentParser(prog="hicache-storage", description=__doc__.splitlines()[0])
+    parser = _ArgumentParser(prog="hicache-storage", description=__doc__.splitlines()[0])
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)"
     )
@@ -194,18 +351,22 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="v1 set/exists/get throughput of a backend, every byte verified"
     )
     _add_backend_args(p, default="file")
-    p.add_argument("--pages", type=int, default=128, help="pages to write and read (default 128)")
+    p.add_argument(
+        "--pages", type=_positive_int, default=128, help="pages to write and read (default 128)"
+    )
     p.add_argument(
         "--batch",
-        type=int,
+        type=_positive_int,
         default=128,
         help="pages per batch call (default 128, the engine's largest)",
     )
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    p.add_argument("--layer-num", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--page-size", type=_positive_int, default=16, help="tokens per page (default 16)"
+    )
+    p.add_argument("--layer-num", type=_positive_int, default=32)
+    p.add_argument("--kv-heads", type=_positive_int, default=8)
+    p.add_argument("--head-dim", type=_positive_int, default=128)
+    p.add_argument("--dtype", type=_dtype, default="bfloat16", help="torch dtype of the KV cache")
     p.add_argument(
         "--layout", default="page_first", choices=["layer_first", "page_first", "page_first_direct"]
     )
@@ -234,8 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hicache-storage`` console script."""
+    """Entry point of the ``hicache-storage`` console script.
+
+    Exit status: 0 success, 1 a failed benchmark or conformance check (or an unexpected
+    error), 2 bad arguments, options or backend (one line on stderr, never a traceback
+    unless ``-vv``), 130 interrupted.
+    """
     args = build_parser().parse_args(argv)
+    args.secrets = set()
     level = (
         logging.WARNING
         if args.verbose == 0
@@ -244,12 +411,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         else logging.DEBUG
     )
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        if _REDACTOR not in handler.filters:
+            handler.addFilter(_REDACTOR)
     try:
         code: int = args.func(args)
     except HiCacheStorageError as exc:
-        print(f"hicache-storage: error: {exc}", file=sys.stderr)
+        _report_error(args, exc)
         return 2
+    except KeyboardInterrupt:
+        print("hicache-storage: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, the traceback with -vv
+        _report_error(args, exc, unexpected=True)
+        return 1
     return code
+
+
+def _report_error(args: argparse.Namespace, exc: BaseException, unexpected: bool = False) -> None:
+    """One line on stderr (the traceback too with ``-vv``), secrets cut out."""
+    secrets: set[str] = getattr(args, "secrets", set())
+    if args.verbose >= 2:
+        import traceback
+
+        print(_scrub("".join(traceback.format_exception(exc)), secrets), file=sys.stderr, end="")
+    what = f"{type(exc).__name__}: {exc}" if unexpected else str(exc)
+    hint = " (run with -vv for the traceback)" if unexpected and args.verbose < 2 else ""
+    print(f"hicache-storage: error: {_scrub(_one_line(what), secrets)}{hint}", file=sys.stderr)
 
 
 if __name__ == "__main__":
