@@ -297,16 +297,23 @@ def load_extra_config(text: str | None) -> dict[str, Any]:
 
             try:
                 return dict(tomllib.loads(body))
-            except tomllib.TOMLDecodeError as exc:
-                raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+            except (ValueError, RecursionError) as exc:  # TOMLDecodeError is a ValueError
+                raise ConfigError(f"{path} is not valid TOML: {_error_text(exc)}") from None
         text = body
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{source} is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # a JSONDecodeError, 5000 digits, [[[[...
+        raise ConfigError(f"{source} is not valid JSON: {_error_text(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source} must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def _error_text(exc: BaseException) -> str:
+    """A parser's error, without the advice to raise Python's limits."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc).split("; use sys.set_int_max_str_digits")[0]
 
 
 T = TypeVar("T")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import re
 import struct
 from collections.abc import Iterable, Sequence
@@ -265,6 +266,8 @@ class KVCacheNamespace:
         facts: dict[str, Any] = {}
         page_size = getattr(pool, "page_size", None)
         if page_size is not None:
+            if hasattr(page_size, "__index__") and not isinstance(page_size, bool):
+                page_size = operator.index(page_size)  # numpy and torch integers
             facts["page_size"] = page_size
         dtype = getattr(pool, "dtype", None)
         if dtype is not None:

@@ -120,7 +120,10 @@ def _describe_import_error(exc: BaseException) -> str:
     """One line on why an import failed, whatever it raised."""
     if isinstance(exc, SystemExit):
         return f"SystemExit: the module called sys.exit({exc.code!r}) at import"
-    text = " ".join(str(exc).split())  # one line, whatever the message
+    try:
+        text = " ".join(str(exc).split())  # one line, whatever the message
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails
+        text = "<unprintable message>"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

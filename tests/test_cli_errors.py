@@ -96,6 +96,8 @@ def test_bad_bench_arguments(
         ('{"rooot": "/x"}', "unknown option"),
         ("{bad", "not valid JSON"),
         ("[1, 2]", "JSON object"),
+        ("[" * 100_000, "nested too deeply"),
+        ('[{"root": 1' + "0" * 5000 + "}]", "digits"),
     ],
 )
 def test_bad_bench_options(

@@ -225,3 +225,23 @@ def test_real_backend_options_reject_infinity_and_huge_sizes(tmp_path: Path) -> 
     opts = load_extra_config('{"max_size": Infinity, "root": ' + json.dumps(str(tmp_path)) + "}")
     with pytest.raises(ConfigError, match="max_size"):
         FileBackend(None, **opts)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[" * 100_000, "nested too deeply"),  # RecursionError from json.loads
+        ('{"root": 1' + "0" * 5000 + "}", "digits"),  # a ValueError that is not a JSONDecodeError
+    ],
+)
+def test_load_extra_config_hostile_json_is_a_config_error(text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as err:
+        load_extra_config(text)
+    assert "set_int_max_str_digits" not in str(err.value)
+
+
+def test_for_toml_hostile_input_is_a_config_error(tmp_path: Path) -> None:
+    t = tmp_path / "c.toml"
+    t.write_text("root = " + "[" * 100_000)
+    with pytest.raises(ConfigError, match="TOML"):
+        load_extra_config(f"@{t}")

@@ -318,5 +318,12 @@ def test_for_pool_refuses_contradictions_and_missing_facts() -> None:
         KVCacheNamespace.for_pool(_SGLangStylePool(page_size=4), model_id="m")
     ns = KVCacheNamespace.for_pool(_SGLangStylePool(page_size=4), model_id="m", dtype="int8")
     assert ns.dtype == "int8"
+    import numpy as np
+
+    ns = KVCacheNamespace.for_pool(
+        _SGLangStylePool(page_size=np.int64(4), dtype="int8"), model_id="m"
+    )
+    assert ns.page_size == 4
+    assert type(ns.page_size) is int
     with pytest.raises(ConfigError, match="model_id"):
         KVCacheNamespace.for_pool(pool, model_id="")

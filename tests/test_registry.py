@@ -238,3 +238,18 @@ def test_cli_lists_every_backend_when_a_plugin_calls_sys_exit(tmp_path: Path) ->
     assert {"file", "shm", "mmap", "exiting"} <= set(data)
     assert "sys.exit(3)" in data["exiting"][0]["load_error"]
     assert data["file"][0]["load_error"] is None
+
+
+def test_an_unprintable_import_error_still_gets_its_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = tmp_path / "unprintable-site"
+    d.mkdir()
+    body = "class E(Exception):\n    def __str__(self):\n        raise RuntimeError\n\nraise E()\n"
+    fake_dist(
+        d, "bad-unprintable", "bad_unprintable_mod", body, {"bad-up": "bad_unprintable_mod:X"}
+    )
+    monkeypatch.syspath_prepend(str(d))
+    infos = available_backends()
+    assert "unprintable" in (infos["bad-up"][0].load_error or "")
+    assert infos["file"][0].load_error is None

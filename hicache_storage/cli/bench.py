@@ -77,9 +77,9 @@ class BenchShape:
         need, avail = self.host_bytes, available_memory()
         if avail is not None and need > avail:
             raise ConfigError(
-                f"the benchmark needs {need / 2**30:.1f} GiB of host memory (2 x {self.pages} "
-                f"pages of {self.page_bytes / 2**20:.2f} MiB) but {avail / 2**30:.1f} GiB is "
-                "available: lower --pages or the page geometry"
+                f"the benchmark needs {_gib(need)} of host memory (2 x {self.pages} pages of "
+                f"{_gib(self.page_bytes)}) but {_gib(avail)} is available: lower --pages or "
+                "the page geometry"
             )
 
     def pool(self, num_pages: int) -> HostKVPool:
@@ -136,6 +136,10 @@ class PhaseResult:
             else None,
             "page_us_mean": round(self.seconds / self.ok * 1e6, 1) if done else None,
         }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.1f} GiB"
 
 
 def dtype_name(dtype: object) -> str:

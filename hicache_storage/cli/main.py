@@ -435,7 +435,11 @@ def _report_error(args: argparse.Namespace, exc: BaseException, unexpected: bool
         import traceback
 
         print(_scrub("".join(traceback.format_exception(exc)), secrets), file=sys.stderr, end="")
-    what = f"{type(exc).__name__}: {exc}" if unexpected else str(exc)
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails
+        text = "<unprintable message>"
+    what = f"{type(exc).__name__}: {text}" if unexpected else text
     hint = " (run with -vv for the traceback)" if unexpected and args.verbose < 2 else ""
     print(f"hicache-storage: error: {_scrub(_one_line(what), secrets)}{hint}", file=sys.stderr)
 
