@@ -272,3 +272,11 @@ def test_usage_errors_in_a_real_process(tmp_path: Path) -> None:
         )  # fmt: skip
         assert_one_line_error(r.returncode, r.stdout, r.stderr, needle)
     assert not (tmp_path / "s").exists()
+
+
+def test_conformance_preflight_uses_the_kits_environment_variable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HICACHE_STORAGE_BACKEND_EXTRA_CONFIG", '{"rooot": 1}')
+    code, out, err = run_main(["conformance", "--hicache-storage-backend", "file"], capsys)
+    assert_one_line_error(code, out, err, "unknown option")

@@ -234,8 +234,11 @@ def _preflight(args: argparse.Namespace, options: dict[str, Any]) -> None:
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
+    import os
     import tempfile
 
+    if args.extra_config is None:  # the kit reads its environment variable then: so do we
+        args.extra_config = os.environ.get("HICACHE_STORAGE_BACKEND_EXTRA_CONFIG")
     options = _load_options(args)
     _preflight(args, options)
 
