@@ -34,6 +34,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -55,17 +56,31 @@ from hicache_storage.errors import (
     InvalidArgumentError,
     NotSupportedError,
 )
-from hicache_storage.header import algorithm_id, checksum
+from hicache_storage.header import ALGORITHMS, algorithm_id, checksum
 from hicache_storage.iopool import IOPool
+from hicache_storage.pathsafety import (
+    NotRegularFileError,
+    check_file,
+    ensure_dir,
+    open_regular,
+    open_regular_stat,
+    user_dir,
+)
 
 __all__ = ["MmapBackend", "MmapOptions"]
 
 logger = logging.getLogger(__name__)
 
 PAGE = 4096
-_SUPER = struct.Struct("<8sIIQQQQ")  # magic, version, flags, slot_size, nslots, table_off, data_off
+# magic, version, flags, slot_size, nslots, table_off, data_off, nonce (the arena's identity)
+_SUPER = struct.Struct("<8sIIQQQQQ")
 _MAGIC = b"HCSMMAP1"
-_VERSION = 1
+_VERSION = 2
+# The index log starts with a header naming the arena it describes (magic, version, flags,
+# arena nonce, then a CRC-32): a log that is not this arena's is never applied to it.
+_LOG_HEAD = struct.Struct("<8sIIQ")
+_LOG_MAGIC = b"HCSMLOG1"
+_LOG_VERSION = 1
 _SLOT_DTYPE = [
     ("generation", "<u8"),
     ("state", "<u4"),
@@ -96,6 +111,9 @@ class MmapOptions:
 
     Attributes:
         path: the arena file (typically on local NVMe); ``.index`` and ``.lock`` beside it.
+            Default: ``/tmp/hicache-storage-mmap-<uid>/arena``, in a private (0700)
+            directory of the user. An existing arena, index or lock file must be a
+            regular file owned by the user and writable by nobody else.
         capacity: arena size, fixed at creation (e.g. ``"512MiB"``); slots = capacity /
             slot_size. Reopening an arena keeps its original geometry.
         slot_size: bytes per slot (the largest storable object), rounded up to 4 KiB;
@@ -112,7 +130,7 @@ class MmapOptions:
         prefault: touch the whole arena at creation so it is resident in the page cache.
     """
 
-    path: str = "/tmp/hicache-storage.arena"
+    path: str | None = None
     capacity: Size = Size(512 * 2**20)  # noqa: RUF009 - an int constant
     slot_size: Size | None = None
     fsync: bool = False
@@ -124,8 +142,10 @@ class MmapOptions:
     prefault: bool = True
 
     def __post_init__(self) -> None:
-        if not self.path:
+        if self.path is not None and not self.path:
             raise ConfigError("path must not be empty")
+        if self.path is not None and "\0" in self.path:
+            raise ConfigError("path must not contain a NUL byte")
         if self.capacity <= 0:
             raise ConfigError("capacity must be > 0")
         if self.slot_size is not None and self.slot_size <= 0:
@@ -161,6 +181,81 @@ def _fence() -> None:
         pass
 
 
+def _log_header(nonce: int) -> bytes:
+    head = _LOG_HEAD.pack(_LOG_MAGIC, _LOG_VERSION, 0, nonce)
+    return head + _CRC.pack(zlib.crc32(head))
+
+
+def _log_nonce(head: bytes) -> int | None:
+    """The arena nonce of a log header, or None if it is not a valid header."""
+    if len(head) < _LOG_HEAD.size + _CRC.size:
+        return None
+    magic, version, _flags, nonce = _LOG_HEAD.unpack_from(head)
+    (crc,) = _CRC.unpack_from(head, _LOG_HEAD.size)
+    if magic != _LOG_MAGIC or version != _LOG_VERSION or zlib.crc32(head[: _LOG_HEAD.size]) != crc:
+        return None
+    return int(nonce)
+
+
+def _decode_record(data: bytes, off: int, arena: _Arena) -> tuple[int, str, _Entry, int] | None:
+    """The intact record at ``off``: (kind, name, entry, end offset), or None.
+
+    Intact means: magic, CRC, and fields that make sense for this arena (a slot it has,
+    a length that fits a slot, a known record type and checksum algorithm).
+    """
+    if off + _REC.size + _CRC.size > len(data):
+        return None
+    magic, kind, algo, name_len, slot, gen, length, csum = _REC.unpack_from(data, off)
+    end = off + _REC.size + name_len
+    if magic != _REC_MAGIC or end + _CRC.size > len(data):
+        return None
+    (crc,) = _CRC.unpack_from(data, end)
+    if zlib.crc32(data[off:end]) != crc:
+        return None
+    if kind not in (PUT, DEL) or slot >= arena.nslots or length > arena.slot_size:
+        return None
+    if algo not in ALGORITHMS.values():
+        return None
+    try:
+        name = data[off + _REC.size : end].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return kind, name, _Entry(slot, gen, length, csum, algo), end + _CRC.size
+
+
+def _next_record(data: bytes, start: int, arena: _Arena) -> int:
+    """Offset of the next intact record at or after ``start``, or -1."""
+    pos = data.find(_REC_MAGIC, start)
+    while pos >= 0:
+        if _decode_record(data, pos, arena) is not None:
+            return pos
+        pos = data.find(_REC_MAGIC, pos + 1)
+    return -1
+
+
+def _check_directory(directory: str) -> None:
+    """The arena's directory: created if missing (0700); if it exists, a real directory
+    owned by the user or root that no other user can replace files in (not writable by
+    group or others, unless sticky like ``/tmp``)."""
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        st = os.lstat(directory)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot create the mmap arena directory {directory}: {exc}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{directory} is not a directory (a symlink?): choose another path")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise ConfigError(
+            f"{directory} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): "
+            "put the arena in a directory of your own"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError(
+            f"{directory} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}), "
+            f"who could replace the arena's files: chmod go-w {directory}, or choose another path"
+        )
+
+
 class _Arena:
     """The mapped arena file: superblock, slot table (a numpy view) and slot data."""
 
@@ -169,25 +264,48 @@ class _Arena:
 
         self.path = path
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            fd = self._create(path, capacity, slot_size, prefault)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except FileNotFoundError:
+                fd = self._create(path, capacity, slot_size, prefault)
+        except OSError as exc:
+            raise ConfigError(f"cannot open the mmap arena {path}: {exc}") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"{path} is not a regular file: choose another arena path")
+            check_file(path, st)
+            size = st.st_size
+            self.ino, self.dev = st.st_ino, st.st_dev
             head = os.pread(fd, _SUPER.size + 4, 0)
             if len(head) < _SUPER.size + 4:
                 raise ConfigError(f"{path} is not a hicache-storage mmap arena (too short)")
-            magic, version, _flags, slot, nslots, table_off, data_off = _SUPER.unpack(
+            magic, version, _flags, slot, nslots, table_off, data_off, nonce = _SUPER.unpack(
                 head[: _SUPER.size]
             )
             (crc,) = _CRC.unpack(head[_SUPER.size :])
-            if magic != _MAGIC or version != _VERSION or zlib.crc32(head[: _SUPER.size]) != crc:
+            if magic == _MAGIC and version != _VERSION:
+                raise ConfigError(
+                    f"{path} is an mmap arena of format version {version}, this release reads "
+                    f"version {_VERSION}: delete {path} and {path}.index (a cache: nothing "
+                    "else is lost) or choose another path"
+                )
+            if magic != _MAGIC or zlib.crc32(head[: _SUPER.size]) != crc:
                 raise ConfigError(f"{path} is not a hicache-storage mmap arena (or is damaged)")
-            if size < data_off + nslots * slot:
-                raise ConfigError(f"{path} is truncated ({size} bytes)")
+            if (
+                not nslots
+                or table_off < PAGE
+                or data_off < table_off + nslots * 64
+                or slot < PAGE
+                or size < data_off + nslots * slot
+            ):
+                raise ConfigError(f"{path} is truncated or has a bad geometry ({size} bytes)")
             self.slot_size, self.nslots, self.data_off = int(slot), int(nslots), int(data_off)
             self.table_off = int(table_off)
+            self.nonce = int(nonce)
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            raise ConfigError(f"cannot map the mmap arena {path}: {exc}") from exc
         finally:
             os.close(fd)
         self._anchor = ctypes.c_char.from_buffer(self.map)
@@ -225,14 +343,15 @@ class _Arena:
                 chunk = bytes(1 << 22)
                 for off in range(0, total, len(chunk)):
                     os.pwrite(fd, chunk[: min(len(chunk), total - off)], off)
-            head = _SUPER.pack(_MAGIC, _VERSION, 0, slot_size, nslots, table_off, data_off)
+            nonce = int.from_bytes(secrets.token_bytes(8), "little") or 1
+            head = _SUPER.pack(_MAGIC, _VERSION, 0, slot_size, nslots, table_off, data_off, nonce)
             os.pwrite(fd, head + _CRC.pack(zlib.crc32(head)), 0)
             os.fsync(fd)
             try:
                 os.link(tmp, path)
             except FileExistsError:
                 os.close(fd)
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # another process won the race
+                fd = open_regular(path, os.O_RDWR)  # another process won the race
             fsync_dir(os.path.dirname(path) or ".")
         except BaseException:
             os.close(fd)
@@ -316,6 +435,23 @@ def _pointers(value: Any, views: Sequence[memoryview]) -> list[int] | None:
     return None
 
 
+def _pool_page_bytes(pool: Any) -> int:
+    """Bytes of one page of a host pool (ours: ``page_bytes``; SGLang's: from the
+    buffer metadata of its first page), or 0 if it cannot be told."""
+    nbytes = getattr(pool, "page_bytes", None)
+    if nbytes:
+        return int(nbytes)
+    meta = getattr(pool, "get_page_buffer_meta", None)
+    page_size = getattr(pool, "page_size", None)
+    if meta is None or not page_size:
+        return 0
+    try:
+        _ptrs, sizes = meta(list(range(int(page_size))))
+        return int(sum(int(x) for x in sizes))
+    except Exception:  # noqa: BLE001 - only a check; the v1 path reports its own errors
+        return 0
+
+
 DEFAULT_SLOT = 4 * 2**20
 _CAPS = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
 
@@ -342,7 +478,9 @@ class MmapBackend(HiCacheStorage):
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config)
         self.options = parse_options(MmapOptions, "mmap", options)
-        self.path = os.path.abspath(os.path.expanduser(self.options.path))
+        default = self.options.path is None
+        raw = os.path.join(user_dir("/tmp", "hicache-storage-mmap"), "arena") if default else ""
+        self.path = os.path.abspath(os.path.expanduser(self.options.path or raw))
         self.index_path = self.path + ".index"
         self._algorithm = algorithm_id(self.options.checksum)
         # _index_lock guards the in-memory index and the log position (readers take it to
@@ -358,6 +496,11 @@ class MmapBackend(HiCacheStorage):
         self._log_ino = 0
         self._log_pos = 0
         self._log_records = 0
+        # The log at index_path does not describe this arena (left by a deleted arena, or
+        # damaged): nothing of it is applied, and the next writer replaces it.
+        self._log_foreign = False
+        # Why this instance stopped serving (its arena was removed or replaced under it).
+        self._detached: str | None = None
         self.compactions = 0
         self._pid = os.getpid()
         self._token = int.from_bytes(secrets.token_bytes(8), "little") or 1
@@ -366,13 +509,20 @@ class MmapBackend(HiCacheStorage):
         self._inflight = 0
         self._closing = False
         directory = os.path.dirname(self.path) or "."
+        if default:
+            ensure_dir(directory, 0o700)
+        else:
+            _check_directory(directory)
         try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            self._lock_fd = os.open(
-                self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-            )
-        except OSError as exc:
+            fd, st = open_regular_stat(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except (OSError, BackendError) as exc:
             raise ConfigError(f"cannot open the mmap arena lock {self.path}.lock: {exc}") from exc
+        try:
+            check_file(self.path + ".lock", st)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
         self._remove_stale_creations(directory)
         if self.options.slot_size is not None or os.path.exists(self.path):
             self._open_arena(self.options.slot_size or DEFAULT_SLOT)
@@ -410,6 +560,8 @@ class MmapBackend(HiCacheStorage):
             raise NotSupportedError(
                 "an MmapBackend cannot be used across fork(): create a new one in the child"
             )
+        if self._detached is not None:
+            raise BackendError(self._detached)
         with self._gate:
             if self._closing:
                 raise BackendError("the mmap backend is closing")
@@ -424,46 +576,96 @@ class MmapBackend(HiCacheStorage):
 
     # ------------------------------------------------------------------ arena and index
 
-    def _open_arena(self, slot_size: int) -> _Arena:
-        with self._index_lock:
-            if self._arena is None:
-                arena = _Arena(self.path, self.options.capacity, slot_size, self.options.prefault)
-                self._arena = arena
-                self._reload_index()
-                with self._writer_lock():
-                    self._repair_rows(arena)
-            return self._arena
+    def _open_arena(self, slot_size: int, lazy: bool = False) -> _Arena:
+        """Open (or create) the arena and load its index.
+
+        ``lazy``: opened by an engine-facing call, whose failures must be failure shapes,
+        not exceptions: a bad arena is then a :class:`BackendError` (logged by the
+        protocol layer, rate limited), not a :class:`ConfigError`.
+        """
+        try:
+            with self._writer_lock():
+                if self._arena is None:
+                    arena = _Arena(
+                        self.path, self.options.capacity, slot_size, self.options.prefault
+                    )
+                    self._arena = arena
+                    try:
+                        self._reload_index()
+                        self._repair_rows(arena)
+                    except BaseException:
+                        self._arena = None
+                        arena.close()
+                        raise
+                return self._arena
+        except ConfigError as exc:
+            if lazy:
+                raise BackendError(f"cannot open the mmap arena: {exc}") from exc
+            raise
 
     def _repair_rows(self, arena: _Arena) -> None:
         """Make the slot table agree with the log (writer lock held).
 
         Under the lock a live key's row is always COMMITTED with the key's generation; a
-        row that is not was lost (a power failure after the log reached the disk).
+        row with an older generation was lost (a power failure after the log reached the
+        disk) and is rebuilt from the record. A row with a *newer* generation means the
+        slot was reused after the record was written (the record that retired it was lost
+        or damaged): the record is stale and its key is dropped, never repaired over the
+        newer bytes.
         """
-        for entry in self._index.values():
+        for name, entry in list(self._index.items()):
             row = arena.slots[entry.slot]
-            if int(row["generation"]) != entry.generation or int(row["state"]) != COMMITTED:
+            gen, state = int(row["generation"]), int(row["state"])
+            if gen > entry.generation:
+                self._index.pop(name, None)
+                self._by_slot.pop(entry.slot, None)
+                self._warn(
+                    "stale",
+                    "dropped %s: slot %d of %s was reused since",
+                    name,
+                    entry.slot,
+                    self.path,
+                )
+                continue
+            if gen < entry.generation or state != COMMITTED:
                 row["generation"] = entry.generation
                 row["length"] = entry.length
                 row["checksum"] = entry.checksum
                 row["state"] = COMMITTED
                 row["token"] = 0
-                logger.warning(
-                    "repaired the slot-table row of slot %d of %s", entry.slot, self.path
+                self._warn(
+                    "repair", "repaired the slot-table row of slot %d of %s", entry.slot, self.path
                 )
 
     def _arena_for(self, nbytes: int) -> _Arena:
         """The arena, created on first write with the default (or the object's) slot size."""
         if self._arena is not None:
             return self._arena
-        return self._open_arena(max(nbytes, DEFAULT_SLOT))
+        return self._open_arena(max(nbytes, DEFAULT_SLOT), lazy=True)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        # docstring inherited
+        """Attach the host pool; the arena's slots must hold one of its pages.
+
+        Creates the arena with the pool's page size as the slot size when it does not
+        exist yet (and ``slot_size`` is not set). Raises :class:`ConfigError` when the
+        pool's pages are larger than the slots of the arena (existing or configured).
+        """
+        page_bytes = _pool_page_bytes(mem_pool_host)
+        if page_bytes:
+            if self._arena is None and os.path.exists(self.path):
+                self._open_arena(DEFAULT_SLOT)
+            limit = self._slot_limit()
+            if limit is not None and page_bytes > limit:
+                where = "the arena" if self._arena is not None else "the configured slot_size"
+                raise ConfigError(
+                    f"host pool pages are {page_bytes} bytes but {where} at {self.path} has "
+                    f"{limit}-byte slots: set the mmap option slot_size to at least "
+                    f"{page_bytes} (a new arena: delete {self.path} and {self.index_path}, "
+                    "or choose another path)"
+                )
         super().register_mem_pool_host(mem_pool_host)
-        page_bytes = getattr(mem_pool_host, "page_bytes", None)
         if self._arena is None and page_bytes and not os.path.exists(self.path):
-            self._open_arena(int(page_bytes))
+            self._open_arena(page_bytes)
 
     @contextmanager
     def _writer_lock(self) -> Iterator[None]:
@@ -507,7 +709,14 @@ class MmapBackend(HiCacheStorage):
         return True
 
     def _reload_index(self) -> None:
-        """Read the whole log again (first open, or after another process compacted it)."""
+        """Read the whole log again (first open, or after another process replaced it).
+
+        The log is applied only if its header names this arena. A log that names another
+        arena while this arena is still the one at ``path`` was left by a deleted arena (or
+        is damaged): it is ignored and replaced by the next writer. If ``path`` itself no
+        longer holds this arena (the cache was reset under this process), the instance
+        detaches: it never applies another arena's records to its mapping.
+        """
         with self._index_lock:
             if self._log_fd >= 0:
                 os.close(self._log_fd)
@@ -517,18 +726,111 @@ class MmapBackend(HiCacheStorage):
             self._free_hint = []
             self._log_pos = 0
             self._log_records = 0
+            self._log_foreign = False
+            arena = self._arena
+            assert arena is not None
             try:
-                self._log_fd = os.open(
-                    self.index_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-                )
+                try:
+                    self._log_fd = open_regular(self.index_path, os.O_RDWR)
+                except FileNotFoundError:
+                    self._log_fd = self._create_log(arena)
+            except NotRegularFileError as exc:
+                raise ConfigError(f"{exc}: remove it or choose another arena path") from exc
             except OSError as exc:
                 raise BackendError(f"cannot open {self.index_path}: {exc}") from exc
-            self._log_ino = os.fstat(self._log_fd).st_ino
+            st = os.fstat(self._log_fd)
+            check_file(self.index_path, st)
+            self._log_ino = st.st_ino
+            head = os.pread(self._log_fd, _LOG_HEAD.size + _CRC.size, 0)
+            nonce = _log_nonce(head)
+            if nonce != arena.nonce:
+                if not self._arena_is_current(arena):
+                    self._detach(f"the arena {self.path} was removed or replaced")
+                    return
+                self._log_foreign = True
+                logger.warning(
+                    "%s does not describe the arena %s (left by a deleted arena, or damaged): "
+                    "ignored, and replaced at the next write",
+                    self.index_path,
+                    self.path,
+                )
+                return
+            self._log_pos = len(head)
             self._catch_up()
 
+    def _arena_is_current(self, arena: _Arena) -> bool:
+        """True if ``path`` still names the file this instance mapped."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return st.st_ino == arena.ino and st.st_dev == arena.dev
+
+    def _detach(self, reason: str) -> None:
+        """Stop serving: every later call fails (logged) instead of mixing two arenas."""
+        if self._detached is None:
+            logger.error("%s; this mmap backend no longer serves it (create a new backend)", reason)
+        self._detached = reason
+        self._index = {}
+        self._by_slot = {}
+        self._free_hint = []
+
+    def _create_log(self, arena: _Arena) -> int:
+        """Create the log of ``arena`` (header only) under a temporary name and link it
+        into place; if another process won, open theirs. Returns an open descriptor."""
+        tmp = temp_path(os.path.dirname(self.index_path))
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            writev_all(fd, [_log_header(arena.nonce)])
+            if self.options.fsync:
+                os.fsync(fd)
+            try:
+                os.link(tmp, self.index_path)
+            except FileExistsError:
+                os.close(fd)
+                fd = open_regular(self.index_path, os.O_RDWR)
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            os.unlink(tmp)
+        return fd
+
+    def _replace_log(self, records: list[tuple[int, str, _Entry]]) -> None:
+        """Write a new log for this arena holding ``records`` and rename it over the old
+        one (writer lock held); other processes notice the new inode and reload."""
+        arena = self._arena
+        assert arena is not None
+        tmp = temp_path(os.path.dirname(self.index_path))
+        blob = _log_header(arena.nonce) + b"".join(self._encode(k, n, e) for k, n, e in records)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                writev_all(fd, [blob])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.index_path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        fsync_dir(os.path.dirname(self.index_path))
+        self._reload_index()
+
     def _catch_up(self) -> None:
-        """Apply records appended since the last read; reload if the log was replaced."""
+        """Apply records appended since the last read; reload if the log was replaced.
+
+        A damaged record costs only itself: reading resumes at the next intact record
+        (found by its magic and CRC). A bad record with no intact one after it is a torn
+        or in-flight tail: it is left for a later read (a writer cuts it before
+        appending).
+        """
         with self._index_lock:
+            if self._detached is not None:
+                return
             try:
                 st = os.stat(self.index_path)
             except FileNotFoundError:
@@ -536,24 +838,39 @@ class MmapBackend(HiCacheStorage):
             if st is not None and st.st_ino != self._log_ino:
                 self._reload_index()
                 return
+            if self._log_foreign:
+                return
             size = os.fstat(self._log_fd).st_size
             if size <= self._log_pos:
                 return
             data = os.pread(self._log_fd, size - self._log_pos, self._log_pos)
+            arena = self._arena
+            assert arena is not None
             off = 0
-            while off + _REC.size + _CRC.size <= len(data):
-                magic, kind, algo, name_len, slot, gen, length, csum = _REC.unpack_from(data, off)
-                end = off + _REC.size + name_len
-                if magic != _REC_MAGIC or end + _CRC.size > len(data):
-                    break
-                (crc,) = _CRC.unpack_from(data, end)
-                if zlib.crc32(data[off:end]) != crc:
-                    break  # a torn record (crash mid-append): everything after it is ignored
-                name = data[off + _REC.size : end].decode("utf-8")
-                self._apply(kind, name, _Entry(slot, gen, length, csum, algo))
-                off = end + _CRC.size
+            while off < len(data):
+                rec = _decode_record(data, off, arena)
+                if rec is None:
+                    nxt = _next_record(data, off + 1, arena)
+                    if nxt < 0:
+                        break  # a torn or in-flight tail
+                    self._record(corrupt_objects=1)
+                    self._warn(
+                        "log",
+                        "skipped %d damaged bytes at offset %d of %s",
+                        nxt - off,
+                        self._log_pos + off,
+                        self.index_path,
+                    )
+                    off = nxt
+                    continue
+                kind, name, entry, off = rec
+                self._apply(kind, name, entry)
                 self._log_records += 1
             self._log_pos += off
+
+    def _warn(self, key: str, msg: str, *args: object) -> None:
+        """A rate-limited warning (hot paths: reads, catch-up, writes)."""
+        self._hicache_state().log("mmap:" + key, msg, *args)
 
     def _apply(self, kind: int, name: str, entry: _Entry) -> None:
         old = self._index.pop(name, None)
@@ -576,6 +893,12 @@ class MmapBackend(HiCacheStorage):
 
     def _append(self, records: list[tuple[int, str, _Entry]]) -> None:
         """Append records to the log (writer lock held); they are the commit point."""
+        if self._detached is not None:
+            raise BackendError(self._detached)
+        if self._log_foreign:
+            self._replace_log([])  # a log that is not this arena's: start a new one
+            if self._detached is not None:
+                raise BackendError(self._detached)
         if os.fstat(self._log_fd).st_size != self._log_pos:
             # A torn tail from a crashed writer: cut it, or new records would hide behind it.
             os.ftruncate(self._log_fd, self._log_pos)
@@ -594,18 +917,8 @@ class MmapBackend(HiCacheStorage):
 
     def _compact(self) -> None:
         """Rewrite the log with the live records only: temporary, fsync, rename."""
-        tmp = f"{self.index_path}.tmp.{os.getpid()}"
-        blob = b"".join(self._encode(PUT, name, e) for name, e in self._index.items())
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            writev_all(fd, [blob])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.index_path)
-        fsync_dir(os.path.dirname(self.index_path))
+        self._replace_log([(PUT, name, e) for name, e in self._index.items()])
         self.compactions += 1
-        self._reload_index()
 
     # ------------------------------------------------------------------ slots
 
@@ -615,7 +928,7 @@ class MmapBackend(HiCacheStorage):
         if arena is None:
             if not os.path.exists(self.path):
                 return None
-            arena = self._open_arena(DEFAULT_SLOT)
+            arena = self._open_arena(DEFAULT_SLOT, lazy=True)
         entry = self._index.get(name)
         if entry is None or int(arena.slots[entry.slot]["generation"]) != entry.generation:
             self._catch_up()
@@ -650,7 +963,8 @@ class MmapBackend(HiCacheStorage):
         self._free_hint = hint
 
     def _reserve_slot(self, arena: _Arena) -> tuple[int, int] | None:
-        """A free slot for a new object (writer lock held): (slot, new generation)."""
+        """A free slot for a new object (writer lock held): (slot, new generation), or
+        None when none is usable now (the caller decides what to evict)."""
         slots = arena.slots
         refilled = False
         while True:
@@ -659,8 +973,7 @@ class MmapBackend(HiCacheStorage):
                     self._refill_hint(arena)
                     refilled = True
                 if not self._free_hint:
-                    self._evict_some(arena)
-                    return None  # evicted slots rest for reuse_delay first
+                    return None
             slot = self._free_hint.pop()
             row = slots[slot]
             state = int(row["state"])
@@ -683,17 +996,18 @@ class MmapBackend(HiCacheStorage):
             # Evict ahead, so the slots have rested by the time they are needed.
             usable = int(((slots["state"] == FREE) | (slots["state"] == RETIRED)).sum())
             if usable < self.options.low_free_slots * arena.nslots:
-                self._evict_some(arena)
+                self._evict_some(arena, max(1, arena.nslots // 20))
         return slot, gen
 
-    def _evict_some(self, arena: _Arena) -> None:
-        """Evict the least recently used live objects: ~5 % of the slots (at least one)."""
+    def _evict_some(self, arena: _Arena, count: int, keep: frozenset[int] = frozenset()) -> None:
+        """Evict the ``count`` least recently used live objects, sparing slots in ``keep``."""
         import numpy as np
 
-        if not self._by_slot:
+        candidates = [s for s in self._by_slot if s not in keep] if keep else list(self._by_slot)
+        if not candidates or count <= 0:
             return
-        live = np.fromiter(self._by_slot, dtype=np.int64)
-        count = min(len(live), max(1, arena.nslots // 20))
+        live = np.fromiter(candidates, dtype=np.int64)
+        count = min(len(live), count)
         access = arena.slots["last_access"][live]
         victims = [int(s) for s in live[np.argsort(access, kind="stable")[:count]]]
         records = [(DEL, self._by_slot[s], self._index[self._by_slot[s]]) for s in victims]
@@ -730,14 +1044,22 @@ class MmapBackend(HiCacheStorage):
     def _reserve_all(
         self, arena: _Arena, names: list[str], pending: list[int], results: list[bool]
     ) -> dict[int, tuple[int, int]]:
-        """Reserve a slot per pending item; items already stored count as done."""
+        """Reserve a slot per pending item; items already stored count as done.
+
+        A batch never asks for more slots than the arena can give it (all slots but those
+        other writes are filling): the items beyond that fail at once (the leading ones
+        are stored, as the engine reads leading runs), and only as many pages are evicted
+        as the batch will use.
+        """
         slots: dict[int, tuple[int, int]] = {}
         deadline = time.monotonic() + max(5.0, 20 * self.options.reuse_delay)
+        first = True
         try:
             while pending:
                 with self._writer_lock():
                     self._catch_up()
                     waiting = []
+                    keep: set[int] = set()
                     for i in pending:
                         name = names[i]
                         if any(names[j] == name for j in slots) or self._find(name) is not None:
@@ -745,13 +1067,42 @@ class MmapBackend(HiCacheStorage):
                             entry = self._index.get(name)
                             if entry is not None:
                                 arena.slots[entry.slot]["last_access"] = time.time()
+                                keep.add(entry.slot)
                             continue
+                        waiting.append(i)
+                    if first:
+                        first = False
+                        busy = int((arena.slots["state"] == WRITING).sum())
+                        room = max(0, arena.nslots - busy - len(keep))
+                        if len(waiting) > room:
+                            refused = len(waiting) - room
+                            waiting = waiting[:room]
+                            self._add_item_errors(refused)
+                            self._log_failure(
+                                "batch_set",
+                                CapacityError(
+                                    f"{refused} of {len(names)} objects refused: the arena has "
+                                    f"{arena.nslots} slots and {busy} are being written"
+                                ),
+                            )
+                    pending = []
+                    for i in waiting:
                         reserved = self._reserve_slot(arena)
                         if reserved is None:
-                            waiting.append(i)
+                            pending.append(i)
                         else:
                             slots[i] = reserved
-                pending = waiting
+                    if pending:
+                        # Evict what this batch will use, beyond the slots resting already.
+                        state = arena.slots["state"]
+                        resting = int(
+                            (
+                                (state == RETIRED)
+                                & (arena.slots["since"] > time.time() - self.options.reuse_delay)
+                            ).sum()
+                        )
+                        mine = {s for s, _ in slots.values()}
+                        self._evict_some(arena, len(pending) - resting, frozenset(keep | mine))
                 if pending:
                     if time.monotonic() > deadline:
                         raise CapacityError("no slot became free in time (all busy or resting)")

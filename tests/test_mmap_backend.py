@@ -28,7 +28,7 @@ class TestMmapConformance(BackendConformance):
     @pytest.fixture
     def backend_spec(self, tmp_path: Path) -> BackendSpec:
         return BackendSpec(
-            "mmap", {"path": str(tmp_path / "arena"), "capacity": "256MiB", "slot_size": "4MiB"}
+            "mmap", {"path": str(tmp_path / "arena"), "capacity": "512MiB", "slot_size": "1MiB"}
         )
 
 
@@ -37,7 +37,7 @@ class TestMmapConformanceDurable(BackendConformance):
 
     @pytest.fixture
     def backend_spec(self, tmp_path: Path) -> BackendSpec:
-        opts = {"path": str(tmp_path / "arena"), "capacity": "160MiB", "slot_size": "4MiB", "fsync": True,
+        opts = {"path": str(tmp_path / "arena"), "capacity": "256MiB", "slot_size": "1MiB", "fsync": True,
                 "checksum": "xxh3", "verify_checksum": True}  # fmt: skip
         return BackendSpec("mmap", opts)
 
@@ -141,27 +141,6 @@ def test_a_torn_index_record_is_ignored(arena: Callable[..., MmapBackend], tmp_p
     assert third.batch_exists([f"k{i}" for i in range(9)]) == 9
     assert bytes(third.get("after").numpy()) == b"a"
     assert not third.exists("k9")
-
-
-def test_a_damaged_record_hides_what_follows_never_shows_garbage(
-    arena: Callable[..., MmapBackend], tmp_path: Path
-) -> None:
-    b = arena(capacity="8MiB", slot_size="64KiB")
-    for i in range(6):
-        b.set(f"k{i}", value(i))
-    b.close()
-    index = tmp_path / "arena.index"
-    raw = bytearray(index.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    index.write_bytes(bytes(raw))
-    again = arena()
-    visible = [i for i in range(6) if again.exists(f"k{i}")]
-    assert visible == list(range(len(visible)))
-    assert len(visible) < 6
-    for i in visible:
-        assert bytes(again.get(f"k{i}").numpy()) == value(i)
-    for i in range(20):  # the orphaned slots are reclaimed
-        assert again.set(f"n{i}", value(i))
 
 
 def test_compaction_is_atomic_and_seen_by_other_instances(

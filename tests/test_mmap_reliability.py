@@ -1,0 +1,431 @@
+"""The ``mmap`` backend under resets, damage, oversized batches, bad pools and other users.
+
+Each test is a regression test for an item of the reliability issue: on the code before
+the fix it returned wrong bytes as a hit, raised into the engine, or stalled and evicted
+every page.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from hicache_storage import KVCacheNamespace, StorageConfig
+from hicache_storage.backends import MmapBackend
+from hicache_storage.errors import ConfigError
+
+from .conftest import make_pool, pool_namespace
+
+MiB = 2**20
+NOBODY = 65534
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Iterator[Callable[..., MmapBackend]]:
+    made: list[MmapBackend] = []
+
+    def make(config: StorageConfig | None = None, **options: object) -> MmapBackend:
+        options.setdefault("path", str(tmp_path / "arena"))
+        b = MmapBackend(config or StorageConfig(), **options)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def value(i: int, n: int = 1000) -> bytes:
+    return bytes([i % 256]) * n
+
+
+def read(b: MmapBackend, key: str) -> bytes | None:
+    got = b.get(key)
+    return None if got is None else bytes(got.numpy())
+
+
+def remove_arena_files(path: Path) -> None:
+    for suffix in ("", ".index", ".lock"):
+        Path(str(path) + suffix).unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------- 1: arena identity
+
+
+def test_a_leftover_index_is_never_applied_to_a_new_arena(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    """Item 1a: the arena is deleted, its index is left; the new arena starts empty."""
+    a = arena(capacity="8MiB", slot_size="64KiB")
+    assert a.batch_set([f"k{i}" for i in range(10)], [value(i) for i in range(10)]) == [True] * 10
+    a.close()
+    (tmp_path / "arena").unlink()
+    fresh = arena(capacity="8MiB", slot_size="64KiB")
+    for i in range(10):
+        assert not fresh.exists(f"k{i}")
+        assert fresh.get(f"k{i}") is None  # not ten zero-filled pages served as hits
+    assert fresh.set("new", value(7))
+    other = arena()
+    assert read(other, "new") == value(7)
+    assert other.batch_exists([f"k{i}" for i in range(10)]) == 0
+
+
+def test_a_smaller_new_arena_with_an_old_index_opens(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    """Item 1b: records naming slots the new arena lacks never raise IndexError."""
+    a = arena(capacity="16MiB", slot_size="64KiB")
+    keys = [f"k{i}" for i in range(200)]
+    assert a.batch_set(keys, [value(i) for i in range(200)]) == [True] * 200
+    a.close()
+    (tmp_path / "arena").unlink()
+    small = arena(capacity="1MiB", slot_size="64KiB")
+    assert small.batch_exists(keys) == 0
+    assert small.set("k1", value(1))
+    assert read(small, "k1") == value(1)
+
+
+def test_a_reset_under_a_running_engine_never_serves_the_new_arenas_pages(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    """Item 1c: the cache is reset (arena, index and lock removed) while engine 1 runs,
+    and engine 2 fills a new arena: engine 1 must never map engine 2's index onto its
+    old arena (that returned key Y's page as the hit for key X)."""
+    one = arena(capacity="4MiB", slot_size="64KiB")
+    old = [f"old{i}" for i in range(8)]
+    assert one.batch_set(old, [value(i) for i in range(8)]) == [True] * 8
+    remove_arena_files(tmp_path / "arena")
+    two = arena(capacity="4MiB", slot_size="64KiB")
+    new = [f"new{i}" for i in range(8)]
+    assert two.batch_set(new, [value(100 + i) for i in range(8)]) == [True] * 8
+    for i, key in enumerate(new):
+        got = read(one, key)
+        assert got is None or got == value(100 + i), f"engine 1 served a wrong page for {key}"
+    for i, key in enumerate(old):
+        got = read(one, key)
+        assert got is None or got == value(i)
+    # Engine 1 cannot corrupt engine 2's arena either.
+    one.set("from-one", value(55))
+    assert two.batch_exists(new) == 8
+    assert [read(two, k) for k in new] == [value(100 + i) for i in range(8)]
+    got = read(two, "from-one")
+    assert got is None or got == value(55)
+    assert read(arena(), "new3") == value(103)
+
+
+# ----------------------------------------------------------------- 2: damaged log
+
+
+def record_offsets(index: Path, key: str) -> list[int]:
+    """Offsets in the log of every record naming ``key`` (the byte after its name)."""
+    raw = index.read_bytes()
+    needle = f"/{key}".encode()
+    out, pos = [], raw.find(needle)
+    while pos >= 0:
+        end = pos + len(needle)
+        if raw[end : end + 1] not in (b"~",):  # not a longer name
+            out.append(pos + 1)
+        pos = raw.find(needle, pos + 1)
+    return out
+
+
+def flip(index: Path, offset: int) -> None:
+    raw = bytearray(index.read_bytes())
+    raw[offset] ^= 0xFF
+    index.write_bytes(bytes(raw))
+
+
+def test_a_damaged_record_costs_only_itself(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    """Item 2: one flipped byte in the middle of the log loses that record, not the
+    intact ones after it, and the next writer does not cut them off."""
+    b = arena(capacity="8MiB", slot_size="64KiB")
+    for i in range(6):
+        assert b.set(f"k{i}", value(i))
+    b.close()
+    index = tmp_path / "arena.index"
+    (off,) = record_offsets(index, "k2")
+    flip(index, off)
+    again = arena()
+    assert [again.exists(f"k{i}") for i in range(6)] == [True, True, False, True, True, True]
+    for i in (0, 1, 3, 4, 5):
+        assert read(again, f"k{i}") == value(i)
+    assert again.set("after", value(9))  # a writer appends: the records after the damage stay
+    third = arena()
+    assert [third.exists(f"k{i}") for i in range(6)] == [True, True, False, True, True, True]
+    assert read(third, "after") == value(9)
+    assert third.get_stats().corrupt_objects >= 0
+    for i in range(40):  # the slot of the lost record is reclaimed, the rest stay right
+        assert third.set(f"n{i}", value(i))
+    for i in (0, 1, 3, 4, 5):
+        got = read(third, f"k{i}")
+        assert got is None or got == value(i)
+
+
+def test_a_lost_delete_never_revives_a_key_over_a_reused_slot(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    """Item 2 (the wrong-page case): k0's DEL and the PUT of the key that reused its slot
+    are both damaged; a fresh process must not "repair" the slot back to k0 and serve
+    the other key's bytes as k0's."""
+    b = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    slots = b.usage()["slots"]
+    keys = [f"k{i}" for i in range(slots)]
+    assert b.batch_set(keys, [value(i + 1) for i in range(slots)]) == [True] * slots
+    assert b.delete("k0")
+    assert b.set("reuse", value(99))  # the only reusable slot: k0's
+    assert read(b, "reuse") == value(99)
+    b.close()
+    index = tmp_path / "arena.index"
+    _put0, del0 = record_offsets(index, "k0")
+    (put_reuse,) = record_offsets(index, "reuse")
+    flip(index, del0)
+    flip(index, put_reuse)
+    fresh = arena()
+    got = read(fresh, "k0")
+    assert got is None or got == value(1), "another key's page served as k0"
+    assert read(fresh, "k1") == value(2)
+    other = arena()
+    got = read(other, "k0")
+    assert got is None or got == value(1)
+
+
+def test_running_processes_never_serve_wrong_bytes_after_damage(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    """Item 2: a process that read the log before the damage and one that reads it after
+    may disagree about the damaged key, but neither serves wrong bytes, ever."""
+    a = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    slots = a.usage()["slots"]
+    for i in range(slots):
+        assert a.set(f"k{i}", value(i))
+    index = tmp_path / "arena.index"
+    (off,) = record_offsets(index, "k3")
+    flip(index, off)
+    b = arena()
+    assert not b.exists("k3") and b.exists("k4")
+    for i in range(3 * slots):  # b reclaims k3's slot as an orphan, and evicts
+        assert b.set(f"b{i}", value(200 + i % 50))
+    for i in range(slots):
+        got = read(a, f"k{i}")
+        assert got is None or got == value(i), f"k{i} served wrong bytes"
+    for i in range(3 * slots):
+        got = read(a, f"b{i}")
+        assert got is None or got == value(200 + i % 50)
+
+
+def test_a_damaged_log_header_loses_the_index_never_the_arena(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    b = arena(capacity="2MiB", slot_size="64KiB")
+    for i in range(5):
+        assert b.set(f"k{i}", value(i))
+    b.close()
+    flip(tmp_path / "arena.index", 12)  # inside the header's arena nonce
+    again = arena()
+    assert again.batch_exists([f"k{i}" for i in range(5)]) == 0
+    for i in range(60):  # orphaned slots are reclaimed, the log is replaced
+        assert again.set(f"n{i}", value(i))
+    assert read(arena(), "n59") == value(59)
+
+
+# ----------------------------------------------------------------- 3: oversized batches
+
+
+def test_a_batch_larger_than_the_arena_stores_what_fits_and_evicts_only_that(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    """Item 3: it used to stall, store nothing and evict every page of every namespace."""
+    pool = make_pool(num_pages=64, page_size=4)  # 768-byte pages
+    other_ns = KVCacheNamespace(model_id="other", dtype="bfloat16", page_size=4)
+    other = arena(StorageConfig(namespace=other_ns), capacity="64KiB", slot_size="4KiB")
+    slots = other.usage()["slots"]
+    assert 4 <= slots < 20
+    keep = [f"o{i}" for i in range(slots)]
+    assert other.batch_set(keep, [value(i, 700) for i in range(slots)]) == [True] * slots
+    mine = arena(StorageConfig(namespace=pool_namespace(pool)))
+    mine.register_mem_pool_host(pool)
+    n = 3 * slots
+    keys = [f"p{i}" for i in range(n)]
+    got = mine.batch_set_v1(keys, list(range(n * pool.page_size)))
+    stored = sum(got)
+    assert got == [True] * stored + [False] * (n - stored), "not a leading run"
+    assert 1 <= stored <= slots
+    survivors = sum(other.exists(k) for k in keep)
+    assert survivors + stored == slots, "evicted pages it did not use"
+    assert mine.get_stats().op("batch_set_v1").errors == n - stored
+
+
+def test_a_batch_that_fits_evicts_only_as_many_pages_as_it_needs(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    b = arena(capacity="256KiB", slot_size="4KiB", reuse_delay=0.01, low_free_slots=0)
+    slots = b.usage()["slots"]
+    assert b.batch_set([f"o{i}" for i in range(slots)], [value(i) for i in range(slots)]) == (
+        [True] * slots
+    )
+    assert b.batch_set([f"n{i}" for i in range(5)], [value(i) for i in range(5)]) == [True] * 5
+    assert sum(b.exists(f"o{i}") for i in range(slots)) == slots - 5
+
+
+# ----------------------------------------------------------------- 4: pools and slots
+
+
+def test_a_pool_with_pages_larger_than_the_slots_is_refused(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    pool = make_pool(num_pages=4, page_size=64)  # 12 KiB pages
+    ns = pool_namespace(pool)
+    b = arena(StorageConfig(namespace=ns), capacity="1MiB", slot_size="4KiB")
+    with pytest.raises(ConfigError) as info:
+        b.register_mem_pool_host(pool)
+    msg = str(info.value)
+    assert str(pool.page_bytes) in msg and "4096" in msg and "slot_size" in msg
+    assert b.mem_pool_host is None
+    # An arena that exists already is checked the same way (slot_size not configured).
+    again = arena(StorageConfig(namespace=ns))
+    with pytest.raises(ConfigError, match="slot_size"):
+        again.register_mem_pool_host(pool)
+    ok = arena(StorageConfig(namespace=ns), path=str(Path(b.path).parent / "big"))
+    ok.register_mem_pool_host(pool)  # a new arena takes the pool's page size
+    assert ok.usage()["slot_size"] >= pool.page_bytes
+
+
+# ----------------------------------------------------------------- 5: lazy open
+
+
+def test_a_bad_arena_opened_lazily_gives_failure_shapes(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    """Item 5: engine-facing calls never raise ConfigError for a bad arena file."""
+    b = arena()  # no slot_size, no file yet: the arena opens on first use
+    (tmp_path / "arena").write_bytes(b"not an arena" * 1000)
+    assert b.set("k", b"v") is False
+    assert b.batch_set(["a", "b"], [b"1", b"2"]) == [False, False]
+    assert b.exists("k") is False
+    assert b.get("k") is None
+    assert b.batch_exists(["a", "b"]) == 0
+    assert b.batch_get(["a"]) == [None]
+    stats = b.get_stats()
+    assert stats.op("set").errors == 1
+    assert stats.op("exists").errors == 1
+
+
+def test_a_directory_or_fifo_at_the_arena_path_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(ConfigError):
+        MmapBackend(StorageConfig(), path=str(tmp_path / "dir"), slot_size="4KiB")
+    os.mkfifo(tmp_path / "fifo")
+    done: list[BaseException | None] = []
+
+    def open_it() -> None:
+        try:
+            MmapBackend(StorageConfig(), path=str(tmp_path / "fifo"), slot_size="4KiB")
+            done.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            done.append(exc)
+
+    t = threading.Thread(target=open_it, daemon=True)
+    t.start()
+    t.join(20)
+    assert done, "opening a FIFO as the arena blocked"
+    assert isinstance(done[0], ConfigError)
+    with pytest.raises(ConfigError, match="NUL"):
+        MmapBackend(StorageConfig(), path=str(tmp_path / "a\0b"))
+
+
+# ----------------------------------------------------------------- 6: other users
+
+
+def as_user(code: str, uid: int = NOBODY) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` as another user: the interpreter starts as root (the venv lives in
+    root's home), imports, then drops to ``uid`` for good before running ``code``."""
+    prelude = textwrap.dedent(
+        f"""
+        import os
+        import numpy, torch  # what the backend imports lazily, before the stdlib is out of reach
+        from hicache_storage import StorageConfig
+        from hicache_storage.backends import MmapBackend
+        os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd="/",
+    )
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A sticky world-writable directory right under /tmp, like /tmp itself (pytest's
+    own temporary directories are private, so another user could not reach it)."""
+    d = Path(f"/tmp/hicache-test-{uuid.uuid4().hex[:8]}")
+    d.mkdir()
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("planted", ["arena", "arena.index", "arena.lock"])
+def test_files_another_user_planted_are_refused(shared_tmp: Path, planted: str) -> None:
+    """Item 6: another user pre-creates the arena (to read every page written to it) or
+    its index or lock; the backend refuses with a ConfigError naming the path."""
+    target = shared_tmp / planted
+    r = as_user(
+        f"""
+        if {planted!r} == "arena":
+            b = MmapBackend(StorageConfig(), path={str(shared_tmp / "arena")!r},
+                            capacity="1MiB", slot_size="4KiB")
+            b.close()
+            os.chmod({str(shared_tmp / "arena")!r}, 0o666)
+        else:
+            fd = os.open({str(target)!r}, os.O_CREAT | os.O_WRONLY, 0o666)
+            os.fchmod(fd, 0o666)
+            os.close(fd)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert target.stat().st_uid == NOBODY
+    with pytest.raises(ConfigError) as info:
+        b = MmapBackend(StorageConfig(), path=str(shared_tmp / "arena"), slot_size="4KiB")
+        b.set("k", b"secret page")  # the index is opened with the arena
+        b.close()
+    assert str(target) in str(info.value)
+
+
+def test_the_default_location_is_private_to_the_user() -> None:
+    b = MmapBackend(StorageConfig(), capacity="1MiB", slot_size="4KiB")
+    try:
+        directory = os.path.dirname(b.path)
+        assert directory == f"/tmp/hicache-storage-mmap-{os.geteuid()}"
+        st = os.lstat(directory)
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+        assert stat.S_IMODE(st.st_mode) == 0o700
+        for suffix in ("", ".index", ".lock"):
+            fst = os.stat(b.path + suffix)
+            assert fst.st_uid == os.geteuid() and not fst.st_mode & 0o077
+    finally:
+        b.clear()
+        b.close()
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    with pytest.raises(ConfigError, match="writable by other users"):
+        MmapBackend(StorageConfig(), path=str(d / "arena"), slot_size="4KiB")
