@@ -1155,8 +1155,11 @@ class MmapBackend(HiCacheStorage):
                 for i, csum in zip(order, sums, strict=True):
                     slot, gen = slots[i]
                     if not self._still_mine(arena, slot, gen):
-                        logger.error(
-                            "slot %d of %s was taken during a write; dropped", slot, self.path
+                        self._warn(
+                            "taken",
+                            "slot %d of %s was taken during a write; dropped",
+                            slot,
+                            self.path,
                         )
                         continue
                     row = arena.slots[slot]
@@ -1213,8 +1216,11 @@ class MmapBackend(HiCacheStorage):
             and checksum(views, entry.algorithm) != entry.checksum
         ):
             self._record(corrupt_objects=1)
-            logger.warning(
-                "checksum mismatch in slot %d of %s; the read is a miss", entry.slot, self.path
+            self._warn(
+                "corrupt",
+                "checksum mismatch in slot %d of %s; the read is a miss",
+                entry.slot,
+                self.path,
             )
             return None
         row["last_access"] = time.time()

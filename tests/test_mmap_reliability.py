@@ -429,3 +429,25 @@ def test_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
     os.chmod(d, 0o777)
     with pytest.raises(ConfigError, match="writable by other users"):
         MmapBackend(StorageConfig(), path=str(d / "arena"), slot_size="4KiB")
+
+
+# ----------------------------------------------------------------- 14: rate-limited warnings
+
+
+def test_corrupt_reads_warn_rate_limited(
+    arena: Callable[..., MmapBackend], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Item 14: 300 reads of a corrupt page give one warning (and a count), not 300."""
+    b = arena(capacity="1MiB", slot_size="64KiB", checksum="xxh3", verify_checksum=True)
+    assert b.set("k", value(1))
+    data_off = int.from_bytes((tmp_path / "arena").read_bytes()[40:48], "little")
+    with open(tmp_path / "arena", "r+b") as f:
+        f.seek(data_off + 10)
+        f.write(b"\xff")
+    reader = arena(checksum="xxh3", verify_checksum=True)
+    with caplog.at_level("WARNING"):
+        for _ in range(300):
+            assert reader.get("k") is None
+    warnings = [r for r in caplog.records if "checksum mismatch" in r.getMessage()]
+    assert len(warnings) == 1
+    assert reader.get_stats().corrupt_objects == 300
