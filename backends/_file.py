@@ -11,6 +11,7 @@ from typing import Any
 from hicache_storage.backend import Capabilities
 from hicache_storage.errors import ConfigError
 from hicache_storage.filestore import FileStore, FileStoreOptions
+from hicache_storage.pathsafety import user_dir
 
 __all__ = ["FileBackend", "FileOptions"]
 
@@ -20,16 +21,18 @@ class FileOptions(FileStoreOptions):
     """Options of the ``file`` backend (environment: ``HICACHE_STORAGE_FILE_<NAME>``).
 
     Attributes:
-        root: directory under which every namespace gets its own subdirectory.
+        root: directory under which every namespace gets its own subdirectory; default
+            ``/tmp/hicache-storage-<uid>``, private to the user (0700). An existing root
+            must be owned by the user and not writable by others.
         (and every option of :class:`~hicache_storage.filestore.FileStoreOptions`; here
         ``max_size=None`` means no cap and ``min_free_space=None`` means 0.)
     """
 
-    root: str = "/tmp/hicache-storage"
+    root: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.root:
+        if self.root is not None and not self.root:
             raise ConfigError("root must not be empty")
 
 
@@ -41,5 +44,5 @@ class FileBackend(FileStore):
     options_class = FileOptions
 
     def _location(self, opts: Any) -> str:
-        root: str = opts.root
-        return root
+        root: str | None = opts.root
+        return root if root is not None else user_dir("/tmp", "hicache-storage")

@@ -4,9 +4,10 @@ One tmpfs file per page under a per-namespace directory, published atomically li
 ``file`` backend, so any process on the node that uses the same namespace reads what
 another wrote: two engine processes reuse each other's KV without a network service.
 Reads and writes are one copy each (``preadv``/``writev`` between the host pool and the
-tmpfs pages, no intermediate buffer). A capacity bound is always on: by default half of
-the tmpfs, and at least a tenth of it kept free, so the store never fills ``/dev/shm``.
-Options and guarantees: ``docs/backends/shm.md``.
+tmpfs pages, no intermediate buffer). A capacity bound is always on and covers the whole
+store directory (every namespace): by default half of the tmpfs, and at least a tenth of
+it kept free, checked under a lock shared by every process so that the store never fills
+``/dev/shm``. Options and guarantees: ``docs/backends/shm.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Literal
 from hicache_storage.backend import Capabilities
 from hicache_storage.errors import ConfigError
 from hicache_storage.filestore import FileStore, FileStoreOptions
+from hicache_storage.pathsafety import user_dir
 
 __all__ = ["ShmBackend", "ShmOptions"]
 
@@ -28,11 +30,14 @@ class ShmOptions(FileStoreOptions):
     """Options of the ``shm`` backend (environment: ``HICACHE_STORAGE_SHM_<NAME>``).
 
     Attributes:
-        directory: a directory on a tmpfs (default ``/dev/shm/hicache-storage``).
-        max_size: cap on this namespace's bytes; default half of the tmpfs.
+        directory: a directory on a tmpfs. Default ``/dev/shm/hicache-storage-<uid>``
+            (private), or with ``group``, ``/dev/shm/hicache-storage-g<gid>`` (so every
+            member finds the same store).
+        max_size: cap on the bytes of the whole directory (every namespace); default half
+            of the tmpfs.
         min_free_space: free space always left on the tmpfs; default a tenth of it.
-        group: share with this group (name or gid): files 0640, directories 2770 owned by
-            the group; default private (0600 / 0700).
+        group: share with this group (a name, or a gid as an int or a string of digits):
+            files 0640, directories 2770 owned by the group; default private (0600 / 0700).
         checksum: default ``"none"``: memory has no media errors, and torn objects are
             already impossible (atomic publish) and detected by length (header).
         recycle: when full, evict by overwriting the least-recently-used page's tmpfs
@@ -41,20 +46,29 @@ class ShmOptions(FileStoreOptions):
         (and the other options of :class:`~hicache_storage.filestore.FileStoreOptions`.)
     """
 
-    directory: str = "/dev/shm/hicache-storage"
-    group: str | None = None
+    directory: str | None = None
+    # Any: a name or a gid (int); the option parser passes it through, checked below.
+    group: Any = None
     recycle: bool = True
     checksum: Literal["xxh3", "none"] = "none"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.directory:
+        if self.directory is not None and not self.directory:
             raise ConfigError("directory must not be empty")
+        if self.group is not None:
+            _group_id(self.group)
 
 
-def _group_id(group: str) -> int:
-    if group.isdigit():
-        return int(group)
+def _group_id(group: object) -> int:
+    """The gid named by ``group``: an int, a string of digits, or a group name."""
+    if isinstance(group, bool) or not isinstance(group, (int, str)):
+        raise ConfigError(f"group must be a group name or a gid, got {group!r}")
+    if isinstance(group, int) or group.isdigit():
+        gid = int(group)
+        if not 0 <= gid < 2**32 - 1:
+            raise ConfigError(f"group {group!r} is not a valid gid")
+        return gid
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:
@@ -67,23 +81,28 @@ class ShmBackend(FileStore):
     name = "shm"
     capabilities = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
     options_class = ShmOptions
-    persist_recency = False  # a read costs no inode update; recency restarts with the node
+    location_option = "directory"
     recycles_files = True  # readers lock and re-check (see FileStore._open_published)
+    capacity_per_root = True  # one LRU and one cap for every namespace: no writer starves
+    serialize_free_space = True  # the floor holds with any number of writer processes
 
     def _location(self, opts: Any) -> str:
-        directory: str = opts.directory
-        return directory
+        directory: str | None = opts.directory
+        if directory is not None:
+            return directory
+        if self.group_id is not None:
+            return f"/dev/shm/hicache-storage-g{self.group_id}"
+        return user_dir("/dev/shm", "hicache-storage")
 
     def _configure(self, opts: Any) -> None:
         self.recycle = bool(opts.recycle)
         if opts.group is not None:
-            self.group_id = _group_id(str(opts.group))
+            self.group_id = _group_id(opts.group)
             self.file_mode = 0o640
             self.dir_mode = 0o2770
 
     def _limits(self, opts: FileStoreOptions) -> tuple[int | None, int]:
-        os.makedirs(self._location(opts), mode=self.dir_mode, exist_ok=True)
-        st = os.statvfs(self._location(opts))
+        st = os.statvfs(self.root)
         total = st.f_blocks * st.f_frsize
         max_size = opts.max_size if opts.max_size is not None else total // 2
         min_free = opts.min_free_space if opts.min_free_space is not None else total // 10

@@ -26,8 +26,10 @@ from collections.abc import Sequence
 
 __all__ = [
     "TEMP_PREFIX",
+    "commit_temp",
     "fsync_dir",
     "is_temporary",
+    "open_temp",
     "preadv_all",
     "publish",
     "remove_stale_temporaries",
@@ -174,6 +176,78 @@ def publish(tmp: str, final: str) -> bool:
     return True
 
 
+def open_temp(
+    directory: str, *, mode: int = 0o600, gid: int | None = None, allocate: int = 0
+) -> tuple[str, int]:
+    """Create a fresh temporary in ``directory``; return its path and a write descriptor.
+
+    The file gets ``mode`` exactly (not masked by the umask) and, with ``gid``, that group.
+    With ``allocate``, that many bytes are allocated on the filesystem now
+    (``posix_fallocate``), so that a free-space check made before this call stays true
+    while the bytes are written later. On failure nothing is left behind.
+    """
+    tmp = temp_path(directory)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        if gid is not None:
+            os.fchown(fd, -1, gid)
+        if mode & 0o077:
+            os.fchmod(fd, mode)  # open() masked group/other bits with the umask
+        if allocate > 0:
+            os.posix_fallocate(fd, 0, allocate)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return tmp, fd
+
+
+def commit_temp(
+    tmp: str,
+    fd: int,
+    final: str,
+    views: Sequence[memoryview | bytes],
+    *,
+    fsync: bool = False,
+    allocated: int = 0,
+) -> bool:
+    """Write ``views`` into the temporary ``tmp`` (open as ``fd``), close it, publish it as
+    ``final`` (first writer wins). Always closes ``fd`` and removes ``tmp``.
+
+    ``allocated``: the bytes :func:`open_temp` allocated; the file is cut to what was
+    written if that is less. Returns True if this call published ``final``, False if it
+    already existed; raises ``OSError`` on failure.
+    """
+    try:
+        try:
+            written = writev_all(fd, views)
+            if allocated > written:
+                os.ftruncate(fd, written)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        published = publish(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if published and fsync:
+        try:
+            fsync_dir(os.path.dirname(final))
+        except OSError as exc:
+            # The object is visible and complete; only the durability of its name across
+            # a power failure is in doubt. Reporting a failure for a visible object would
+            # be worse (callers would count it as missing), so log it loudly instead.
+            logger.error("published %s but fsync of its directory failed: %s", final, exc)
+    return published
+
+
 def write_atomic(
     final: str,
     views: Sequence[memoryview | bytes],
@@ -190,36 +264,8 @@ def write_atomic(
     ``OSError`` on failure (disk full, permission...), after removing its temporary; no
     partial object is ever visible under ``final``.
     """
-    directory = os.path.dirname(final)
-    tmp = temp_path(directory)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    try:
-        try:
-            if gid is not None:
-                os.fchown(fd, -1, gid)
-            if mode & 0o077:
-                os.fchmod(fd, mode)  # open() masked group/other bits with the umask
-            writev_all(fd, views)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        published = publish(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    if published and fsync:
-        try:
-            fsync_dir(directory)
-        except OSError as exc:
-            # The object is visible and complete; only the durability of its name across
-            # a power failure is in doubt. Reporting a failure for a visible object would
-            # be worse (callers would count it as missing), so log it loudly instead.
-            logger.error("published %s but fsync of its directory failed: %s", final, exc)
-    return published
+    tmp, fd = open_temp(os.path.dirname(final), mode=mode, gid=gid)
+    return commit_temp(tmp, fd, final, views, fsync=fsync)
 
 
 def writer_is_dead(name: str) -> bool:

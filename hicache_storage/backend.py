@@ -79,6 +79,7 @@ from hicache_storage.keys import (
     validate_key,
     validate_keys,
 )
+from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.stats import StatsRecorder, StorageStats
 
 __all__ = ["ALL_LAYOUTS", "Capabilities", "HiCacheStorage"]
@@ -217,28 +218,8 @@ def _active_calls() -> dict[int, int]:
     return active
 
 
-class _RateLimitedLog:
-    """Logs a failure at most once per ``interval`` seconds per key, counting the rest."""
-
-    def __init__(self, interval: float = 5.0) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last < self.interval:
-                self._suppressed[key] = self._suppressed.get(key, 0) + 1
-                return
-            self._last[key] = now
-            suppressed = self._suppressed.pop(key, 0)
-        if suppressed:
-            msg += " (%d similar messages suppressed)"
-            args = (*args, suppressed)
-        logger.warning(msg, *args, exc_info=exc_info)
+#: Kept under its old name for code that imported it from here.
+_RateLimitedLog = RateLimitedLog
 
 
 def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -362,7 +343,7 @@ class _State:
         self.closed = False
         self.closing = False
         self.strict = os.environ.get("HICACHE_STORAGE_STRICT", "") not in ("", "0", "false")
-        self.log = _RateLimitedLog()
+        self.log = RateLimitedLog(logger)
 
 
 # --------------------------------------------------------------------------- the ABC

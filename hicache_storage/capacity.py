@@ -14,17 +14,24 @@ Eviction runs when a reservation would push the total over ``max_bytes``, and th
 down to the watermark ``max_bytes * eviction_ratio`` so that it does not run on every
 write. Objects being written are never evicted (they are reservations, not entries). A
 free-space floor (``min_free_bytes``) is honoured the same way using ``free_space()``.
+
+The tracker sees only what its owner told it (objects found at start-up, objects it
+wrote). When other processes share the store, that view goes stale; a ``refresh``
+callback (a re-scan of the store) lets it catch up when it cannot otherwise make room, so
+a writer whose own objects were all evicted by others still finds something to evict.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from hicache_storage.errors import ConfigError
+from hicache_storage.ratelimit import RateLimitedLog
 
 __all__ = ["CapacityTracker", "Reservation"]
 
@@ -34,14 +41,22 @@ logger = logging.getLogger(__name__)
 class Reservation:
     """Bytes held for one object being written. Commit it, or it is released on exit."""
 
-    __slots__ = ("_done", "_tracker", "generation", "name", "nbytes")
+    __slots__ = ("_done", "_tracker", "allocated", "generation", "name", "nbytes")
 
     def __init__(self, tracker: CapacityTracker, name: str, nbytes: int, generation: int) -> None:
         self._tracker = tracker
         self.name = name
         self.nbytes = nbytes
         self.generation = generation
+        self.allocated = False
         self._done = False
+
+    def mark_allocated(self) -> None:
+        """The bytes are allocated on the filesystem already (``fallocate``): the free-space
+        floor must no longer count them as still to come (``free_space()`` shows them)."""
+        if not self._done and not self.allocated:
+            self.allocated = True
+            self._tracker._mark_allocated(self)
 
     def commit(self) -> bool:
         """The object is stored: account it as the most recently used entry.
@@ -83,6 +98,13 @@ class CapacityTracker:
         eviction_ratio: evict down to ``max_bytes * eviction_ratio`` once over the cap.
         min_free_bytes: keep at least this much free space (needs ``free_space``).
         free_space: callback returning the store's free bytes now.
+        block_size: the filesystem's allocation unit: an object takes its size rounded up
+            to it from the free space (the floor is checked with the rounded size).
+        refresh: callback returning every object of the store now, as :meth:`load` takes
+            them; called (at most every ``refresh_interval`` seconds) when the free-space
+            floor cannot be met from what the tracker knows, and the tracker's view is then
+            replaced by it. It runs with the tracker's lock held.
+        refresh_interval: seconds between two refreshes.
     """
 
     def __init__(
@@ -93,6 +115,9 @@ class CapacityTracker:
         eviction_ratio: float = 0.9,
         min_free_bytes: int = 0,
         free_space: Callable[[], int] | None = None,
+        block_size: int = 1,
+        refresh: Callable[[], Iterable[tuple[str, int, float]]] | None = None,
+        refresh_interval: float = 1.0,
     ) -> None:
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"max size must be > 0, got {max_bytes}")
@@ -107,10 +132,17 @@ class CapacityTracker:
         self.min_free_bytes = min_free_bytes
         self._evict = evict
         self._free_space = free_space
+        self.block_size = max(1, int(block_size))
+        self._refresh = refresh
+        self.refresh_interval = refresh_interval
+        self._last_refresh = -float("inf")
+        self.refreshes = 0
+        self._log = RateLimitedLog(logger)
         self._lock = threading.Lock()
         self._lru: OrderedDict[str, int] = OrderedDict()  # oldest first
         self._used = 0
         self._reserved = 0
+        self._allocated = 0  # reserved bytes already allocated on the filesystem
         self._generation = 0
         self.evictions = 0
 
@@ -174,11 +206,16 @@ class CapacityTracker:
             self._lru[name] = nbytes
             self._used += nbytes
 
-    def clear(self) -> None:
-        """Forget every committed object; reservations made before stay but won't commit."""
+    def clear(self, prefix: str | None = None) -> None:
+        """Forget every committed object (with ``prefix``: those whose name starts with it);
+        reservations made before stay but won't commit."""
         with self._lock:
-            self._lru.clear()
-            self._used = 0
+            if prefix is None:
+                self._lru.clear()
+                self._used = 0
+            else:
+                for name in [n for n in self._lru if n.startswith(prefix)]:
+                    self._used -= self._lru.pop(name)
             self._generation += 1
 
     def reserve(self, name: str, nbytes: int) -> Reservation | None:
@@ -238,10 +275,10 @@ class CapacityTracker:
             return False
         full = cap is not None and used + nbytes > cap
         if self.min_free_bytes and self._free_space is not None:
-            free = self._free_space() - self._reserved  # one statvfs per write
+            free = self._free_space() - self._pending()  # one statvfs per write
             if free < self.min_free_bytes:
                 return False
-            full = full or free - nbytes < self.min_free_bytes
+            full = full or free - self._rounded(nbytes) < self.min_free_bytes
         return full
 
     def _make_room_under_cap(self, name: str, nbytes: int) -> bool:
@@ -249,7 +286,9 @@ class CapacityTracker:
         if cap is None:
             return True
         if nbytes > cap:
-            logger.warning("object %s (%d B) is larger than max_size %d B", name, nbytes, cap)
+            self._log(
+                "oversize", "object %s (%d B) is larger than max_size %d B", name, nbytes, cap
+            )
             return False
         if self._reserved + nbytes > cap:
             return False  # writes in flight hold the room; evicting would not help
@@ -258,37 +297,72 @@ class CapacityTracker:
             self._evict_until(lambda: self._used + self._reserved + nbytes <= target)
         return self._used + self._reserved + nbytes <= cap
 
+    def _pending(self) -> int:
+        """Reserved bytes not allocated on the filesystem yet (``free_space()`` misses them)."""
+        return self._reserved - self._allocated
+
+    def _rounded(self, nbytes: int) -> int:
+        """``nbytes`` as the filesystem takes them: rounded up to whole blocks."""
+        b = self.block_size
+        return -(-nbytes // b) * b
+
+    def _refresh_locked(self) -> bool:
+        """Replace the view by the store's real content (``refresh``), if allowed now."""
+        if self._refresh is None:
+            return False
+        now = time.monotonic()
+        if now - self._last_refresh < self.refresh_interval:
+            return False
+        self._last_refresh = now
+        try:
+            entries = sorted(self._refresh(), key=lambda e: e[2])
+        except Exception:
+            logger.exception("re-scanning the store failed")
+            return False
+        self._lru = OrderedDict((name, nbytes) for name, nbytes, _ in entries)
+        self._used = sum(self._lru.values())
+        self.refreshes += 1
+        return True
+
     def _keep_free_floor(self, name: str, nbytes: int) -> bool:
         free_space = self._free_space
         if free_space is None:
             return True
-        # Bytes reserved by writes in flight are not on disk yet: count them as used.
-        shortfall = self.min_free_bytes + self._reserved + nbytes - free_space()
-        if shortfall <= 0:
+        need = self._rounded(nbytes)
+
+        def short() -> int:
+            # Bytes reserved by writes in flight are not on disk yet: count them as used.
+            return self.min_free_bytes + self._pending() + need - free_space()
+
+        if short() <= 0:
             return True
-        if shortfall > self._used:
-            logger.warning(
-                "free-space floor %d B cannot be kept even by evicting all %d B of this store; refusing %s",
-                self.min_free_bytes,
-                self._used,
-                name,
-            )
-            return False
-        self._evict_until(lambda: free_space() - self._reserved - nbytes >= self.min_free_bytes)
-        if free_space() - self._reserved - nbytes < self.min_free_bytes:
-            logger.warning(
-                "free-space floor %d B cannot be kept; refusing %s", self.min_free_bytes, name
-            )
-            return False
-        return True
+        refreshed = False
+        while True:
+            if short() <= self._used:  # evicting can make room (never evict in vain)
+                self._evict_until(lambda: short() <= 0)
+                if short() <= 0:
+                    return True
+            # The store may hold more than this view knows of (other processes' objects).
+            if refreshed or not self._refresh_locked():
+                break
+            refreshed = True
+        self._log(
+            "floor",
+            "free-space floor %d B cannot be kept even by evicting all %d B known of this "
+            "store; refusing %s",
+            self.min_free_bytes,
+            self._used,
+            name,
+        )
+        return False
 
     def _evict_until(self, done: Callable[[], bool]) -> None:
         while self._lru and not done():
             name, nbytes = next(iter(self._lru.items()))
             try:
                 gone = self._evict(name)
-            except Exception:
-                logger.exception("evicting %s failed", name)
+            except Exception:  # noqa: BLE001 - logged (rate limited) with its traceback
+                self._log("evict", "evicting %s failed", name, exc_info=True)
                 gone = False
             if not gone:
                 # Keep the accounting honest (the bytes are still there); stop here rather
@@ -299,9 +373,15 @@ class CapacityTracker:
             self._used -= nbytes
             self.evictions += 1
 
+    def _mark_allocated(self, r: Reservation) -> None:
+        with self._lock:
+            self._allocated += r.nbytes
+
     def _commit(self, r: Reservation) -> bool:
         with self._lock:
             self._reserved -= r.nbytes
+            if r.allocated:
+                self._allocated -= r.nbytes
             if not self.enabled:
                 return True
             if r.generation != self._generation:
@@ -316,3 +396,5 @@ class CapacityTracker:
     def _release(self, r: Reservation) -> None:
         with self._lock:
             self._reserved -= r.nbytes
+            if r.allocated:
+                self._allocated -= r.nbytes

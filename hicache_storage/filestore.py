@@ -5,30 +5,36 @@ which differ only in their options and defaults. Layout:
 ``<root>/<namespace digest>/<fanout>/<key>[~<shard>]``; every file is
 ``header || payload`` (see :mod:`hicache_storage.header`), published atomically
 (:mod:`hicache_storage.atomic`); capacity is tracked with
-:class:`~hicache_storage.capacity.CapacityTracker`. Guarantees are documented in
-``docs/backends/file.md`` and ``docs/backends/shm.md``.
+:class:`~hicache_storage.capacity.CapacityTracker`. Every directory used and every file read
+passes the trust rule of :mod:`hicache_storage.pathsafety` (owned by this user or, in group
+mode, the group; not writable by others; never a symlink, FIFO or other special file), and
+directories that vanish while the store runs are recreated on the next write. Guarantees
+are documented in ``docs/backends/file.md`` and ``docs/backends/shm.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
-import functools
 import logging
 import os
 import secrets
 import shutil
+import stat
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 from hicache_storage.atomic import (
+    commit_temp,
     fsync_dir,
+    open_temp,
     preadv_all,
     publish,
     remove_stale_temporaries,
     temp_path,
-    write_atomic,
     writev_all,
 )
 from hicache_storage.backend import HiCacheStorage
@@ -42,6 +48,8 @@ from hicache_storage.buffers import (
 from hicache_storage.capacity import CapacityTracker, Reservation
 from hicache_storage.config import Size, StorageConfig, parse_options
 from hicache_storage.errors import (
+    BackendError,
+    BackendTimeoutError,
     CapacityError,
     ConfigError,
     CorruptObjectError,
@@ -59,6 +67,16 @@ from hicache_storage.header import (
 from hicache_storage.iopool import IOPool
 from hicache_storage.keys import ObjectName
 from hicache_storage.metacache import MetadataCache
+from hicache_storage.pathsafety import (
+    NotRegularFileError,
+    UnsafePathError,
+    check_file,
+    check_path,
+    ensure_dir,
+    is_trusted,
+    open_regular_stat,
+)
+from hicache_storage.ratelimit import RateLimitedLog
 
 __all__ = ["FileStore", "FileStoreOptions"]
 
@@ -67,6 +85,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TRASH_PREFIX = ".trash."
+#: The lock file (in the root) that serializes free-space checks between processes.
+SPACE_LOCK = ".hicache-space.lock"
+#: A read refreshes a file's mtime (its recency after a restart or a re-scan) only when the
+#: mtime is older than this many seconds: one inode update per page per second at most.
+RECENCY_STEP = 1.0
+#: How long a write waits for another process's free-space check before giving up.
+SPACE_LOCK_TIMEOUT = 10.0
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -120,12 +145,15 @@ class FileStore(HiCacheStorage):
     """
 
     options_class: ClassVar[type[FileStoreOptions]] = FileStoreOptions
+    #: The option that names the root (for error messages).
+    location_option: ClassVar[str] = "root"
     #: Mode of stored files and of directories this store creates.
     file_mode: int = 0o600
     dir_mode: int = 0o700
-    #: Group that owns what this store creates (``None``: the process's group).
+    #: Group that owns what this store creates, and that it trusts (``None``: private).
     group_id: int | None = None
-    #: Refresh a file's mtime when it is read, so LRU order survives a restart.
+    #: Refresh a file's mtime when it is read (at most once per :data:`RECENCY_STEP`), so
+    #: LRU order survives a restart and is seen by other processes' re-scans.
     persist_recency: bool = True
     #: Objects of this store may be evicted by overwriting their file in place with another
     #: object of the same size (see :meth:`_recycle`); readers then lock and re-check.
@@ -133,37 +161,47 @@ class FileStore(HiCacheStorage):
     #: instance itself recycles is :attr:`recycle`.
     recycles_files: ClassVar[bool] = False
     recycle: bool = False
+    #: Capacity accounting covers the whole root (every namespace and shard: one LRU and
+    #: one cap for every instance of the root) instead of this namespace and shard only.
+    capacity_per_root: ClassVar[bool] = False
+    #: Serialize free-space checks between processes (a lock file in the root) and
+    #: allocate each new file's bytes before the lock is released, so that concurrent
+    #: writers cannot all pass the check and then fill the filesystem together.
+    serialize_free_space: ClassVar[bool] = False
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config)
         self.options = parse_options(self.options_class, self.name, options)
         opts = self.options
         self._configure(opts)
-        self.root = os.path.abspath(os.path.expanduser(self._location(opts)))
+        self.root = check_path(self._location(opts), self.location_option)
         self.directory = os.path.join(self.root, self.namespace.digest)
         self._algorithm = algorithm_id(opts.checksum)
         self._meta = MetadataCache(opts.metadata_cache_ttl)
+        self._log = RateLimitedLog(logger)
         self._dirs: set[str] = set()
         self._dirs_lock = threading.Lock()
+        self._space_mutex = threading.Lock()
+        self._ensure_tree()  # ConfigError: refuse to start on an unsafe or unusable root
         self._io = IOPool(opts.io_threads, f"hicache-{self.name}")
         try:
-            os.makedirs(self.root, mode=self.dir_mode, exist_ok=True)
-            self._mkdir(self.directory)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot create the {self.name} backend directory {self.directory}: {exc}"
-            ) from exc
-        self._remove_leftovers()
-        max_size, min_free = self._limits(opts)
-        self._tracker = CapacityTracker(
-            max_size,
-            self._evict,
-            eviction_ratio=opts.eviction_ratio,
-            min_free_bytes=min_free,
-            free_space=self._free_space,
-        )
-        if self._tracker.enabled:
-            self._tracker.load(self._scan())
+            self._remove_leftovers()
+            max_size, min_free = self._limits(opts)
+            self._tracker = CapacityTracker(
+                max_size,
+                self._evict,
+                eviction_ratio=opts.eviction_ratio,
+                min_free_bytes=min_free,
+                free_space=self._free_space,
+                block_size=os.statvfs(self.root).f_frsize,
+                refresh=self._scan,
+            )
+            if self._tracker.enabled:
+                self._tracker.load(self._scan())
+        except BaseException:
+            self._io.close()
+            raise
+        self._serialize = self.serialize_free_space and self._tracker.min_free_bytes > 0
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -178,18 +216,44 @@ class FileStore(HiCacheStorage):
         """``(max_size, min_free_space)`` with the backend's defaults applied."""
         return opts.max_size, opts.min_free_space or 0
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ directories
 
-    def _mkdir(self, path: str) -> bool:
-        """Create one directory with this store's mode and group; False if it existed."""
+    def _ensure_tree(self, fanout: str | None = None) -> None:
+        """Make the root, the namespace directory (and ``fanout`` in it) exist and be safe.
+
+        Creates what is missing (the root with its parents: a cleaner or an operator may
+        have removed it while the store runs) with this store's mode and group, and checks
+        what exists (:func:`~hicache_storage.pathsafety.ensure_dir`). Raises ConfigError.
+        """
+        levels = [(self.root, "", True), (self.directory, self.root, False)]
+        if fanout is not None:
+            levels.append((os.path.join(self.directory, fanout), self.directory, False))
+        for path, parent, parents in levels:
+            created = ensure_dir(path, self.dir_mode, self.group_id, parents=parents)
+            if created and parent and self.options.fsync:
+                try:
+                    fsync_dir(parent)
+                except OSError as exc:
+                    raise ConfigError(f"cannot fsync {parent}: {exc}") from exc
+
+    def _ensure_fanout(self, name: ObjectName) -> None:
+        """The directories of ``name`` exist and are safe (checked once per fan-out)."""
+        if name.fanout in self._dirs:
+            return
         try:
-            os.mkdir(path, self.dir_mode)
-        except FileExistsError:
-            return False
-        if self.group_id is not None:
-            os.chown(path, -1, self.group_id)
-        os.chmod(path, self.dir_mode)  # mkdir masks the mode with the umask, and drops setgid
-        return True
+            self._ensure_tree(name.fanout)
+        except ConfigError as exc:
+            # Engine-facing calls never raise a ConfigError: the write fails, counted.
+            raise BackendError(str(exc)) from exc
+        with self._dirs_lock:
+            self._dirs.add(name.fanout)
+
+    def _forget_dirs(self) -> None:
+        """A directory vanished (clear() elsewhere, a cleaner): check them all again."""
+        with self._dirs_lock:
+            self._dirs.clear()
+
+    # ------------------------------------------------------------------ helpers
 
     def _path(self, name: ObjectName) -> str:
         return os.path.join(self.root, name.namespace, name.fanout, name.leaf)
@@ -199,7 +263,7 @@ class FileStore(HiCacheStorage):
         remove_stale_temporaries(self.directory, self.options.stale_temp_age)
         prefix = f"{_TRASH_PREFIX}{self.namespace.digest}."
         for entry in os.scandir(self.root):
-            if entry.name.startswith(prefix):
+            if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     def _owns(self, leaf: str) -> bool:
@@ -209,29 +273,61 @@ class FileStore(HiCacheStorage):
         return tail == shard if shard is not None else not sep
 
     def _scan(self) -> list[tuple[str, int, float]]:
-        """This shard's stored objects in this namespace as (relative name, bytes, mtime)."""
+        """The stored objects this instance accounts for, as (relative name, bytes, mtime).
+
+        Those of its namespace and shard, or (:attr:`capacity_per_root`) every object of
+        every namespace under the root. Only regular files that pass the trust rule count.
+        """
         found: list[tuple[str, int, float]] = []
-        with os.scandir(self.directory) as fans:
-            for fan in fans:
-                if not fan.is_dir(follow_symlinks=False):
+        if self.capacity_per_root:
+            try:
+                with os.scandir(self.root) as entries:
+                    namespaces = [
+                        e.name
+                        for e in entries
+                        if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+                    ]
+            except OSError:
+                return found
+            every_shard = True
+        else:
+            namespaces = [self.namespace.digest]
+            every_shard = False
+        for ns in namespaces:
+            try:
+                with os.scandir(os.path.join(self.root, ns)) as fans:
+                    fan_names = [f.name for f in fans if f.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue  # removed meanwhile
+            for fan in fan_names:
+                try:
+                    with os.scandir(os.path.join(self.root, ns, fan)) as files:
+                        for f in files:
+                            if f.name.startswith("."):
+                                continue
+                            if not every_shard and not self._owns(f.name):
+                                continue
+                            try:
+                                st = f.stat(follow_symlinks=False)
+                            except OSError:
+                                continue
+                            if stat.S_ISREG(st.st_mode) and is_trusted(st, self.group_id):
+                                found.append((f"{ns}/{fan}/{f.name}", st.st_size, st.st_mtime))
+                except OSError:
                     continue
-                with os.scandir(fan.path) as files:
-                    for f in files:
-                        if f.name.startswith(".") or not self._owns(f.name):
-                            continue
-                        if not f.is_file(follow_symlinks=False):
-                            continue
-                        try:
-                            st = f.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
-                        rel = f"{self.namespace.digest}/{fan.name}/{f.name}"
-                        found.append((rel, st.st_size, st.st_mtime))
         return found
 
     def _free_space(self) -> int:
-        st = os.statvfs(self.root)
-        return st.f_bavail * st.f_frsize
+        path = self.root
+        while True:  # the root may have been removed: its filesystem is its parent's
+            try:
+                st = os.statvfs(path)
+                return st.f_bavail * st.f_frsize
+            except FileNotFoundError:
+                up = os.path.dirname(path)
+                if up == path:
+                    raise
+                path = up
 
     def _evict(self, rel: str) -> bool:
         path = os.path.join(self.root, rel)
@@ -240,26 +336,101 @@ class FileStore(HiCacheStorage):
         except FileNotFoundError:
             pass
         except OSError as exc:
-            logger.warning("cannot evict %s: %s", path, exc)
+            self._log("evict", "cannot evict %s: %s", path, exc)
             return False
         self._meta.discard(path)
         self._record(evictions=1)
         return True
 
-    def _ensure_dir(self, name: ObjectName) -> None:
-        if name.fanout in self._dirs:
-            return
-        # Both levels with an explicit mode (makedirs applies it to the leaf only); the
-        # namespace directory may have been removed by a clear() in another process.
-        fan = os.path.join(self.directory, name.fanout)
-        for path, parent in ((self.directory, self.root), (fan, self.directory)):
-            if self._mkdir(path) and self.options.fsync:
-                fsync_dir(parent)
-        with self._dirs_lock:
-            self._dirs.add(name.fanout)
+    @contextlib.contextmanager
+    def _space_lock(self) -> Iterator[None]:
+        """Hold the root's free-space lock (threads and processes), when serialized.
 
-    def _open_published(self, path: str) -> int | None:
-        """Open the object at ``path`` for reading; None if there is none.
+        A ``flock`` on :data:`SPACE_LOCK` in the root, opened anew each time (so a root
+        that was removed and recreated is locked through its new file), polled without
+        blocking so that a stuck process can delay writes but never hang them: after
+        :data:`SPACE_LOCK_TIMEOUT` seconds the write fails.
+        """
+        if not self._serialize:
+            yield
+            return
+        path = os.path.join(self.root, SPACE_LOCK)
+        with self._space_mutex:
+            try:
+                fd, st = open_regular_stat(path, os.O_RDONLY | os.O_CREAT, self.file_mode)
+            except OSError as exc:
+                raise from_os_error(exc, f"open {path}") from exc
+            try:
+                if st.st_uid == os.geteuid() and (
+                    stat.S_IMODE(st.st_mode) != self.file_mode
+                    or (self.group_id is not None and st.st_gid != self.group_id)
+                ):
+                    if self.group_id is not None:
+                        os.fchown(fd, -1, self.group_id)
+                    os.fchmod(fd, self.file_mode)  # the umask masked it; members need it
+                deadline = time.monotonic() + SPACE_LOCK_TIMEOUT
+                pause = 0.0002
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise BackendTimeoutError(
+                                f"the free-space lock {path} was held for over "
+                                f"{SPACE_LOCK_TIMEOUT:g} s"
+                            ) from None
+                        time.sleep(pause)
+                        pause = min(pause * 2, 0.01)
+                yield
+            finally:
+                os.close(fd)  # releases the lock
+
+    # ------------------------------------------------------------------ reads
+
+    def _untrusted(self, path: str, exc: Exception, remove: bool) -> None:
+        """Something that is not a trustworthy object sits at ``path``: count it (a miss),
+        log it (rate limited) and, with ``remove``, take it away so the key can be stored."""
+        self._record(corrupt_objects=1)
+        self._log("untrusted", "ignoring %s (%s); the read is a miss", path, exc)
+        self._meta.discard(path)
+        if not remove:
+            return
+        try:
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                os.rmdir(path)  # only if empty; anything else stays (and writes fail)
+            else:
+                os.unlink(path)  # a symlink itself, never its target
+        except OSError:
+            pass
+
+    def _stored(self, path: str, remove: bool = False) -> os.stat_result | None:
+        """``lstat`` of the object at ``path`` if a trustworthy one is there, else None.
+
+        No metadata cache (writes must not trust it). Anything else at ``path`` (symlink,
+        FIFO, directory, another user's file) is counted and, with ``remove``, removed.
+        """
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise from_os_error(exc, f"stat {path}") from exc
+        if stat.S_ISREG(st.st_mode) and is_trusted(st, self.group_id):
+            return st
+        try:
+            check_file(path, st, self.group_id)
+        except UnsafePathError as exc:
+            self._untrusted(path, exc, remove)
+        return None
+
+    def _open_published(self, path: str) -> tuple[int, os.stat_result] | None:
+        """Open the object at ``path`` for reading; None if there is none (or no good one).
+
+        Never follows a symlink, never blocks (a FIFO is refused at once), and only a
+        regular file that passes the trust rule is read; anything else is a miss,
+        counted in ``corrupt_objects`` and removed.
 
         In a store that recycles evicted files, the file is also locked shared (``flock``)
         and checked to be still the one published at ``path``: a recycler overwrites only
@@ -268,36 +439,46 @@ class FileStore(HiCacheStorage):
         """
         for _ in range(2):  # once more if the name was re-published meanwhile
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd, st = open_regular_stat(path, os.O_RDONLY)
             except FileNotFoundError:
+                return None
+            except NotRegularFileError as exc:
+                self._untrusted(path, exc, remove=True)
                 return None
             except OSError as exc:
                 raise from_os_error(exc, f"open {path}") from exc
+            try:
+                check_file(path, st, self.group_id)
+            except UnsafePathError as exc:
+                os.close(fd)
+                self._untrusted(path, exc, remove=True)
+                return None
             if not self.recycles_files:
-                return fd
+                return fd, st
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                same = _same_file(os.fstat(fd), os.stat(path))
+                st = os.fstat(fd)
+                same = _same_file(st, os.lstat(path))
             except (BlockingIOError, FileNotFoundError):
                 same = False  # being recycled, or evicted: no longer this key's object
             except OSError as exc:
                 os.close(fd)
                 raise from_os_error(exc, f"open {path}") from exc
             if same:
-                return fd
+                return fd, st
             os.close(fd)
         return None
 
     def _read(self, name: ObjectName, views: list[memoryview] | None) -> Any:
         """Read an object into ``views`` (or a new tensor); None on miss, mismatch or corruption."""
         path = self._path(name)
-        fd = self._open_published(path)
-        if fd is None:
+        opened = self._open_published(path)
+        if opened is None:
             self._meta.discard(path)
             return None
+        fd, st = opened
         out: Any = True
         try:
-            st = os.fstat(fd)
             payload = st.st_size - HEADER_SIZE
             if payload < 0:
                 raise CorruptObjectError(f"{st.st_size}-byte file is shorter than a header")
@@ -320,6 +501,8 @@ class FileStore(HiCacheStorage):
                 )
             if self.options.verify_checksum:
                 verify_payload(header, views)
+            self._record(bytes_read=payload)
+            self._touch(name, path, st, fd)
         except CorruptObjectError as exc:
             self._quarantine(path, fd, exc)
             return None
@@ -327,32 +510,39 @@ class FileStore(HiCacheStorage):
             raise from_os_error(exc, f"read {path}") from exc
         finally:
             os.close(fd)
-        self._record(bytes_read=payload)
-        self._touch(name, path)
         return out
 
     def _quarantine(self, path: str, fd: int, exc: CorruptObjectError) -> None:
         """Remove a corrupt object so the next ``set`` can store a good one."""
         self._record(corrupt_objects=1)
-        logger.warning("corrupt object %s (%s): removing it; the read is a miss", path, exc)
+        self._log("corrupt", "corrupt object %s (%s): removing it; the read is a miss", path, exc)
         # Forget it first: a concurrent set of the same key can then only leave an entry
         # for a file that exists (never the reverse, which would let the cap be exceeded).
         self._meta.discard(path)
         self._tracker.discard(os.path.relpath(path, self.root))
         try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            if _same_file(os.lstat(path), os.fstat(fd)):
                 os.unlink(path)
         except OSError:
             pass
 
-    def _touch(self, name: ObjectName, path: str) -> None:
+    def _touch(
+        self, name: ObjectName, path: str, st: os.stat_result | None = None, fd: int | None = None
+    ) -> None:
+        """Mark ``name`` as just used (LRU), and refresh its file's mtime when stale."""
         if self._tracker.enabled:
             self._tracker.touch(name.path)
-            if self.persist_recency:
-                try:
-                    os.utime(path)  # recency survives a restart (the start-up scan reads mtime)
-                except OSError:
-                    pass
+        if not self.persist_recency:
+            return
+        if st is not None and time.time() - st.st_mtime < RECENCY_STEP:
+            return
+        try:  # recency survives a restart and shows in re-scans (they read mtimes)
+            if fd is not None:
+                os.utime(fd)
+            else:
+                os.utime(path, follow_symlinks=False)
+        except OSError:
+            pass  # another member's file (group sharing): not ours to touch
 
     def get(self, key: str, target: Any = None) -> Any:
         # docstring inherited
@@ -397,79 +587,105 @@ class FileStore(HiCacheStorage):
     def _exists(self, name: ObjectName, path: str) -> bool:
         if self._meta.contains(path):
             return True
-        if not self._on_disk(path):
+        if self._stored(path) is None:
             return False
         self._meta.add(path)
         return True
 
     def _on_disk(self, path: str) -> bool:
-        """True if ``path`` exists now (no metadata cache: writes must not trust it)."""
-        try:
-            os.stat(path)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise from_os_error(exc, f"stat {path}") from exc
-        return True
+        """True if a trustworthy object is at ``path`` now (no metadata cache)."""
+        return self._stored(path) is not None
 
     def _write(self, name: ObjectName, views: list[memoryview]) -> bool:
         path = self._path(name)
-        if self._on_disk(path):
+        st = self._stored(path, remove=True)  # a planted FIFO, link... must not block the key
+        if st is not None:
             self._meta.add(path)
-            self._touch(name, path)
+            self._touch(name, path, st)
             return True
         payload = total_nbytes(views)
-        victim = None
-        reused = (
-            self._tracker.reserve_reusing(name.path, HEADER_SIZE + payload)
-            if self.recycle
-            else None
-        )
-        if reused is not None:
-            reservation, victim = reused
-        else:
-            reservation = self._reserve(name, HEADER_SIZE + payload)
+        nbytes = HEADER_SIZE + payload
+        header = encode_header(payload, checksum(views, self._algorithm), self._algorithm)
+        data: list[memoryview | bytes] = [header, *views]
+        reservation: Reservation | None = None
         try:  # released on any exit unless committed (the reservation may be replaced)
-            header = encode_header(payload, checksum(views, self._algorithm), self._algorithm)
-            write_new = functools.partial(
-                write_atomic, fsync=self.options.fsync, mode=self.file_mode, gid=self.group_id
-            )
-            try:
-                published = None
-                if victim is not None:
-                    try:
-                        published = self._recycle(
-                            victim, name, path, [header, *views], HEADER_SIZE + payload
-                        )
-                    except FileNotFoundError:
-                        published = None  # directories removed by a clear(): a new file
-                    if published is None:
-                        # Not reused: a new file needs room like any other (cap and floor).
-                        reservation.release()
-                        reservation = self._reserve(name, HEADER_SIZE + payload)
+            published = None
+            reused = self._tracker.reserve_reusing(name.path, nbytes) if self.recycle else None
+            if reused is not None:
+                reservation, victim = reused
+                try:
+                    published = self._recycle(victim, name, path, data, nbytes)
+                except FileNotFoundError:
+                    published = None  # directories removed by a clear(): a new file
                 if published is None:
-                    try:
-                        self._ensure_dir(name)
-                        published = write_new(path, [header, *views])
-                    except FileNotFoundError:
-                        # The fan-out directory vanished (clear() in another process).
-                        with self._dirs_lock:
-                            self._dirs.discard(name.fanout)
-                        self._ensure_dir(name)
-                        published = write_new(path, [header, *views])
-            except OSError as exc:
-                raise from_os_error(exc, f"write {path}") from exc
+                    # Not reused: a new file needs room like any other (cap and floor).
+                    reservation.release()
+                    reservation = None
+            if published is None:
+                reservation, published = self._write_file(name, path, data, nbytes)
+            assert reservation is not None  # held by the recycled or the new file
             if published:
                 if not reservation.commit() and self._on_disk(path):
                     # clear() ran during the write and the object landed after it.
-                    self._tracker.add(name.path, HEADER_SIZE + payload)
+                    self._tracker.add(name.path, nbytes)
                 self._record(bytes_written=payload)
             else:
                 self._touch(name, path)
+        except OSError as exc:
+            raise from_os_error(exc, f"write {path}") from exc
         finally:
-            reservation.release()
+            if reservation is not None:
+                reservation.release()
         self._meta.add(path)
         return True
+
+    def _write_file(
+        self, name: ObjectName, path: str, data: list[memoryview | bytes], nbytes: int
+    ) -> tuple[Reservation, bool]:
+        """Reserve room for a new file, write it and publish it; (reservation, published).
+
+        The reservation (and, when :attr:`serialize_free_space`, the file's allocation)
+        happens under the root's free-space lock. A directory that vanished meanwhile
+        (clear() in another process, the root removed) is recreated and the write retried.
+        """
+        for attempt in (0, 1):
+            self._ensure_fanout(name)
+            allocate = nbytes if self._serialize else 0
+            with self._space_lock():
+                reservation = self._reserve(name, nbytes)
+                try:
+                    tmp, fd = open_temp(
+                        os.path.dirname(path),
+                        mode=self.file_mode,
+                        gid=self.group_id,
+                        allocate=allocate,
+                    )
+                except FileNotFoundError:
+                    reservation.release()
+                    if attempt:
+                        raise
+                    self._forget_dirs()
+                    continue
+                except BaseException:
+                    reservation.release()
+                    raise
+                if allocate:
+                    reservation.mark_allocated()
+            try:
+                published = commit_temp(
+                    tmp, fd, path, data, fsync=self.options.fsync, allocated=allocate
+                )
+            except FileNotFoundError:
+                reservation.release()
+                if attempt:
+                    raise
+                self._forget_dirs()
+                continue
+            except BaseException:
+                reservation.release()
+                raise
+            return reservation, published
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _reserve(self, name: ObjectName, nbytes: int) -> Reservation:
         """Room for a new file of ``nbytes`` (evicting LRU objects), or CapacityError."""
@@ -494,8 +710,8 @@ class FileStore(HiCacheStorage):
         then is overwritten only if no reader holds it (``flock`` exclusive, not waiting;
         see :meth:`_open_published` for the readers' side), then published like a new
         file. Returns True/False as :func:`~hicache_storage.atomic.publish`, or None when
-        the file could not be reused (gone, another size, read by someone): it is then
-        removed, and the caller writes a new file.
+        the file could not be reused (gone, another size, read by someone, not a regular
+        file of this user): it is then removed, and the caller writes a new file.
         """
         victim = os.path.join(self.root, victim_rel)
         tmp = temp_path(os.path.dirname(victim))
@@ -513,11 +729,11 @@ class FileStore(HiCacheStorage):
         self._record(evictions=1)
         try:
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
-            except PermissionError:
+                fd, st = open_regular_stat(tmp, os.O_WRONLY)
+            except (PermissionError, NotRegularFileError):
                 return None  # another user's page (group sharing): evicted, not reused
             try:
-                if os.fstat(fd).st_size != nbytes:
+                if st.st_size != nbytes or st.st_uid != os.geteuid():
                     return None
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -528,7 +744,7 @@ class FileStore(HiCacheStorage):
                     os.fsync(fd)
             finally:
                 os.close(fd)  # releases the lock before the object is visible
-            self._ensure_dir(name)
+            self._ensure_fanout(name)
             published = publish(tmp, path)
         finally:
             try:
@@ -579,7 +795,7 @@ class FileStore(HiCacheStorage):
             return False
         except OSError as exc:
             if self._on_disk(path):
-                self._tracker.add(name.path, os.stat(path).st_size)
+                self._tracker.add(name.path, os.lstat(path).st_size)
             raise from_os_error(exc, f"delete {path}") from exc
         return True
 
@@ -594,11 +810,13 @@ class FileStore(HiCacheStorage):
             trash = ""
         except OSError as exc:
             raise from_os_error(exc, f"clear {self.directory}") from exc
-        with self._dirs_lock:
-            self._dirs.clear()
+        self._forget_dirs()
         self._meta.clear()
-        self._tracker.clear()
-        self._mkdir(self.directory)
+        self._tracker.clear(prefix=f"{self.namespace.digest}/" if self.capacity_per_root else None)
+        try:
+            self._ensure_tree()
+        except ConfigError as exc:
+            raise BackendError(str(exc)) from exc
         if trash:
             shutil.rmtree(trash, ignore_errors=True)
 

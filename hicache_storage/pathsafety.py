@@ -195,10 +195,11 @@ def _make_dir(path: str, mode: int, gid: int | None) -> bool:
     return True
 
 
-def ensure_dir(path: str, mode: int = 0o700, gid: int | None = None, parents: bool = True) -> None:
+def ensure_dir(path: str, mode: int = 0o700, gid: int | None = None, parents: bool = True) -> bool:
     """Make ``path`` a directory this user may safely keep pages in, or raise.
 
-    Guarantees, on return:
+    Returns True if this call created ``path`` (the caller may fsync its parent), False if
+    it existed. Guarantees, on return:
 
     * ``path`` is a real directory (``lstat``: not a symlink), owned by the effective uid
       (with ``gid``: owned by it, or having group ``gid``), not writable by others (and,
@@ -242,6 +243,7 @@ def ensure_dir(path: str, mode: int = 0o700, gid: int | None = None, parents: bo
     except OSError as exc:
         raise ConfigError(f"cannot use the directory {path}: {exc}") from exc
     _check_ancestors(path)
+    return created
 
 
 def ensure_parent(path: str, gid: int | None = None) -> None:

@@ -119,3 +119,37 @@ def broken_directory(backend: HiCacheStorage) -> Iterator[None]:
     finally:
         os.unlink(directory)
         os.rename(aside, directory)
+
+
+@pytest.fixture
+def make_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], str]]:
+    """Mount real tmpfs filesystems of a given size (``"8m"``) for the test (needs root)."""
+    mounted: list[str] = []
+
+    def mount(size: str) -> str:
+        mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+        mnt.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+            check=True,
+        )
+        mounted.append(str(mnt))
+        return str(mnt)
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", mnt], check=False)
+
+
+@pytest.fixture
+def shared_dirs() -> Iterator[dict[str, str]]:
+    """Fresh world-writable sticky directories (as ``/tmp`` itself) directly under ``/tmp``
+    and ``/dev/shm``, keyed by backend name, that other uids can reach; removed afterwards."""
+    tag = uuid.uuid4().hex[:8]
+    dirs = {"file": f"/tmp/hicache-shared-{tag}", "shm": f"/dev/shm/hicache-shared-{tag}"}
+    for d in dirs.values():
+        os.mkdir(d)
+        os.chmod(d, 0o1777)
+    yield dirs
+    for d in dirs.values():
+        subprocess.run(["rm", "-rf", d], check=False)

@@ -47,7 +47,7 @@ class TestShmConformance(BackendConformance):
 def test_defaults_live_in_dev_shm_with_bounded_capacity() -> None:
     b = ShmBackend(StorageConfig())
     try:
-        assert b.root == "/dev/shm/hicache-storage"
+        assert b.root == f"/dev/shm/hicache-storage-{os.geteuid()}"
         st = os.statvfs("/dev/shm")
         total = st.f_blocks * st.f_frsize
         assert b._tracker.max_bytes == total // 2
@@ -100,7 +100,8 @@ def test_group_sharing_with_a_real_unprivileged_process(shm_dir: str) -> None:
     d = os.stat(fan)
     assert stat.S_IMODE(d.st_mode) == 0o2770
     assert d.st_gid == gid
-    os.chmod(shm_dir, 0o755)  # the root directory is this test's; let others traverse it
+    root = os.stat(shm_dir)  # created shared: no manual step for members to use it
+    assert stat.S_IMODE(root.st_mode) == 0o2770 and root.st_gid == gid
     member = as_nobody(["cat", path], [gid])
     assert member.returncode == 0, member.stderr
     assert member.stdout.endswith(b"shared page")  # 32-byte header, then the page
@@ -111,12 +112,64 @@ def test_group_sharing_with_a_real_unprivileged_process(shm_dir: str) -> None:
     private = ShmBackend(StorageConfig(), directory=shm_dir + "-private")
     private.set("k", b"secret")
     (secret,) = tree_files(private.directory)
-    os.chmod(shm_dir + "-private", 0o755)
+    os.chmod(shm_dir + "-private", 0o755)  # open the private root: the 0600 file still holds
     assert as_nobody(["cat", secret], [gid]).returncode != 0  # default: owner only
     private.clear()
     private.close()
     shutil.rmtree(shm_dir + "-private", ignore_errors=True)
     b.close()
+
+
+GROUP_MEMBER = textwrap.dedent("""
+    import os, sys, torch
+    from hicache_storage import StorageConfig
+    from hicache_storage.backends import ShmBackend
+    directory = sys.argv[1] if sys.argv[1] != "-" else None
+    os.setgroups([4242]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+    b = ShmBackend(StorageConfig(), directory=directory, group=4242)
+    got = b.get("from-owner")
+    print(bytes(got.numpy()).decode() if got is not None else None, b.set("from-member", b"hi owner"), b.root)
+""")
+
+
+@pytest.mark.parametrize("where", ["explicit", "default"])
+def test_group_sharing_works_out_of_the_box_with_a_numeric_gid(shm_dir: str, where: str) -> None:
+    """The owner creates the store with ``group=4242`` (an int gid); an unprivileged member
+    (nobody, in group 4242) uses it at once, both ways, with no chmod by anyone. Without a
+    directory, every member defaults to the same group store."""
+    directory = shm_dir if where == "explicit" else None
+    owner = ShmBackend(StorageConfig(), directory=directory, group=4242)
+    try:
+        if where == "default":
+            assert owner.root == "/dev/shm/hicache-storage-g4242"
+        for d in (owner.root, owner.directory):
+            st = os.stat(d)
+            assert stat.S_IMODE(st.st_mode) == 0o2770 and st.st_gid == 4242, d
+        assert owner.set("from-owner", b"hi-member")
+        r = subprocess.run(
+            [sys.executable, "-c", GROUP_MEMBER, directory or "-"],
+            capture_output=True,
+            text=True,
+            cwd="/",
+            check=False,
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["hi-member", "True", owner.root], r.stderr
+        assert bytes(owner.get("from-member").numpy()) == b"hi owner"
+    finally:
+        owner.close()
+        if where == "default":
+            shutil.rmtree(owner.root, ignore_errors=True)
+
+
+def test_group_option_forms(shm_dir: str) -> None:
+    for group in (4242, "4242"):
+        b = ShmBackend(StorageConfig(), directory=shm_dir, group=group)
+        assert b.group_id == 4242
+        b.close()
+    for bad in (True, -1, 4.2, "no-such-group-xyz"):
+        with pytest.raises(ConfigError):
+            ShmBackend(StorageConfig(), directory=shm_dir, group=bad)
 
 
 def test_unknown_group_is_a_config_error(shm_dir: str) -> None:
@@ -377,7 +430,6 @@ def test_another_users_page_is_evicted_not_recycled(shm_dir: str) -> None:
     owner = ShmBackend(StorageConfig(), directory=shm_dir, group="4242", max_size=2 * 4096)
     assert owner.set("k0", b"\x00" * (4096 - 32)) and owner.set("k1", b"\x01" * (4096 - 32))
     owner.close()
-    os.chmod(shm_dir, 0o755)
     r = subprocess.run(
         [sys.executable, "-c", GROUP_RECYCLER, shm_dir],
         capture_output=True,
