@@ -5,6 +5,8 @@ Black-box: only the public API of ``hicache_storage`` is used.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -13,27 +15,38 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache_storage import (
     HiCacheStorage,
-    HostKVPool,
     KVCacheNamespace,
     PageBuffer,
+    Segment,
     StorageConfig,
     create_backend,
+    load_backend_class,
     page_hashes,
 )
+from hicache_storage.config import redact_options
+from hicache_storage.conformance import _secrets
+
+if TYPE_CHECKING:
+    from hicache_storage import HostKVPool  # needs torch: imported where a pool is made
 
 __all__ = [
     "RUN_ID",
+    "TARGET_KINDS",
     "BackendSpec",
     "content",
+    "engine_key_forms",
     "fill_page",
     "make_namespace",
     "make_pool",
+    "make_target",
     "run_worker",
+    "sentinel",
     "unique_keys",
+    "worker_output",
 ]
 
 #: One random id per process: every namespace the kit creates carries it in its tenant,
@@ -41,6 +54,25 @@ __all__ = [
 RUN_ID = secrets.token_hex(6)
 
 POOL_SHAPE = {"layer_num": 3, "kv_heads": 2, "head_dim": 16, "page_size": 4}
+
+#: Every kind of read target ``get`` accepts: buffers, CPU tensors of the dtypes KV pages
+#: come in (the engine's generic path reads into a multi-dimensional bfloat16 staging
+#: page), and a multi-segment PageBuffer (the v1 path's target).
+TARGET_KINDS = (
+    "bytearray",
+    "memoryview",
+    "ndarray-float32",
+    "uint8",
+    "int8",
+    "bfloat16",
+    "float16",
+    "float32",
+    "bfloat16-5d",
+    "pagebuffer",
+)
+
+#: Bytes between the segments of a :func:`make_target` PageBuffer (guards, checked too).
+_GUARD = 16
 
 
 @dataclass(frozen=True)
@@ -50,16 +82,60 @@ class BackendSpec:
     Attributes:
         name: registry name, ``NAME@DISTRIBUTION`` or ``module:Class``.
         options: backend options (JSON-serializable, so worker processes can use them).
+            Secret options (passwords, tokens, keys, URL passwords, fields the backend's
+            options class marks secret) never appear in the kit's output: the repr, the
+            reports and every message show them redacted, and workers receive the options
+            on an inherited pipe, never on their command line.
         config_extra: extra :class:`StorageConfig` fields (tp_rank...), rarely needed.
     """
 
     name: str
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict, repr=False)
     config_extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _secrets.register(self.options)
+
+    def __repr__(self) -> str:
+        return (
+            f"BackendSpec(name={self.name!r}, options={self.redacted_options()!r}, "
+            f"config_extra={self.config_extra!r})"
+        )
+
+    def options_class(self) -> type | None:
+        """The backend's options dataclass, if the backend class declares one."""
+        try:
+            cls = load_backend_class(self.name)
+        except Exception:  # noqa: BLE001 - building the backend will report the error
+            return None
+        return _secrets.options_class_of(cls)
+
+    def redacted_options(self, options_class: type | None = None) -> dict[str, Any]:
+        """The options as they may be shown (secrets replaced by ``<redacted>``)."""
+        cls = options_class or self.options_class()
+        _secrets.register(self.options, cls)
+        return redact_options(self.options, cls)
 
     def create(self, config: StorageConfig) -> HiCacheStorage:
         """Build the backend for ``config``."""
-        return create_backend(self.name, config, **self.options)
+        try:
+            backend = create_backend(self.name, config, **self.options)
+        except Exception as exc:
+            _secrets.register(self.options, self.options_class())
+            clean = _secrets.scrub(str(exc))
+            if clean != str(exc):  # the error showed a secret: raise a scrubbed copy
+                raise type(exc)(clean) if _rebuildable(exc) else RuntimeError(clean) from None
+            raise
+        _secrets.register(self.options, _secrets.options_class_of(backend))
+        return backend
+
+
+def _rebuildable(exc: BaseException) -> bool:
+    try:
+        type(exc)("probe")
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def make_namespace(tenant_suffix: str = "", **overrides: Any) -> KVCacheNamespace:
@@ -78,6 +154,8 @@ def make_namespace(tenant_suffix: str = "", **overrides: Any) -> KVCacheNamespac
 def make_pool(layout: str = "page_first", mla: bool = False, num_pages: int = 16) -> HostKVPool:
     """A small host pool of the kit's page shape, filled with random bytes."""
     import torch
+
+    from hicache_storage import HostKVPool
 
     pool = HostKVPool(
         num_pages=num_pages,
@@ -126,17 +204,113 @@ def fill_page(page: PageBuffer, key: str) -> bytes:
 def run_worker(
     spec: BackendSpec, namespace: KVCacheNamespace, task: dict[str, Any]
 ) -> subprocess.Popen[str]:
-    """Start ``python -m hicache_storage.conformance._worker`` on ``task``."""
+    """Start ``python -m hicache_storage.conformance._worker`` on ``task``.
+
+    The spec (options included) goes to the worker on its stdin, an inherited pipe that
+    only this process writes and only the worker reads; nothing of it is on the worker's
+    command line (which every local user can read in ``ps``) or in a file.
+    """
     payload = json.dumps(
         {"name": spec.name, "options": spec.options, "namespace": namespace.to_dict(), "task": task}
     )
-    return subprocess.Popen(
-        [sys.executable, "-m", "hicache_storage.conformance._worker", payload],
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicache_storage.conformance._worker"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    stdin, proc.stdin = proc.stdin, None  # written once here; communicate() must not touch it
+    assert stdin is not None
+    try:
+        stdin.write(payload)
+        stdin.close()
+    except BrokenPipeError:  # the worker died at start; its stderr says why
+        with contextlib.suppress(BrokenPipeError):
+            stdin.close()
+    return proc
+
+
+def worker_output(text: str | None, limit: int = 1500) -> str:
+    """The tail of a worker's output, safe to show (secrets scrubbed)."""
+    return _secrets.scrub((text or "").strip())[-limit:]
+
+
+def sentinel(nbytes: int) -> bytes:
+    """A recognizable fill pattern for targets (never zero, no long runs, odd period)."""
+    pattern = bytes((0xA5 ^ (i * 29)) & 0xFF or 0x5A for i in range(251))
+    return (pattern * (nbytes // len(pattern) + 1))[:nbytes]
+
+
+def make_target(kind: str, nbytes: int) -> tuple[Any, Callable[[], bytes]]:
+    """A read target of ``kind`` (see :data:`TARGET_KINDS`) of ``nbytes`` bytes, filled
+    with :func:`sentinel`, and a function that returns the bytes it now holds (for a
+    PageBuffer, its whole backing memory, the guards between its segments included)."""
+    import numpy as np
+    import torch
+
+    if kind == "bytearray":
+        ba = bytearray(sentinel(nbytes))
+        return ba, lambda: bytes(ba)
+    if kind == "memoryview":
+        mv = memoryview(bytearray(sentinel(nbytes)))
+        return mv, mv.tobytes
+    if kind == "ndarray-float32":
+        arr = np.frombuffer(bytearray(sentinel(nbytes)), dtype=np.float32)
+        return arr, arr.tobytes
+    if kind == "pagebuffer":
+        n = 3 if nbytes >= 3 else 1
+        sizes = [nbytes // n] * (n - 1) + [nbytes - (nbytes // n) * (n - 1)]
+        total = nbytes + _GUARD * (n + 1)
+        backing = bytearray(sentinel(total))
+        mv = memoryview(backing)
+        base = ctypes.addressof((ctypes.c_char * total).from_buffer(backing))
+        # segments in reverse memory order, with guard bytes around each of them
+        offsets, off = [], _GUARD
+        for size in reversed(sizes):
+            offsets.append(off)
+            off += size + _GUARD
+        offsets.reverse()
+        segs = [
+            Segment(base + o, size, mv[o : o + size])
+            for o, size in zip(offsets, sizes, strict=True)
+        ]
+        return PageBuffer(segs), lambda: bytes(mv)
+    dtype = {
+        "uint8": torch.uint8,
+        "int8": torch.int8,
+        "bfloat16": torch.bfloat16,
+        "bfloat16-5d": torch.bfloat16,
+        "float16": torch.float16,
+        "float32": torch.float32,
+    }[kind]
+    raw = torch.frombuffer(bytearray(sentinel(nbytes)), dtype=torch.uint8)
+    t = raw.view(dtype)
+    if kind == "bfloat16-5d":  # the engine's get_dummy_flat_data_page: (2, L, P, H, D)
+        t = t.view(2, 2, -1, 2, 2)
+    return t, lambda: raw.numpy().tobytes()
+
+
+def engine_key_forms(page_hash: str) -> list[str]:
+    """``page_hash`` and the keys engines and backends derive from it (suffixes for K/V
+    objects, side pools, ranks, models, the unified layer/head scheme)."""
+    h = page_hash
+    return [
+        h,
+        f"{h}_k",
+        f"{h}_v",
+        f"{h}-k",
+        f"{h}-v",
+        f"{h}.mamba",
+        f"{h}.swa",
+        f"{h}_0",
+        f"{h}_1_0",
+        f"{h}-3",
+        f"{h}_meta-llama-Llama-3.1-70B-Instruct_3_8",
+        f"{h}_ukv1-0123456789abcdef_L0-39_H1_k",
+        f"hicache-conformance_{h}_0_k",
+    ]
 
 
 def iter_pages(pool: HostKVPool, count: int, first_page: int = 0) -> Iterator[PageBuffer]:

@@ -12,12 +12,18 @@ Options (each also read from an environment variable):
                                               ``HICACHE_STORAGE_BACKEND_EXTRA_CONFIG``
 ``--hicache-conformance-report PATH``         JSON report of the conformance checks
 ``--hicache-conformance-markdown PATH``       Markdown summary of the same
+
+Secrets of the backend under test (see :mod:`hicache_storage.conformance._secrets`) are
+scrubbed from every test report of the session: tracebacks, assertion messages, captured
+output and captured logs, as shown on the terminal and in the reports.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Generator
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -30,6 +36,7 @@ pytest.register_assert_rewrite(
     "hicache_storage.conformance.wrappers",
 )
 
+from hicache_storage.conformance import _secrets
 from hicache_storage.conformance.report import ReportCollector
 
 if TYPE_CHECKING:
@@ -77,6 +84,48 @@ def pytest_configure(config: pytest.Config) -> None:
         ),
         "hicache-conformance-report",
     )
+
+
+class _ScrubbedRepr:
+    """A failure representation with the run's secrets taken out (terminal and reports)."""
+
+    def __init__(self, text: str, crash: Any) -> None:
+        self._text = text
+        self.reprcrash = None
+        if crash is not None:
+            self.reprcrash = SimpleNamespace(
+                path=getattr(crash, "path", ""),
+                lineno=getattr(crash, "lineno", 0),
+                message=_secrets.scrub(str(getattr(crash, "message", ""))),
+            )
+
+    def toterminal(self, tw: Any) -> None:
+        for line in self._text.splitlines():
+            tw.line(line)
+
+    def __str__(self) -> str:
+        return self._text
+
+
+def _scrub_report(report: pytest.TestReport) -> None:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, reason)
+        report.longrepr = (longrepr[0], longrepr[1], _secrets.scrub(str(longrepr[2])))
+    elif longrepr is not None:
+        text = str(longrepr)
+        clean = _secrets.scrub(text)
+        if clean != text:
+            report.longrepr = _ScrubbedRepr(clean, getattr(longrepr, "reprcrash", None))  # type: ignore[assignment]
+    report.sections = [(title, _secrets.scrub(body)) for title, body in report.sections]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    outcome = yield
+    if _secrets.registered():
+        _scrub_report(outcome.get_result())
 
 
 def spec_from_config(config: pytest.Config) -> BackendSpec | None:

@@ -3,6 +3,9 @@
 Statuses: ``passed``, ``failed``, ``not-claimed`` (the backend does not claim the
 capability the check needs) and ``skipped`` (any other skip). A run whose claimed checks
 all pass exits 0.
+
+Backend options are shown redacted (``redact_options`` with the backend's options class)
+and every message is scrubbed of the run's secrets, so a report can be shared.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from hicache_storage.config import redact_options
+from hicache_storage.conformance import _secrets
 
 if TYPE_CHECKING:
     from hicache_storage.backend import HiCacheStorage
@@ -43,10 +49,10 @@ def _check_id(item_name: str) -> str:
 def _short_message(report: pytest.TestReport) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     if crash is not None:
-        return str(crash.message)
+        return _secrets.scrub(str(crash.message))
     if isinstance(report.longrepr, tuple):  # skip: (path, line, reason)
-        return str(report.longrepr[2]).removeprefix("Skipped: ")
-    return str(report.longrepr)[-2000:]
+        return _secrets.scrub(str(report.longrepr[2]).removeprefix("Skipped: "))
+    return _secrets.scrub(str(report.longrepr)[-2000:])
 
 
 class ReportCollector:
@@ -67,10 +73,13 @@ class ReportCollector:
         if suite in self.backends:
             return
         caps = backend.capabilities
+        options = None
+        if spec is not None:
+            options = spec.redacted_options(_secrets.options_class_of(backend))
         self.backends[suite] = {
             "backend": spec.name if spec is not None else (backend.name or type(backend).__name__),
             "class": f"{type(backend).__module__}.{type(backend).__qualname__}",
-            "options": spec.options if spec is not None else None,
+            "options": options,
             "capabilities": {
                 "zero_copy": caps.zero_copy,
                 "delete": caps.delete,
@@ -116,10 +125,11 @@ class ReportCollector:
         if not self.records:
             return
         data = self.to_dict()
+        # Last line of defence: no secret of this run in a file that may be shared.
         if self.json_path:
-            Path(self.json_path).write_text(json.dumps(data, indent=2) + "\n")
+            Path(self.json_path).write_text(_secrets.scrub(json.dumps(data, indent=2)) + "\n")
         if self.markdown_path:
-            Path(self.markdown_path).write_text(render_markdown(data))
+            Path(self.markdown_path).write_text(_secrets.scrub(render_markdown(data)))
 
     # -------------------------------------------------------------- output
 
@@ -155,6 +165,7 @@ def render_markdown(data: dict[str, Any]) -> str:
     )
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     yes = {True: "yes", False: "no"}
+    options: list[str] = []
     for suite, info in data["backends"].items():
         c = info["capabilities"]
         lines.append(
@@ -162,6 +173,11 @@ def render_markdown(data: dict[str, Any]) -> str:
             f"| {yes[c['persistent']]} | {yes[c['shared']]} | {c['max_object_bytes'] or 'unbounded'} "
             f"| {', '.join(c['layouts'])} | {yes[c['mla']]} |"
         )
+        if info.get("options"):
+            shown = json.dumps(redact_options(info["options"]), sort_keys=True)
+            options.append(f"- {suite}: `{_secrets.scrub(shown)}`")
+    if options:
+        lines += ["", "Options (secrets redacted):", "", *options]
     failed = [c for c in data["checks"] if c["status"] == "failed"]
     if failed:
         lines += ["", "## Failed checks", ""]

@@ -46,16 +46,22 @@ from hicache_storage import (
 )
 from hicache_storage.backend import HiCacheStorage as _Base
 from hicache_storage.conformance._kit import (
+    POOL_SHAPE,
     RUN_ID,
+    TARGET_KINDS,
     BackendSpec,
     Factory,
     content,
+    engine_key_forms,
     fill_page,
     make_namespace,
     make_pool,
+    make_target,
     pool_namespace,
     run_worker,
+    sentinel,
     unique_keys,
+    worker_output,
 )
 from hicache_storage.conformance.wrappers import FaultyBackend, LatencyBackend
 from hicache_storage.errors import (
@@ -71,6 +77,8 @@ __all__ = ["BackendConformance", "requires"]
 requires = pytest.mark.hicache_requires
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+#: (layers, page size, KV heads, head dim) of the engine-batch check's bfloat16 pages.
+POOL_SHAPE_5D = (3, 4, 2, 16)
 HOSTILE_KEYS = [
     "",
     ".",
@@ -307,25 +315,50 @@ class BackendConformance:
 
     def test_get_missing_leaves_target_untouched(self, kit: Kit) -> None:
         b = kit.backend()
-        (k,) = unique_keys(1)
-        target = bytearray(b"\xa5" * 512)
-        assert b.get(k, target) is None, rule("get-miss", "get of a missing key must return None")
-        assert target == b"\xa5" * 512, rule("get-miss-untouched", "a miss wrote into the target")
-        assert b.exists(k) is False
+        keys = unique_keys(len(TARGET_KINDS))
+        made = [(kind, *make_target(kind, 4096)) for kind in TARGET_KINDS]
+        for k, (kind, target, now) in zip(keys, made, strict=True):
+            before = now()
+            got = b.get(k, target)
+            assert got is None, rule(
+                "get-miss",
+                f"get of a missing key into a {kind} target must return None, "
+                f"got {type(got).__name__} (a miss reported as a hit)",
+            )
+            assert now() == before, rule(
+                "get-miss-untouched", f"a miss wrote into the {kind} target"
+            )
+        # the same misses in one batch, every target kind at once
+        made = [(kind, *make_target(kind, 4096)) for kind in TARGET_KINDS]
+        got_all = b.batch_get(keys, [t for _, t, _ in made])
+        for (kind, _, now), got in zip(made, got_all, strict=True):
+            assert got is None, rule(
+                "get-miss", f"batch_get of a missing key into a {kind} target returned a hit"
+            )
+            assert now() == sentinel(len(now())), rule(
+                "get-miss-untouched", f"a miss in batch_get wrote into the {kind} target"
+            )
+        assert not any(b.exists(k) for k in keys)
 
     @pytest.mark.parametrize("delta", [-1, 1, 4096])
     def test_get_size_mismatch_never_fills(self, kit: Kit, delta: int) -> None:
         b = kit.backend()
-        (k,) = unique_keys(1)
-        b.set(k, content(k, 8192))
-        target = bytearray(b"\x5a" * (8192 + delta))
-        assert b.get(k, target) is None, rule(
-            "get-size-mismatch",
-            f"get into a target of {8192 + delta} bytes for an 8192-byte value must return None",
-        )
-        assert target == b"\x5a" * (8192 + delta), rule(
-            "no-partial-fill", "get wrote into a target of the wrong size (partial fill)"
-        )
+        keys = unique_keys(len(TARGET_KINDS))
+        size = 8192
+        assert b.batch_set(keys, [content(k, size + delta) for k in keys]) == [True] * len(keys)
+        for k, kind in zip(keys, TARGET_KINDS, strict=True):
+            target, now = make_target(kind, size)
+            before = now()
+            got = b.get(k, target)
+            assert got is None, rule(
+                "get-size-mismatch",
+                f"get into a {kind} target of {size} bytes for a {size + delta}-byte value "
+                "must return None",
+            )
+            assert now() == before, rule(
+                "no-partial-fill",
+                f"get wrote into a {kind} target of the wrong size (partial fill)",
+            )
 
     def test_set_existing_is_a_no_op(self, kit: Kit) -> None:
         b = kit.backend()
@@ -479,6 +512,46 @@ class BackendConformance:
             f"batch_get_v1 changed {outside_changed} bytes outside the destination pages",
         )
 
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_v1_misses_leave_pages_untouched(self, kit: Kit, layout: str) -> None:
+        caps = kit.capabilities
+        if layout not in caps.layouts:
+            pytest.skip(f"not claimed: layout {layout}")
+        for mla in (False, True) if caps.mla else (False,):
+            what = f"{layout}, {'MLA' if mla else 'MHA'}"
+            b, pool = kit.pool_backend(layout, mla)
+            ps = pool.page_size
+            keys = unique_keys(6)
+            # keys[1]: a page; keys[3]: a value of another size; the others: missing
+            assert b.batch_set_v1([keys[1]], torch.arange(ps)) == [True]
+            stored = pool.page_buffers(torch.arange(ps))[0].tobytes()
+            b.set(keys[3], content(keys[3], pool.page_bytes + 7))
+            flat = pool.kv_buffer.view(-1).view(torch.uint8)
+            fill = torch.frombuffer(bytearray(sentinel(flat.numel())), dtype=torch.uint8)
+            flat.copy_(fill)
+            r = b.batch_get_v1(keys, torch.arange(8 * ps, 14 * ps))
+            assert r[1] is True, rule("v1-round-trip", f"a stored page was not read ({what})")
+            hits = [i for i in (0, 2, 3, 4, 5) if r[i]]
+            assert not hits, rule(
+                "v1-miss",
+                f"batch_get_v1 reported missing or wrong-size pages {hits} as hits ({what})",
+            )
+            page1 = pool.page_buffers(torch.arange(9 * ps, 10 * ps))[0]
+            assert page1.tobytes() == stored, rule("v1-round-trip", f"wrong bytes ({what})")
+            expected = fill.clone()
+            for seg in page1.segments:
+                off = seg.ptr - pool.kv_buffer.data_ptr()
+                expected[off : off + seg.nbytes] = torch.frombuffer(
+                    bytearray(stored[: seg.nbytes]), dtype=torch.uint8
+                )
+                stored = stored[seg.nbytes :]
+            changed = int((flat != expected).sum())
+            assert changed == 0, rule(
+                "v1-miss-untouched",
+                f"batch_get_v1 of missing and wrong-size pages wrote {changed} bytes into the "
+                f"host pool outside the one page that hit ({what})",
+            )
+
     def test_v1_and_legacy_paths_agree(self, kit: Kit) -> None:
         b, pool = kit.pool_backend()
         ps = pool.page_size
@@ -527,6 +600,141 @@ class BackendConformance:
             assert getattr(cls, op) is not getattr(_Base, op), rule(
                 "zero-copy-native", f"claims zero_copy but {op} is the default per-key loop"
             )
+
+    # ------------------------------------------------------------------ the engine's shapes
+
+    def test_engine_batches(self, kit: Kit) -> None:
+        """The engine's generic path: 128 pages per call (its storage batch; 127 written,
+        not a power of two), pages as bfloat16 views of the host pool (strided or
+        flattened), chained 64-hex keys, reads into bfloat16 staging pages, and a miss
+        after position 64."""
+        n = 128
+        b = kit.backend()
+        L, ps, H, D = POOL_SHAPE_5D
+        kv = torch.randint(0, 256, (2 * n * ps * L * H * D * 2,), dtype=torch.uint8)
+        kv = kv.view(torch.bfloat16).view(2, n * ps, L, H, D)  # page_first host pool
+        pages = [kv[:, i * ps : (i + 1) * ps] for i in range(n)]  # strided views
+        values = [p if i % 2 == 0 else p.flatten() for i, p in enumerate(pages)]
+        want = [as_bytes(p.contiguous()) for p in pages]
+        keys = unique_keys(n)
+        gap = n - 23
+        stored = [i for i in range(n) if i != gap]
+        with shape_rule("exact-length"):
+            r = b.batch_set([keys[i] for i in stored], [values[i] for i in stored])
+            assert r == [True] * len(stored), rule(
+                "engine-batch", f"batch_set of {len(stored)} engine pages stored {sum(r)}"
+            )
+            hits = b.batch_exists(keys)
+            assert hits == gap, rule(
+                "batch-exists-leading-run",
+                f"batch_exists of {n} keys missing only #{gap} must return {gap}, got {hits}",
+            )
+            made = [make_target("bfloat16-5d", len(want[0])) for _ in range(n)]
+            got = b.batch_get(keys, [t for t, _ in made])
+        assert len(got) == n, rule("exact-length", f"batch_get of {n} keys gave {len(got)}")
+        assert got[gap] is None and made[gap][1]() == sentinel(len(want[0])), rule(
+            "get-miss", f"the missing key #{gap} of a {n}-page batch_get was a hit or written"
+        )
+        wrong = [i for i in stored if got[i] is not made[i][0] or made[i][1]() != want[i]]
+        assert not wrong, rule(
+            "engine-batch",
+            f"batch_get of {n} engine pages returned wrong bytes or no hit for pages {wrong[:8]}"
+            f"{'...' if len(wrong) > 8 else ''} (of {len(wrong)})",
+        )
+
+    @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_engine_batches_v1(self, kit: Kit, layout: str, mla: bool) -> None:
+        """Zero-copy batches of the engine's size (128 pages) with an engine-like page:
+        61 layers (122 segments per MHA layer_first page), scattered host pages, a miss
+        after position 64."""
+        caps = kit.capabilities
+        if layout not in caps.layouts or (mla and not caps.mla):
+            pytest.skip(f"not claimed: layout {layout}{' MLA' if mla else ''}")
+        n, ps = 128, POOL_SHAPE["page_size"]
+        pool = HostKVPool(
+            num_pages=2 * n + 8, page_size=ps, layer_num=61, kv_heads=1, head_dim=8,
+            dtype=torch.bfloat16, layout=layout, mla=mla,
+        )  # fmt: skip
+        flat = pool.kv_buffer.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+        b = kit.backend(pool_namespace(pool))
+        b.register_mem_pool_host(pool)
+        order = torch.randperm(pool.num_pages, generator=torch.Generator().manual_seed(n))
+        src_pages, dst_pages = order[:n], order[n : 2 * n]
+
+        def indices(page_ids: torch.Tensor) -> torch.Tensor:
+            return (page_ids[:, None] * ps + torch.arange(ps)).flatten()
+
+        keys = unique_keys(n)
+        gap = 100
+        what = f"{layout}, {'MLA' if mla else 'MHA'}, {pool.segments_per_page} segments/page"
+        src_bufs = pool.page_buffers(indices(src_pages))
+        want = [p.tobytes() for p in src_bufs]
+        rest = torch.cat([src_pages[:gap], src_pages[gap + 1 :]])
+        with shape_rule("v1-exact-length"):
+            r = b.batch_set_v1(keys[:gap] + keys[gap + 1 :], indices(rest))
+            assert r == [True] * (n - 1), rule(
+                "engine-batch", f"batch_set_v1 of {n - 1} pages stored {sum(r)} ({what})"
+            )
+            hits = b.batch_exists(keys)
+            assert hits == gap, rule(
+                "batch-exists-leading-run",
+                f"batch_exists of {n} keys missing only #{gap} returned {hits} ({what})",
+            )
+            dst_bufs = pool.page_buffers(indices(dst_pages))
+            gap_page = dst_bufs[gap]
+            for seg in gap_page.segments:
+                seg.memoryview[:] = sentinel(seg.nbytes)
+            r = b.batch_get_v1(keys, indices(dst_pages))
+        assert r[:gap] == [True] * gap and r[gap] is False, rule(
+            "engine-batch",
+            f"batch_get_v1 of {n} pages missing only #{gap}: leading run "
+            f"{next((i for i, ok in enumerate(r) if not ok), n)}, #{gap} is {r[gap]} ({what})",
+        )
+        assert all(s.memoryview.tobytes() == sentinel(s.nbytes) for s in gap_page.segments), rule(
+            "get-miss-untouched", f"the missing page #{gap} was written ({what})"
+        )
+        wrong = [i for i, ok in enumerate(r) if ok and dst_bufs[i].tobytes() != want[i]]
+        assert not wrong, rule(
+            "engine-batch",
+            f"batch_get_v1 of {n} pages returned wrong bytes for pages {wrong[:8]}"
+            f"{'...' if len(wrong) > 8 else ''} (of {len(wrong)}; {what})",
+        )
+        with shape_rule("v1-exact-length"):
+            assert b.batch_set_v1([keys[gap]], indices(src_pages[gap : gap + 1])) == [True]
+            assert b.batch_exists(keys) == n, rule(
+                "batch-exists-leading-run", f"batch_exists of {n} stored keys ({what})"
+            )
+            assert b.batch_get_v1([keys[gap]], indices(dst_pages[gap : gap + 1])) == [True]
+        assert gap_page.tobytes() == want[gap], rule(
+            "engine-batch", f"page #{gap} read back wrong once stored ({what})"
+        )
+
+    def test_engine_key_forms(self, kit: Kit) -> None:
+        """Keys as engines and backends derive them from page hashes: ``_k``/``_v`` and
+        ``-k``/``-v`` objects, ``.<pool>`` side pools, rank and model suffixes, the
+        unified ``_L<a>-<b>_H<g>`` scheme. Each is its own object."""
+        b = kit.backend()
+        forms = [k for h in unique_keys(2) for k in engine_key_forms(h)]
+        with shape_rule("exact-length"):
+            r = b.batch_set(forms, [content(k, 640) for k in forms])
+            refused = [k for k, ok in zip(forms, r, strict=True) if not ok]
+            assert not refused, rule("key-forms", f"valid engine keys were refused: {refused[:4]}")
+            hits = b.batch_exists(forms)
+            assert hits == len(forms), rule(
+                "key-forms", f"batch_exists of {len(forms)} stored engine keys returned {hits}"
+            )
+            got = b.batch_get(forms)
+        wrong = [
+            k
+            for k, g in zip(forms, got, strict=True)
+            if g is None or as_bytes(g) != content(k, 640)
+        ]
+        assert not wrong, rule(
+            "key-forms",
+            f"keys derived from one page hash collide or read back wrong: {wrong[:4]}",
+        )
 
     # ------------------------------------------------------------------ isolation
 
@@ -607,13 +815,25 @@ class BackendConformance:
             try:
                 for p in procs:
                     assert p.stdout is not None
+                    ready = False
                     for line in p.stdout:
                         if line.startswith("key "):
                             attempted.append(line.split()[1])
                         elif line.strip() == "ready":
+                            ready = True
                             break
                         else:
-                            pytest.fail(rule("worker", f"writer process failed: {line!r}"))
+                            pytest.fail(
+                                rule("worker", f"writer process failed: {worker_output(line)!r}")
+                            )
+                    if not ready:
+                        err = p.stderr.read() if p.stderr is not None else ""
+                        pytest.fail(
+                            rule(
+                                "worker",
+                                f"writer process exited before its first write: {worker_output(err)}",
+                            )
+                        )
                 time.sleep(rng.uniform(0.02, 0.25))
             finally:
                 for p in procs:
@@ -717,7 +937,7 @@ class BackendConformance:
         outputs = []
         for p in procs:
             out, err = p.communicate(timeout=300)
-            outputs.append((p.returncode, out.strip(), err.strip()[-500:]))
+            outputs.append((p.returncode, worker_output(out, 500), worker_output(err, 1500)))
         assert all(rc == 0 for rc, _, _ in outputs), rule(
             "multi-process", f"a process writing the same keys failed: {outputs}"
         )
@@ -810,6 +1030,12 @@ class BackendConformance:
         assert down.get_stats().op("get").errors == 1, rule(
             "failure-shapes", "failures must be counted"
         )
+        for kind in TARGET_KINDS:
+            target, now = make_target(kind, 1024)
+            before = now()
+            assert down.get(keys[0], target) is None and now() == before, rule(
+                "failure-shapes", f"a failed get must return None and leave the {kind} target alone"
+            )
         flaky = FaultyBackend(b, failure_rate=0.5, partial=True, seed=7)
         for page, k in zip(pool.page_buffers(torch.arange(4 * ps)), keys, strict=True):
             fill_page(page, k)
@@ -828,9 +1054,12 @@ class BackendConformance:
         b, pool = kit.pool_backend()
         ps = pool.page_size
         keys = unique_keys(3)
-        b.batch_set(keys[:1], [b"before"])
+        b.batch_set_v1(keys[:1], torch.arange(ps))
         b.strict_contract = True
+        targets = [(kind, *make_target(kind, pool.page_bytes)) for kind in TARGET_KINDS]
+        flat = pool.kv_buffer.view(-1).view(torch.uint8)
         with break_store(b):
+            flat.copy_(torch.frombuffer(bytearray(sentinel(flat.numel())), dtype=torch.uint8))
             results = {
                 "get": b.get(keys[0]),
                 "set": b.set(keys[1], b"v"),
@@ -839,8 +1068,10 @@ class BackendConformance:
                 "batch_get": b.batch_get(keys[1:]),
                 "batch_set": b.batch_set(keys[1:], [b"a", b"b"]),
                 "batch_set_v1": b.batch_set_v1(keys[1:], torch.arange(2 * ps)),
-                "batch_get_v1": b.batch_get_v1(keys[1:], torch.arange(2 * ps)),
+                "batch_get_v1": b.batch_get_v1(keys[:2], torch.arange(2 * ps, 4 * ps)),
             }
+            into = {kind: b.get(keys[0], target) for kind, target, _ in targets}
+            pool_after = flat.numpy().tobytes()
         expected = {
             "get": None, "set": False, "exists": False, "batch_exists": 0, "batch_get": [None, None],
             "batch_set": [False, False], "batch_set_v1": [False, False], "batch_get_v1": [False, False],
@@ -848,6 +1079,15 @@ class BackendConformance:
         wrong = {op: r for op, r in results.items() if r != expected[op]}
         assert not wrong, rule(
             "store-failure", f"calls on a failing store did not return failure shapes: {wrong}"
+        )
+        hits = [kind for kind, got in into.items() if got is not None]
+        assert not hits, rule("store-failure", f"get on a failing store returned hits into {hits}")
+        touched = [kind for kind, _, now in targets if now() != sentinel(len(now()))]
+        assert not touched, rule(
+            "store-failure", f"get on a failing store wrote into the {touched} targets"
+        )
+        assert pool_after == sentinel(flat.numel()), rule(
+            "store-failure", "batch_get_v1 on a failing store wrote into the host pool"
         )
         assert b.set(keys[2], b"after") is True, rule(
             "store-failure", "the backend did not recover with its store"

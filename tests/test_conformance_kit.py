@@ -15,6 +15,11 @@ VENDOR = ROOT / "examples" / "vendor-backend"
 EXE = Path(sys.executable).parent / "hicache-storage"
 
 
+def pythonpath(*dirs: Path | str) -> str:
+    """``dirs`` ahead of the caller's own PYTHONPATH (kept, so a run can pin the SDK)."""
+    return os.pathsep.join([*map(str, dirs), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def test_plugin_is_registered_and_inert() -> None:
     code = (
         "import sys, pytest\n"
@@ -48,7 +53,7 @@ def test_assertion_messages_are_rewritten_for_vendors(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "pytest", str(tmp_path / "test_v.py"), "-c", str(tmp_path / "pytest.ini"),
          "--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-k", "set_existing"],
-        env={**os.environ, "PYTHONPATH": str(ROOT / "tests" / "teeth")},
+        env={**os.environ, "PYTHONPATH": pythonpath(ROOT / "tests" / "teeth")},
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert r.returncode == 1
@@ -69,7 +74,7 @@ def vendor_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def vendor_env(site: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(site), **extra}
+    return {**os.environ, "PYTHONPATH": pythonpath(site), **extra}
 
 
 def test_vendor_backend_is_found_by_name(vendor_site: Path) -> None:
@@ -128,7 +133,7 @@ def test_zero_code_pytest_with_environment_variables(vendor_site: Path, tmp_path
 
 
 def test_cli_exit_code_on_failures_and_usage_errors(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "teeth")}
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT / "tests" / "teeth")}
     r = subprocess.run(
         [str(EXE), "conformance", "--hicache-storage-backend", "broken_backends:AllHitsBatchExists", "-k", "leading_run"],
         env=env, capture_output=True, text=True, cwd=tmp_path, check=False, timeout=300,

@@ -57,6 +57,11 @@ EXPECTED = [
     ("SwallowsStoreErrors", "store_failure_gives_failure_shapes", "store-failure"),
     ("InPlaceFile", "concurrent_reader_never_sees_a_partial_value", "atomic-visibility"),
     ("InPlaceFile", "killed_writers_leave_no_wrong_object", "crash-safety"),
+    # right on toy inputs, wrong on the engine's targets, batch sizes and key forms
+    ("ZeroFillsTensorOnMiss", "get_missing_leaves_target_untouched", "get-miss"),
+    ("WrapsAt64", "engine_batches_v1", "engine-batch"),
+    ("ExistsCapped64", "engine_batches", "batch-exists-leading-run"),
+    ("Int64Ids", "engine_key_forms", "key-forms"),
 ]
 FILE_BASED = {"InPlaceFile", "SwallowsStoreErrors"}
 CONTROLS = {"ControlMem": "broken_backends:MemStore", "ControlFile": "file"}
@@ -115,7 +120,7 @@ def teeth_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "--rootdir", str(tmp), "-p", "no:cacheprovider", "-q", "-k", selection(),
             "--hicache-conformance-report", str(report), "--hicache-conformance-markdown", str(markdown),
         ],
-        env={**os.environ, "PYTHONPATH": str(TEETH)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TEETH), os.environ.get("PYTHONPATH")]))},
         capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     assert proc.returncode == 1, (

@@ -19,7 +19,7 @@ import torch
 
 from hicache_storage import Capabilities, HiCacheStorage, PageBuffer, StorageConfig
 from hicache_storage.backends import FileBackend
-from hicache_storage.buffers import source_views, target_views, total_nbytes
+from hicache_storage.buffers import is_tensor, source_views, target_views, total_nbytes
 from hicache_storage.header import checksum, encode_header
 from hicache_storage.keys import ObjectName
 
@@ -384,6 +384,58 @@ class EmptyOnMiss(MemStore):
     def get(self, key: str, target: Any = None) -> Any:
         got = super().get(key, target)
         return torch.empty(0, dtype=torch.uint8) if got is None else got
+
+
+class ZeroFillsTensorOnMiss(MemStore):
+    """The engine's case: a miss into a tensor target (the engine's staging page) is
+    zero-filled and reported as a hit; buffer targets are handled correctly."""
+
+    def get(self, key: str, target: Any = None) -> Any:
+        if is_tensor(target) and not self.exists(key):
+            target.zero_()
+            return target
+        return super().get(key, target)
+
+
+class WrapsAt64(MemStore):
+    """Stages a batch's pages through a 64-entry descriptor ring that is not refreshed when
+    it wraps: right for every batch up to 64 pages, page i of a 128-page batch gets page
+    i-64's bytes (and reports True)."""
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        ring: list[bytes | None] = [None] * 64
+        for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
+            slot = i % 64
+            if ring[slot] is None:
+                ring[slot] = page.tobytes()
+            with _LOCK:
+                _DATA.setdefault(self._name(key), ring[slot] or b"")
+        return [True] * len(keys)
+
+
+class ExistsCapped64(MemStore):
+    """Answers batch_exists with one pipelined round trip of at most 64 keys: right for
+    small batches, under-counts the engine's 128 (prefetches it then never asks for)."""
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        count = 0
+        for k in keys[:64]:
+            if not self.exists(k):
+                break
+            count += 1
+        return count
+
+
+class Int64Ids(MemStore):
+    """Names objects by the int64 of a key's first 16 hex characters (the engine's own
+    KV-event id): distinct for page hashes, colliding for the keys derived from one
+    (``<hash>_k``, ``<hash>_v``, ``<hash>.mamba``, rank suffixes)."""
+
+    def _name(self, key: str) -> str:
+        head = key[:16]
+        if len(head) == 16 and all(c in "0123456789abcdef" for c in head):
+            key = str(int(head, 16))
+        return self.object_name(key).path
 
 
 class SwallowsStoreErrors(FileBackend):

@@ -1,0 +1,79 @@
+"""A correct backend with secret options, for the conformance kit's secret-leak test.
+
+``CanaryFile`` is the ``file`` backend plus the options a networked store has: a
+``password``, an ``upstream`` URL with a password in it, and ``auth``, a secret only its
+options class marks (:func:`hicache_storage.config.secret`). Each process that builds it
+writes a trace (its command line, what is on its stdin, digests of the secrets it got)
+into ``trace_dir``, so a test can check what worker processes were started with.
+With ``workers_unreachable``, building it in a conformance worker process fails the way a
+careless client library fails: with the URL and the password in the error message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from hicache_storage import StorageConfig
+from hicache_storage.backends import FileBackend, FileOptions
+from hicache_storage.config import secret
+
+__all__ = ["CanaryFile", "CanaryOptions", "digest"]
+
+
+def digest(value: str | None) -> str | None:
+    """What a trace records of a secret."""
+    return None if value is None else hashlib.sha256(value.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CanaryOptions(FileOptions):
+    password: str | None = None
+    upstream: str | None = None
+    auth: str | None = secret()
+    trace_dir: str | None = None
+    workers_unreachable: bool = False
+
+
+def _in_worker() -> bool:
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", "") == "hicache_storage.conformance._worker"
+
+
+class CanaryFile(FileBackend):
+    name = "canary-file"
+    options_class = CanaryOptions
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config, **options)
+        opts: CanaryOptions = self.options  # type: ignore[assignment]
+        worker = _in_worker()
+        if opts.trace_dir:
+            with open("/proc/self/cmdline", "rb") as f:
+                cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            try:
+                stdin = os.readlink("/proc/self/fd/0")
+            except OSError as exc:
+                stdin = f"unreadable: {exc}"
+            trace = {
+                "pid": os.getpid(),
+                "worker": worker,
+                "cmdline": cmdline,
+                "stdin": stdin,
+                "password": digest(opts.password),
+                "upstream": digest(opts.upstream),
+                "auth": digest(opts.auth),
+            }
+            path = os.path.join(opts.trace_dir, f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
+            with open(path, "w") as f:
+                json.dump(trace, f)
+        if opts.workers_unreachable and worker:
+            raise ConnectionError(
+                f"Error 111 connecting to {opts.upstream}. Connection refused "
+                f"(AUTH {opts.password} {opts.auth})"
+            )
