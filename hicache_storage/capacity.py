@@ -101,10 +101,11 @@ class CapacityTracker:
         block_size: the filesystem's allocation unit: an object takes its size rounded up
             to it from the free space (the floor is checked with the rounded size).
         refresh: callback returning every object of the store now, as :meth:`load` takes
-            them; called (at most every ``refresh_interval`` seconds) when the free-space
-            floor cannot be met from what the tracker knows, and the tracker's view is then
-            replaced by it. It runs with the tracker's lock held.
-        refresh_interval: seconds between two refreshes.
+            them; called when the free-space floor cannot be met from what the tracker
+            knows, and the tracker's view is then replaced by it. It runs with the
+            tracker's lock held.
+        refresh_interval: seconds to wait after a refresh that did not make room before
+            the next one (a store filled by other programs is not re-scanned per write).
     """
 
     def __init__(
@@ -341,6 +342,8 @@ class CapacityTracker:
             if short() <= self._used:  # evicting can make room (never evict in vain)
                 self._evict_until(lambda: short() <= 0)
                 if short() <= 0:
+                    if refreshed:
+                        self._last_refresh = -float("inf")  # it helped: no wait next time
                     return True
             # The store may hold more than this view knows of (other processes' objects).
             if refreshed or not self._refresh_locked():
