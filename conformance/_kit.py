@@ -219,7 +219,7 @@ def run_worker(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**_worker_env(), "PYTHONUNBUFFERED": "1"},
     )
     stdin, proc.stdin = proc.stdin, None  # written once here; communicate() must not touch it
     assert stdin is not None
@@ -230,6 +230,13 @@ def run_worker(
         with contextlib.suppress(BrokenPipeError):
             stdin.close()
     return proc
+
+
+def _worker_env() -> dict[str, str]:
+    """This process's environment minus the kit's extra-config variable (the worker gets
+    the options on stdin; a backend's own ``HICACHE_STORAGE_<BACKEND>_<OPTION>`` variables
+    are kept, so it builds the same backend)."""
+    return {k: v for k, v in os.environ.items() if k != "HICACHE_STORAGE_BACKEND_EXTRA_CONFIG"}
 
 
 def worker_output(text: str | None, limit: int = 1500) -> str:

@@ -31,7 +31,7 @@ def digest(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()
 
 
-CHECKS = "processes_writing_the_same_keys or killed_writers or read_your_writes"
+CHECKS = "processes_writing_the_same_keys or killed_writers or read_your_writes or vendor_assert"
 
 
 def _scan_proc(stop: threading.Event, seen: dict[int, str]) -> None:
@@ -78,7 +78,16 @@ def canary_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
         class TestCanary(BackendConformance):
-            pass  # the backend and its options come from the command line (@file)
+            # the backend and its options come from the command line (@file)
+
+            def test_vendor_assert_showing_the_password(self, backend_spec):
+                # a vendor's own check, careless with the secret: print, log, assert
+                import logging
+
+                password = backend_spec.options["password"]
+                print("connecting with", password)
+                logging.getLogger("vendor").warning("auth failed for %s", password)
+                assert password == "what the server expected"
 
 
         class TestCanaryUnreachable(BackendConformance):
@@ -192,3 +201,8 @@ def test_failure_messages_keep_their_cause_without_the_secret(canary_run: dict) 
         assert "ConnectionError" in message and "127.0.0.1:1" in message, message
         assert REDACTED in message, message
     assert "ConnectionError" in canary_run["proc"].stdout
+    vendor = by_id[("TestCanary", "vendor_assert_showing_the_password")]
+    assert vendor["status"] == "failed" and REDACTED in vendor["message"], vendor
+    assert "what the server expected" in vendor["message"], vendor  # the rest is kept
+    assert f"auth failed for {REDACTED}" in canary_run["proc"].stdout  # the log record
+    assert f"connecting with {REDACTED}" in canary_run["proc"].stdout  # captured stdout
