@@ -92,6 +92,11 @@ SPACE_LOCK = ".hicache-space.lock"
 RECENCY_STEP = 1.0
 #: How long a write waits for another process's free-space check before giving up.
 SPACE_LOCK_TIMEOUT = 10.0
+#: Writers check the free-space floor under the cross-process lock (and allocate their
+#: file before releasing it) once the free space is within this many objects (of the size
+#: being written) of the floor; above that, concurrent writers cannot reach the floor
+#: unless more than this many writes of that size are in flight on the node at once.
+FLOOR_SLACK_OBJECTS = 256
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -180,6 +185,7 @@ class FileStore(HiCacheStorage):
         self._meta = MetadataCache(opts.metadata_cache_ttl)
         self._log = RateLimitedLog(logger)
         self._dirs: set[str] = set()
+        self._tree_ok = False  # root and namespace directory checked since the last forget
         self._dirs_lock = threading.Lock()
         self._space_mutex = threading.Lock()
         self._ensure_tree()  # ConfigError: refuse to start on an unsafe or unusable root
@@ -225,23 +231,39 @@ class FileStore(HiCacheStorage):
         have removed it while the store runs) with this store's mode and group, and checks
         what exists (:func:`~hicache_storage.pathsafety.ensure_dir`). Raises ConfigError.
         """
-        levels = [(self.root, "", True), (self.directory, self.root, False)]
+        levels = (
+            [] if self._tree_ok else [(self.root, "", True), (self.directory, self.root, False)]
+        )
         if fanout is not None:
             levels.append((os.path.join(self.directory, fanout), self.directory, False))
         for path, parent, parents in levels:
-            created = ensure_dir(path, self.dir_mode, self.group_id, parents=parents)
+            created = ensure_dir(
+                path,
+                self.dir_mode,
+                self.group_id,
+                parents=parents,
+                check_ancestors=path == self.root,  # those below were just checked
+            )
             if created and parent and self.options.fsync:
                 try:
                     fsync_dir(parent)
                 except OSError as exc:
                     raise ConfigError(f"cannot fsync {parent}: {exc}") from exc
+            if path == self.directory:
+                self._tree_ok = True
 
     def _ensure_fanout(self, name: ObjectName) -> None:
         """The directories of ``name`` exist and are safe (checked once per fan-out)."""
         if name.fanout in self._dirs:
             return
         try:
-            self._ensure_tree(name.fanout)
+            try:
+                self._ensure_tree(name.fanout)
+            except ConfigError:
+                if not self._tree_ok:
+                    raise
+                self._forget_dirs()  # the namespace directory (or the root) went away
+                self._ensure_tree(name.fanout)
         except ConfigError as exc:
             # Engine-facing calls never raise a ConfigError: the write fails, counted.
             raise BackendError(str(exc)) from exc
@@ -252,6 +274,7 @@ class FileStore(HiCacheStorage):
         """A directory vanished (clear() elsewhere, a cleaner): check them all again."""
         with self._dirs_lock:
             self._dirs.clear()
+            self._tree_ok = False
 
     # ------------------------------------------------------------------ helpers
 
@@ -342,18 +365,25 @@ class FileStore(HiCacheStorage):
         self._record(evictions=1)
         return True
 
+    def _near_floor(self, nbytes: int) -> bool:
+        """True unless the filesystem has so much room above the floor that concurrent
+        unlocked writers cannot cross it: :data:`FLOOR_SLACK_OBJECTS` objects of this
+        size more than the floor and this object. Far from the floor, checking under the
+        lock would only serialize the filesystem's page allocation of every writer."""
+        tracker = self._tracker
+        need = tracker._rounded(nbytes)
+        slack = FLOOR_SLACK_OBJECTS * need
+        return self._free_space() - tracker._pending() - need < tracker.min_free_bytes + slack
+
     @contextlib.contextmanager
     def _space_lock(self) -> Iterator[None]:
-        """Hold the root's free-space lock (threads and processes), when serialized.
+        """Hold the root's free-space lock (threads and processes).
 
         A ``flock`` on :data:`SPACE_LOCK` in the root, opened anew each time (so a root
         that was removed and recreated is locked through its new file), polled without
         blocking so that a stuck process can delay writes but never hang them: after
         :data:`SPACE_LOCK_TIMEOUT` seconds the write fails.
         """
-        if not self._serialize:
-            yield
-            return
         path = os.path.join(self.root, SPACE_LOCK)
         with self._space_mutex:
             try:
@@ -629,6 +659,10 @@ class FileStore(HiCacheStorage):
                     # clear() ran during the write and the object landed after it.
                     self._tracker.add(name.path, nbytes)
                 self._record(bytes_written=payload)
+            elif self._stored(path) is None:
+                # The name is taken, but not by a page (a non-empty directory, another
+                # user's file): never report stored what a read would not return.
+                raise BackendError(f"write {path}: the name is held by something else")
             else:
                 self._touch(name, path)
         except OSError as exc:
@@ -650,8 +684,9 @@ class FileStore(HiCacheStorage):
         """
         for attempt in (0, 1):
             self._ensure_fanout(name)
-            allocate = nbytes if self._serialize else 0
-            with self._space_lock():
+            locked = self._serialize and self._near_floor(nbytes)
+            allocate = nbytes if locked else 0
+            with self._space_lock() if locked else contextlib.nullcontext():
                 reservation = self._reserve(name, nbytes)
                 try:
                     tmp, fd = open_temp(

@@ -195,7 +195,14 @@ def _make_dir(path: str, mode: int, gid: int | None) -> bool:
     return True
 
 
-def ensure_dir(path: str, mode: int = 0o700, gid: int | None = None, parents: bool = True) -> bool:
+def ensure_dir(
+    path: str,
+    mode: int = 0o700,
+    gid: int | None = None,
+    parents: bool = True,
+    *,
+    check_ancestors: bool = True,
+) -> bool:
     """Make ``path`` a directory this user may safely keep pages in, or raise.
 
     Returns True if this call created ``path`` (the caller may fsync its parent), False if
@@ -209,7 +216,8 @@ def ensure_dir(path: str, mode: int = 0o700, gid: int | None = None, parents: bo
       with ``gid``, 2750 with group ``gid`` so that members can traverse them;
     * with ``gid``, an existing directory of this user is given group ``gid`` and
       ``mode``, so that sharing works without a manual step;
-    * no ancestor is writable by every user without the sticky bit.
+    * no ancestor is writable by every user without the sticky bit (skipped with
+      ``check_ancestors=False``, for a directory whose parent was just checked).
 
     Raises:
         UnsafePathError: (a :class:`ConfigError`) the path exists and breaks a rule; the
@@ -242,7 +250,8 @@ def ensure_dir(path: str, mode: int = 0o700, gid: int | None = None, parents: bo
         raise
     except OSError as exc:
         raise ConfigError(f"cannot use the directory {path}: {exc}") from exc
-    _check_ancestors(path)
+    if check_ancestors:
+        _check_ancestors(path)
     return created
 
 
@@ -302,8 +311,8 @@ def open_regular_stat(path: str, flags: int, mode: int = 0o600) -> tuple[int, os
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFileError(f"{path} is not a regular file (mode {st.st_mode:o})")
-        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
-        fcntl.fcntl(fd, fcntl.F_SETFL, fl & ~os.O_NONBLOCK)
+        # F_SETFL keeps only the status flags (O_APPEND, O_DIRECT...) of its argument.
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
         raise

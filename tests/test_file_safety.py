@@ -317,6 +317,17 @@ def test_a_root_or_namespace_another_user_prepared_is_refused(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_name_held_by_a_non_empty_directory_fails_the_write(kind: str, location: str) -> None:
+    """A write never reports stored a page that a read would not return."""
+    b = make(kind, location)
+    path = b._path(b.object_name("k"))  # type: ignore[attr-defined]
+    os.makedirs(os.path.join(path, "inside"))
+    assert b.set("k", b"v") is False
+    assert b.get("k") is None and not b.exists("k")
+    b.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_page_file_of_another_user_is_never_a_hit(kind: str, location: str) -> None:
     """Our own, private directory; a page file in it belongs to another uid (or may be
     written by others): a miss, counted, and the key can be stored again."""

@@ -23,12 +23,12 @@ PAYLOAD = OBJ - 32
 
 
 def start(
-    directory: str, model: str, prefix: str, count: int, go: str | None = None, **options: Any
+    directory: str, model: str, prefix: str, count: int, go: str, **options: Any
 ) -> subprocess.Popen[str]:
+    """A writer that waits for the file ``go`` (so that nothing it prints after ``ready``
+    can sit in this side's read buffer, which communicate() would not see)."""
     args = [sys.executable, str(WORKER), directory, model, prefix, str(count), str(PAYLOAD)]
-    args.append(json.dumps(options))
-    if go is not None:
-        args.append(go)
+    args += [json.dumps(options), go]
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout is not None
     line = p.stdout.readline()
@@ -76,7 +76,7 @@ def test_late_writers_of_other_namespaces_are_not_starved(small_tmpfs: str, tmp_
     for r in late:
         assert r["stored"] == 40, late  # a late writer is never starved
         assert r["last_present"] == 5, late
-    alone = result(start(kv, "D", "d", 30))  # and a fourth model alone, after them all
+    (alone,), _ = run_together(kv, tmp_path, [("D", "d", 30)])  # a fourth, after them all
     assert alone["stored"] == 30 and alone["last_present"] == 5, alone
     assert all(r["enospc"] == 0 for r in [*first, *late, alone])
 
