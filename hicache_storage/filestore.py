@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -85,6 +86,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TRASH_PREFIX = ".trash."
+_NAMESPACE_DIR = re.compile(r"ns\d+-[0-9a-f]+")
 #: The lock file (in the root) that serializes free-space checks between processes.
 SPACE_LOCK = ".hicache-space.lock"
 #: A read refreshes a file's mtime (its recency after a restart or a re-scan) only when the
@@ -97,6 +99,16 @@ SPACE_LOCK_TIMEOUT = 10.0
 #: being written) of the floor; above that, concurrent writers cannot reach the floor
 #: unless more than this many writes of that size are in flight on the node at once.
 FLOOR_SLACK_OBJECTS = 256
+
+
+def _holds_only_a_store(path: str) -> bool:
+    """True if every entry of the directory ``path`` is one a store makes (namespace
+    directories ``ns<version>-<digest>``, hidden lock, temporary and trash names)."""
+    try:
+        with os.scandir(path) as entries:
+            return all(e.name.startswith(".") or _NAMESPACE_DIR.fullmatch(e.name) for e in entries)
+    except OSError:
+        return False
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -243,6 +255,9 @@ class FileStore(HiCacheStorage):
                 self.group_id,
                 parents=parents,
                 check_ancestors=path == self.root,  # those below were just checked
+                # Group mode: the store's own directories (or a root holding nothing but
+                # a store) may be given to the group; any other directory is left alone.
+                adopt=path != self.root or _holds_only_a_store(path),
             )
             if created and parent and self.options.fsync:
                 try:

@@ -135,7 +135,9 @@ def _dir_fix(path: str, mode: int, gid: int | None) -> str:
     )
 
 
-def _check_existing_dir(path: str, st: os.stat_result, mode: int, gid: int | None) -> None:
+def _check_existing_dir(
+    path: str, st: os.stat_result, mode: int, gid: int | None, adopt: bool
+) -> None:
     if stat.S_ISLNK(st.st_mode):
         try:
             target = os.readlink(path)
@@ -156,6 +158,13 @@ def _check_existing_dir(path: str, st: os.stat_result, mode: int, gid: int | Non
         and st.st_uid == os.geteuid()
         and (st.st_gid != gid or stat.S_IMODE(st.st_mode) != mode & 0o7777)
     ):
+        if not adopt:
+            raise ConfigError(
+                f"{path} is yours but not shared with group {gid} (group {st.st_gid}, mode "
+                f"{_mode_str(st.st_mode)}), so the group's members could not use it. Fix: "
+                f"`chgrp {gid} {path} && chmod {mode & 0o7777:o} {path}`, or choose another "
+                "directory"
+            )
         # Our own directory, asked to be shared: give it to the group (only adds access
         # for the configured group; others still cannot write).
         os.chown(path, -1, gid)
@@ -202,6 +211,7 @@ def ensure_dir(
     parents: bool = True,
     *,
     check_ancestors: bool = True,
+    adopt: bool = False,
 ) -> bool:
     """Make ``path`` a directory this user may safely keep pages in, or raise.
 
@@ -214,8 +224,10 @@ def ensure_dir(
     * if this call created it, it has exactly ``mode`` (umask ignored, setgid kept) and,
       with ``gid``, that group. Missing parents (with ``parents``) are created 0700, or,
       with ``gid``, 2750 with group ``gid`` so that members can traverse them;
-    * with ``gid``, an existing directory of this user is given group ``gid`` and
-      ``mode``, so that sharing works without a manual step;
+    * with ``gid``, an existing directory of this user that is not shared with the group
+      is given group ``gid`` and ``mode`` with ``adopt`` (the caller knows it is its own
+      store's), so that sharing works without a manual step; without ``adopt`` that is a
+      :class:`ConfigError` with the ``chgrp``/``chmod`` to run;
     * no ancestor is writable by every user without the sticky bit (skipped with
       ``check_ancestors=False``, for a directory whose parent was just checked).
 
@@ -243,7 +255,7 @@ def ensure_dir(
     try:
         st = os.lstat(path)
         if not created:
-            _check_existing_dir(path, st, mode, gid)
+            _check_existing_dir(path, st, mode, gid, adopt)
         elif not stat.S_ISDIR(st.st_mode):  # replaced between mkdir and lstat
             raise _refuse(path, "it was replaced while being created", "retry")
     except UnsafePathError:

@@ -428,3 +428,26 @@ def test_a_removed_group_root_is_recreated_shared(shm_dir: str) -> None:
         st = os.lstat(d)
         assert st.st_gid == GROUP and stat.S_IMODE(st.st_mode) == 0o2770, d
     b.close()
+
+
+def test_a_private_store_reopened_shared_is_given_to_the_group(shm_dir: str) -> None:
+    """A store first used privately, then with ``group``: its own directories are given to
+    the group (members can use it at once); a directory that holds anything else is
+    never chmod-ed behind the user's back (ConfigError with the command to run)."""
+    private = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir)
+    assert private.set("k", b"v")
+    private.close()
+    shared = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, group=GROUP)
+    for d in (shared.root, shared.directory):
+        st = os.lstat(d)
+        assert st.st_gid == GROUP and stat.S_IMODE(st.st_mode) == 0o2770, d
+    shared.close()
+    other = shm_dir + "-home"
+    os.mkdir(other, 0o700)
+    try:
+        Path(other, "notes.txt").write_text("not a store")
+        with pytest.raises(ConfigError, match=f"chgrp {GROUP} {other}"):
+            ShmBackend(StorageConfig(namespace=NS), directory=other, group=GROUP)
+        assert stat.S_IMODE(os.lstat(other).st_mode) == 0o700
+    finally:
+        shutil.rmtree(other)

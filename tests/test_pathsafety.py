@@ -81,13 +81,18 @@ def test_ensure_dir_refuses_a_directory_others_may_write(tmp_path: Path, mode: i
     with pytest.raises(UnsafePathError, match=f"mode {mode:04o}.*chmod 700"):
         ensure_dir(str(d))
     if not mode & 0o002:
-        ensure_dir(str(d), 0o2770, gid=GID)  # group-writable is the point of group mode
+        ensure_dir(str(d), 0o2770, gid=GID, adopt=True)  # group-writable: the point of it
 
 
-def test_ensure_dir_gives_an_own_directory_to_the_group(tmp_path: Path) -> None:
+def test_ensure_dir_gives_an_own_directory_to_the_group_only_when_adopting(
+    tmp_path: Path,
+) -> None:
     d = tmp_path / "mine"
     d.mkdir(mode=0o700)
-    ensure_dir(str(d), 0o2770, gid=GID)
+    with pytest.raises(ConfigError, match=f"not shared with group {GID}.*chgrp {GID}"):
+        ensure_dir(str(d), 0o2770, gid=GID)
+    assert mode_of(d) == 0o700  # left alone
+    ensure_dir(str(d), 0o2770, gid=GID, adopt=True)
     assert mode_of(d) == 0o2770 and os.stat(d).st_gid == GID
 
 
