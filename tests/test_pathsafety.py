@@ -187,3 +187,11 @@ def test_open_regular_never_blocks_or_follows(tmp_path: Path) -> None:
         assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
     finally:
         os.close(fd)
+
+
+def test_a_symlinked_parent_is_fine(tmp_path: Path) -> None:
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "data").symlink_to(tmp_path / "nvme")
+    ensure_dir(str(tmp_path / "data" / "kv"))
+    assert (tmp_path / "nvme" / "kv").is_dir()
+    ensure_dir(str(tmp_path / "data" / "kv"))  # and when it exists
