@@ -2,22 +2,24 @@
 
 Files (``path`` is the arena):
 
-``<path>``            superblock (4 KiB), slot table (64 B per slot), then the slots
-``<path>.index``      append-only log of PUT / DEL records, each with a CRC-32
-``<path>.lock``       ``flock`` that serializes writers across processes
+``<path>``            superblock (4 KiB, with a random creation nonce), slot table (64 B
+                      per slot), then the slots; writers lock this file (``flock``)
+``<path>.index``      a header naming the arena's nonce, then an append-only log of PUT /
+                      DEL records, each with a CRC-32
 
 A page lives in one fixed-size slot. A write reserves a free slot (marking it *writing*
-with its pid in the shared slot table, under the lock), copies the page into the mapping
+with its token in the shared slot table, under the lock), copies the page into the mapping
 without the lock, then appends a PUT record (under the lock). A key is visible only once
 its record is in the log, so a writer killed at any point leaves no visible torn page,
 and a torn record at the end of the log (a crash mid-append) fails its CRC and is
 ignored. Other processes learn new keys by reading the log's new records.
 
 A writer holds an open-file-description lock (``F_OFD_SETLK``) on its slot's byte of the
-lock file while it copies; the kernel drops it if the writer dies, which is how other
+arena file while it copies; the kernel drops it if the writer dies, which is how other
 processes tell a crashed writer's slot (reclaimable) from a live one, whatever pid
 namespace either runs in. Eviction is LRU over the slot table's last-access times
-(updated by readers in every process). An evicted slot is logged (DEL), its generation bumped, and it is *retired*: it
+(updated by readers in every process). An evicted slot is logged (DEL), given a new
+random generation, and *retired*: it
 is reused only after ``reuse_delay`` seconds, so no reader can still be copying out of it;
 readers also re-check the slot's generation after their copy and report a miss if it
 changed. The log is compacted (live records to a temporary, then renamed over it) when it
@@ -63,7 +65,6 @@ from hicache_storage.pathsafety import (
     check_file,
     ensure_dir,
     open_regular,
-    open_regular_stat,
     user_dir,
 )
 
@@ -81,6 +82,7 @@ _VERSION = 2
 _LOG_HEAD = struct.Struct("<8sIIQ")
 _LOG_MAGIC = b"HCSMLOG1"
 _LOG_VERSION = 1
+_ANCHOR = 8  # bytes before the read position re-checked on every read of the log
 _SLOT_DTYPE = [
     ("generation", "<u8"),
     ("state", "<u4"),
@@ -110,7 +112,7 @@ class MmapOptions:
     """Options of the ``mmap`` backend (environment: ``HICACHE_STORAGE_MMAP_<NAME>``).
 
     Attributes:
-        path: the arena file (typically on local NVMe); ``.index`` and ``.lock`` beside it.
+        path: the arena file (typically on local NVMe); its ``.index`` beside it.
             Default: ``/tmp/hicache-storage-mmap-<uid>/arena``, in a private (0700)
             directory of the user. An existing arena, index or lock file must be a
             regular file owned by the user and writable by nobody else.
@@ -179,6 +181,29 @@ def _fence() -> None:
     """A full memory barrier (a lock round trip), between a copy and its generation re-check."""
     with _FENCE:
         pass
+
+
+def _new_generation(old: int) -> int:
+    """A fresh random slot generation, never 0 and never ``old``.
+
+    Random rather than ``old + 1``: a slot-table row rolled back (zeroed, restored from
+    an older image) must not hand out again a (slot, generation) pair that a reader in
+    another process may still hold for another key.
+    """
+    while True:
+        gen = secrets.randbits(63) + 1
+        if gen != old:
+            return gen
+
+
+def _link_or_open(tmp: str, path: str) -> int | None:
+    """Publish the complete temporary ``tmp`` as ``path`` (first creator wins): None if
+    this call linked it, else a descriptor of the file another process put there."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return open_regular(path, os.O_RDWR)
+    return None
 
 
 def _log_header(nonce: int) -> bytes:
@@ -304,10 +329,15 @@ class _Arena:
             self.table_off = int(table_off)
             self.nonce = int(nonce)
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        except OSError as exc:
-            raise ConfigError(f"cannot map the mmap arena {path}: {exc}") from exc
-        finally:
+        except BaseException as exc:
             os.close(fd)
+            if isinstance(exc, OSError):
+                raise ConfigError(f"cannot map the mmap arena {path}: {exc}") from exc
+            raise
+        # The open descriptor stays: writers lock it (flock for their bookkeeping, an OFD
+        # byte lock per slot being written). Locks on the arena itself cannot be split
+        # in two by a removed lock file, and vanish with the arena.
+        self.fd = fd
         self._anchor = ctypes.c_char.from_buffer(self.map)
         self.base = ctypes.addressof(self._anchor)
         self.slots = np.ndarray(
@@ -347,11 +377,10 @@ class _Arena:
             head = _SUPER.pack(_MAGIC, _VERSION, 0, slot_size, nslots, table_off, data_off, nonce)
             os.pwrite(fd, head + _CRC.pack(zlib.crc32(head)), 0)
             os.fsync(fd)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
+            theirs = _link_or_open(tmp, path)
+            if theirs is not None:  # another process won the race
                 os.close(fd)
-                fd = open_regular(path, os.O_RDWR)  # another process won the race
+                fd = theirs
             fsync_dir(os.path.dirname(path) or ".")
         except BaseException:
             os.close(fd)
@@ -383,6 +412,7 @@ class _Arena:
         del self.slots
         del self._anchor
         self.map.close()
+        os.close(self.fd)
 
 
 def _copy(
@@ -488,6 +518,7 @@ class MmapBackend(HiCacheStorage):
         # Neither is ever held while waiting for another process, but for _wlock.
         self._index_lock = threading.RLock()
         self._wlock = threading.Lock()
+        self._open_lock = threading.Lock()  # one opener of the arena per instance
         self._arena: _Arena | None = None
         self._index: dict[str, _Entry] = {}
         self._by_slot: dict[int, str] = {}
@@ -499,6 +530,11 @@ class MmapBackend(HiCacheStorage):
         # The log at index_path does not describe this arena (left by a deleted arena, or
         # damaged): nothing of it is applied, and the next writer replaces it.
         self._log_foreign = False
+        # (size, mtime) of the log when its tail was last found torn or damaged: not
+        # re-read on every miss until the log changes.
+        self._bad_tail: tuple[int, int] | None = None
+        # The last bytes read before _log_pos (see _catch_up).
+        self._anchor = b""
         # Why this instance stopped serving (its arena was removed or replaced under it).
         self._detached: str | None = None
         self.compactions = 0
@@ -513,16 +549,6 @@ class MmapBackend(HiCacheStorage):
             ensure_dir(directory, 0o700)
         else:
             _check_directory(directory)
-        try:
-            fd, st = open_regular_stat(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        except (OSError, BackendError) as exc:
-            raise ConfigError(f"cannot open the mmap arena lock {self.path}.lock: {exc}") from exc
-        try:
-            check_file(self.path + ".lock", st)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._lock_fd = fd
         self._remove_stale_creations(directory)
         if self.options.slot_size is not None or os.path.exists(self.path):
             self._open_arena(self.options.slot_size or DEFAULT_SLOT)
@@ -568,6 +594,10 @@ class MmapBackend(HiCacheStorage):
             self._inflight += 1
         try:
             yield
+        except ConfigError as exc:
+            # A bad file met after construction (the index replaced by a FIFO, another
+            # user's file...): engine-facing calls report it as a store failure.
+            raise BackendError(str(exc)) from exc
         finally:
             with self._gate:
                 self._inflight -= 1
@@ -584,20 +614,26 @@ class MmapBackend(HiCacheStorage):
         protocol layer, rate limited), not a :class:`ConfigError`.
         """
         try:
-            with self._writer_lock():
-                if self._arena is None:
-                    arena = _Arena(
-                        self.path, self.options.capacity, slot_size, self.options.prefault
-                    )
-                    self._arena = arena
-                    try:
+            with self._open_lock:
+                if self._arena is not None:
+                    return self._arena
+                # Creation needs no lock (a complete arena is linked into place, first
+                # creator wins); loading the index takes the arena's writer lock.
+                arena = _Arena(self.path, self.options.capacity, slot_size, self.options.prefault)
+                try:
+                    with self._writer_lock(arena):
+                        self._arena = arena
                         self._reload_index()
                         self._repair_rows(arena)
-                    except BaseException:
+                except BaseException:
+                    with self._index_lock:
                         self._arena = None
-                        arena.close()
-                        raise
-                return self._arena
+                        if self._log_fd >= 0:
+                            os.close(self._log_fd)
+                            self._log_fd = -1
+                    arena.close()
+                    raise
+                return arena
         except ConfigError as exc:
             if lazy:
                 raise BackendError(f"cannot open the mmap arena: {exc}") from exc
@@ -606,36 +642,44 @@ class MmapBackend(HiCacheStorage):
     def _repair_rows(self, arena: _Arena) -> None:
         """Make the slot table agree with the log (writer lock held).
 
-        Under the lock a live key's row is always COMMITTED with the key's generation; a
-        row with an older generation was lost (a power failure after the log reached the
-        disk) and is rebuilt from the record. A row with a *newer* generation means the
-        slot was reused after the record was written (the record that retired it was lost
-        or damaged): the record is stale and its key is dropped, never repaired over the
-        newer bytes.
+        Under the lock a live key's row is always COMMITTED with the key's generation. A
+        row that is not may have been reused after the record was written (the record
+        that retired it was lost or damaged), restored from an older image, or lost in a
+        power failure; only the slot's bytes can tell. The row is rebuilt from the record
+        when the record has a checksum, the slot's bytes match it and no live writer
+        holds the slot; otherwise the key is dropped (a miss), never served from bytes
+        that may be another key's.
         """
         for name, entry in list(self._index.items()):
             row = arena.slots[entry.slot]
-            gen, state = int(row["generation"]), int(row["state"])
-            if gen > entry.generation:
-                self._index.pop(name, None)
-                self._by_slot.pop(entry.slot, None)
-                self._warn(
-                    "stale",
-                    "dropped %s: slot %d of %s was reused since",
-                    name,
-                    entry.slot,
-                    self.path,
-                )
+            if int(row["generation"]) == entry.generation and int(row["state"]) == COMMITTED:
                 continue
-            if gen < entry.generation or state != COMMITTED:
+            if (
+                entry.algorithm
+                and self._slot_lock(arena, entry.slot, take=True)
+                and checksum([arena.slot_view(entry.slot, entry.length)], entry.algorithm)
+                == entry.checksum
+            ):
                 row["generation"] = entry.generation
                 row["length"] = entry.length
                 row["checksum"] = entry.checksum
                 row["state"] = COMMITTED
                 row["token"] = 0
+                self._slot_lock(arena, entry.slot, take=False)
                 self._warn(
                     "repair", "repaired the slot-table row of slot %d of %s", entry.slot, self.path
                 )
+                continue
+            self._slot_lock(arena, entry.slot, take=False)
+            self._index.pop(name, None)
+            self._by_slot.pop(entry.slot, None)
+            self._warn(
+                "stale",
+                "dropped %s: slot %d of %s no longer holds it (or cannot be verified)",
+                name,
+                entry.slot,
+                self.path,
+            )
 
     def _arena_for(self, nbytes: int) -> _Arena:
         """The arena, created on first write with the default (or the object's) slot size."""
@@ -668,28 +712,32 @@ class MmapBackend(HiCacheStorage):
             self._open_arena(page_bytes)
 
     @contextmanager
-    def _writer_lock(self) -> Iterator[None]:
-        """Writers of this process one at a time, then writers of all processes (flock)."""
+    def _writer_lock(self, arena: _Arena | None = None) -> Iterator[None]:
+        """Writers of this process one at a time, then writers of all processes (a
+        ``flock`` on the arena file)."""
+        arena = arena or self._arena
+        if arena is None:
+            raise BackendError("the mmap arena is not open")
         deadline = time.monotonic() + 60.0
         with self._wlock:
             while True:
                 try:
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(arena.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
                         raise BackendTimeoutError(
-                            f"another process has held {self.path}.lock for over 60 s"
+                            f"another process has held the writer lock of {self.path} for over 60 s"
                         ) from None
                     time.sleep(0.0005)
             try:
                 with self._index_lock:
                     yield
             finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                fcntl.flock(arena.fd, fcntl.LOCK_UN)
 
-    def _slot_lock(self, slot: int, take: bool) -> bool:
-        """Take (or release) this instance's OFD lock on the slot's byte of the lock file.
+    def _slot_lock(self, arena: _Arena, slot: int, take: bool) -> bool:
+        """Take (or release) this instance's OFD lock on the slot's byte of the arena file.
 
         Taking fails (returns False) when another open file description holds it: a live
         writer, in any process and any pid namespace. The kernel releases the lock when
@@ -697,9 +745,7 @@ class MmapBackend(HiCacheStorage):
         """
         kind = fcntl.F_WRLCK if take else fcntl.F_UNLCK
         try:
-            fcntl.fcntl(
-                self._lock_fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, slot, 1, 0)
-            )
+            fcntl.fcntl(arena.fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, slot, 1, 0))
         except BlockingIOError:
             return False
         except OSError as exc:
@@ -727,19 +773,25 @@ class MmapBackend(HiCacheStorage):
             self._log_pos = 0
             self._log_records = 0
             self._log_foreign = False
+            self._bad_tail = None
             arena = self._arena
             assert arena is not None
             try:
                 try:
-                    self._log_fd = open_regular(self.index_path, os.O_RDWR)
+                    fd = open_regular(self.index_path, os.O_RDWR)
                 except FileNotFoundError:
-                    self._log_fd = self._create_log(arena)
+                    fd = self._create_log(arena)
             except NotRegularFileError as exc:
                 raise ConfigError(f"{exc}: remove it or choose another arena path") from exc
             except OSError as exc:
                 raise BackendError(f"cannot open {self.index_path}: {exc}") from exc
-            st = os.fstat(self._log_fd)
-            check_file(self.index_path, st)
+            try:
+                st = os.fstat(fd)
+                check_file(self.index_path, st)
+            except BaseException:
+                os.close(fd)  # _log_fd stays -1: the next call tries again
+                raise
+            self._log_fd = fd
             self._log_ino = st.st_ino
             head = os.pread(self._log_fd, _LOG_HEAD.size + _CRC.size, 0)
             nonce = _log_nonce(head)
@@ -756,6 +808,7 @@ class MmapBackend(HiCacheStorage):
                 )
                 return
             self._log_pos = len(head)
+            self._anchor = head[-_ANCHOR:]
             self._catch_up()
 
     def _arena_is_current(self, arena: _Arena) -> bool:
@@ -784,11 +837,10 @@ class MmapBackend(HiCacheStorage):
             writev_all(fd, [_log_header(arena.nonce)])
             if self.options.fsync:
                 os.fsync(fd)
-            try:
-                os.link(tmp, self.index_path)
-            except FileExistsError:
+            theirs = _link_or_open(tmp, self.index_path)
+            if theirs is not None:  # another process won the race
                 os.close(fd)
-                fd = open_regular(self.index_path, os.O_RDWR)
+                fd = theirs
         except BaseException:
             os.close(fd)
             raise
@@ -835,15 +887,29 @@ class MmapBackend(HiCacheStorage):
                 st = os.stat(self.index_path)
             except FileNotFoundError:
                 st = None
-            if st is not None and st.st_ino != self._log_ino:
+            if self._log_fd < 0 or (st is not None and st.st_ino != self._log_ino):
+                # Replaced (compaction, reset), or a reload failed before: read it anew.
+                # (The inode cannot be reused while this instance holds it open.)
                 self._reload_index()
                 return
             if self._log_foreign:
                 return
-            size = os.fstat(self._log_fd).st_size
-            if size <= self._log_pos:
+            fst = os.fstat(self._log_fd)
+            size = fst.st_size
+            if size < self._log_pos:
+                self._reload_index()  # shortened in place (truncate, a copy over it)
                 return
-            data = os.pread(self._log_fd, size - self._log_pos, self._log_pos)
+            if size <= self._log_pos or (size, fst.st_mtime_ns) == self._bad_tail:
+                return  # nothing new, or only the bad tail read before, unchanged
+            # Read from just before the position: if those bytes are not the ones last
+            # read, the log was rewritten in place (a copy over it, a truncate and new
+            # appends) and the position means nothing any more.
+            start = self._log_pos - _ANCHOR
+            raw = os.pread(self._log_fd, size - start, start)
+            if raw[:_ANCHOR] != self._anchor:
+                self._reload_index()
+                return
+            data = raw[_ANCHOR:]
             arena = self._arena
             assert arena is not None
             off = 0
@@ -867,14 +933,21 @@ class MmapBackend(HiCacheStorage):
                 self._apply(kind, name, entry)
                 self._log_records += 1
             self._log_pos += off
+            self._anchor = raw[off : off + _ANCHOR]
+            self._bad_tail = (size, fst.st_mtime_ns) if off < len(data) else None
 
     def _warn(self, key: str, msg: str, *args: object) -> None:
         """A rate-limited warning (hot paths: reads, catch-up, writes)."""
         self._hicache_state().log("mmap:" + key, msg, *args)
 
     def _apply(self, kind: int, name: str, entry: _Entry) -> None:
-        old = self._index.pop(name, None)
+        old = self._index.get(name)
+        if kind == DEL and (
+            old is None or (old.slot, old.generation) != (entry.slot, entry.generation)
+        ):
+            return  # deletes another incarnation of the key: not this one
         if old is not None:
+            del self._index[name]
             self._by_slot.pop(old.slot, None)
         if kind == PUT:
             stale = self._by_slot.pop(entry.slot, None)
@@ -899,6 +972,13 @@ class MmapBackend(HiCacheStorage):
             self._replace_log([])  # a log that is not this arena's: start a new one
             if self._detached is not None:
                 raise BackendError(self._detached)
+        start = self._log_pos - _ANCHOR
+        if os.pread(self._log_fd, _ANCHOR, start) != self._anchor:
+            self._reload_index()  # rewritten in place: never cut what another process wrote
+            if self._detached is not None:
+                raise BackendError(self._detached)
+            if self._log_foreign:
+                self._replace_log([])
         if os.fstat(self._log_fd).st_size != self._log_pos:
             # A torn tail from a crashed writer: cut it, or new records would hide behind it.
             os.ftruncate(self._log_fd, self._log_pos)
@@ -911,6 +991,7 @@ class MmapBackend(HiCacheStorage):
         for kind, name, e in records:
             self._apply(kind, name, e)
         self._log_pos += len(blob)
+        self._anchor = (self._anchor + blob)[-_ANCHOR:]
         self._log_records += len(records)
         if self._log_records > 4 * max(len(self._index), 256):
             self._compact()
@@ -946,8 +1027,7 @@ class MmapBackend(HiCacheStorage):
 
         slots = arena.slots
         state = slots["state"]
-        now = time.time()
-        resting = (state == RETIRED) & (slots["since"] > now - self.options.reuse_delay)
+        resting = self._resting(arena)
         usable = (state == FREE) | ((state == RETIRED) & ~resting)
         hint = [int(i) for i in np.flatnonzero(usable)]
         if not hint:
@@ -962,7 +1042,40 @@ class MmapBackend(HiCacheStorage):
         hint.reverse()  # pop() from the end takes the lowest slot first
         self._free_hint = hint
 
-    def _reserve_slot(self, arena: _Arena) -> tuple[int, int] | None:
+    def _resting(self, arena: _Arena) -> Any:
+        """Mask of retired slots still resting. A rest that would end in the future by
+        more than ``reuse_delay`` (the clock stepped back) is over: it must not keep a
+        slot out of use for as long as the clock is behind."""
+        now = time.time()
+        since = arena.slots["since"]
+        return (
+            (arena.slots["state"] == RETIRED)
+            & (since > now - self.options.reuse_delay)
+            & (since <= now)
+        )
+
+    def _held_elsewhere(self, arena: _Arena, slot: int) -> bool:
+        """True if another open file description (a live writer) holds the slot's lock."""
+        got = fcntl.fcntl(
+            arena.fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, slot, 1, 0)
+        )
+        return int(_FLOCK.unpack(got)[0]) != fcntl.F_UNLCK
+
+    def _busy(self, arena: _Arena) -> int:
+        """Slots being written by live writers (this instance's, or locked elsewhere); a
+        dead writer's slot is not busy: it is reclaimed as an orphan."""
+        import numpy as np
+
+        slots = arena.slots
+        busy = 0
+        for s in np.flatnonzero(slots["state"] == WRITING):
+            if int(slots[s]["token"]) == self._token or self._held_elsewhere(arena, int(s)):
+                busy += 1
+        return busy
+
+    def _reserve_slot(
+        self, arena: _Arena, keep: frozenset[int] = frozenset()
+    ) -> tuple[int, int] | None:
         """A free slot for a new object (writer lock held): (slot, new generation), or
         None when none is usable now (the caller decides what to evict)."""
         slots = arena.slots
@@ -979,14 +1092,15 @@ class MmapBackend(HiCacheStorage):
             state = int(row["state"])
             if slot in self._by_slot:
                 continue
-            if state == RETIRED and float(row["since"]) > time.time() - self.options.reuse_delay:
+            since, now = float(row["since"]), time.time()
+            if state == RETIRED and now - self.options.reuse_delay < since <= now:
                 continue
             if state == WRITING and int(row["token"]) == self._token:
                 continue  # ours, in flight
-            if not self._slot_lock(slot, take=True):
+            if not self._slot_lock(arena, slot, take=True):
                 continue  # a live writer elsewhere holds it
             break
-        gen = int(row["generation"]) + 1
+        gen = _new_generation(int(row["generation"]))
         row["generation"] = gen
         row["state"] = WRITING
         row["pid"] = self._pid
@@ -996,7 +1110,7 @@ class MmapBackend(HiCacheStorage):
             # Evict ahead, so the slots have rested by the time they are needed.
             usable = int(((slots["state"] == FREE) | (slots["state"] == RETIRED)).sum())
             if usable < self.options.low_free_slots * arena.nslots:
-                self._evict_some(arena, max(1, arena.nslots // 20))
+                self._evict_some(arena, max(1, arena.nslots // 20), keep)
         return slot, gen
 
     def _evict_some(self, arena: _Arena, count: int, keep: frozenset[int] = frozenset()) -> None:
@@ -1020,7 +1134,7 @@ class MmapBackend(HiCacheStorage):
         now = time.time()
         for slot in slots:
             row = arena.slots[slot]
-            row["generation"] = int(row["generation"]) + 1
+            row["generation"] = _new_generation(int(row["generation"]))
             row["state"] = RETIRED
             row["since"] = now
 
@@ -1037,42 +1151,41 @@ class MmapBackend(HiCacheStorage):
         for slot, gen in reserved.values():
             if self._still_mine(arena, slot, gen):
                 arena.slots[slot]["state"] = FREE
-            self._slot_lock(slot, take=False)
+            self._slot_lock(arena, slot, take=False)
 
     # ------------------------------------------------------------------ protocol
 
     def _reserve_all(
         self, arena: _Arena, names: list[str], pending: list[int], results: list[bool]
     ) -> dict[int, tuple[int, int]]:
-        """Reserve a slot per pending item; items already stored count as done.
+        """Reserve a slot per pending item (distinct names); items already stored count
+        as done.
 
         A batch never asks for more slots than the arena can give it (all slots but those
-        other writes are filling): the items beyond that fail at once (the leading ones
-        are stored, as the engine reads leading runs), and only as many pages are evicted
-        as the batch will use.
+        live writers are filling, and those of keys it found stored): the items beyond
+        that fail at once (the leading ones are stored, as the engine reads leading
+        runs), and only as many pages are evicted as the batch will use.
         """
         slots: dict[int, tuple[int, int]] = {}
         deadline = time.monotonic() + max(5.0, 20 * self.options.reuse_delay)
         first = True
+        keep: set[int] = set()
         try:
             while pending:
                 with self._writer_lock():
                     self._catch_up()
                     waiting = []
-                    keep: set[int] = set()
                     for i in pending:
-                        name = names[i]
-                        if any(names[j] == name for j in slots) or self._find(name) is not None:
-                            results[i] = True  # stored already, or twice in this batch
-                            entry = self._index.get(name)
-                            if entry is not None:
-                                arena.slots[entry.slot]["last_access"] = time.time()
-                                keep.add(entry.slot)
+                        entry = self._find(names[i])
+                        if entry is not None:
+                            results[i] = True  # stored already
+                            arena.slots[entry.slot]["last_access"] = time.time()
+                            keep.add(entry.slot)
                             continue
                         waiting.append(i)
                     if first:
                         first = False
-                        busy = int((arena.slots["state"] == WRITING).sum())
+                        busy = self._busy(arena)
                         room = max(0, arena.nslots - busy - len(keep))
                         if len(waiting) > room:
                             refused = len(waiting) - room
@@ -1087,20 +1200,14 @@ class MmapBackend(HiCacheStorage):
                             )
                     pending = []
                     for i in waiting:
-                        reserved = self._reserve_slot(arena)
+                        reserved = self._reserve_slot(arena, frozenset(keep))
                         if reserved is None:
                             pending.append(i)
                         else:
                             slots[i] = reserved
                     if pending:
                         # Evict what this batch will use, beyond the slots resting already.
-                        state = arena.slots["state"]
-                        resting = int(
-                            (
-                                (state == RETIRED)
-                                & (arena.slots["since"] > time.time() - self.options.reuse_delay)
-                            ).sum()
-                        )
+                        resting = int(self._resting(arena).sum())
                         mine = {s for s, _ in slots.values()}
                         self._evict_some(arena, len(pending) - resting, frozenset(keep | mine))
                 if pending:
@@ -1108,8 +1215,7 @@ class MmapBackend(HiCacheStorage):
                         raise CapacityError("no slot became free in time (all busy or resting)")
                     time.sleep(max(0.001, self.options.reuse_delay / 5))
         except BaseException:
-            with self._writer_lock():
-                self._release(arena, slots)
+            self._release(arena, slots)  # our own slots: no writer lock needed
             raise
         return slots
 
@@ -1125,15 +1231,20 @@ class MmapBackend(HiCacheStorage):
         arena = self._arena_for(max(sizes))
         names = [self.object_name(key).path for key, _, _ in items]
         results = [False] * len(items)
-        pending = [i for i, n in enumerate(sizes) if n <= arena.slot_size]
-        if len(pending) < len(items):
+        first_of: dict[str, int] = {}
+        for i, name in enumerate(names):
+            first_of.setdefault(name, i)  # a key twice in a batch is stored once
+        pending = [
+            i for i, n in enumerate(sizes) if n <= arena.slot_size and first_of[names[i]] == i
+        ]
+        oversized = sum(n > arena.slot_size for n in sizes)
+        if oversized:
             if len(items) == 1:
                 raise CapacityError(
                     f"{sizes[0]}-byte object exceeds the slot size {arena.slot_size}"
                 )
-            oversize = len(items) - len(pending)
-            self._log_failure("set", CapacityError(f"{oversize} objects exceed the slot size"))
-            self._add_item_errors(oversize)
+            self._log_failure("set", CapacityError(f"{oversized} objects exceed the slot size"))
+            self._add_item_errors(oversized)
         slots = self._reserve_all(arena, names, pending, results)
         order = list(slots)
 
@@ -1180,12 +1291,15 @@ class MmapBackend(HiCacheStorage):
                 if records:
                     self._append(records)
                 for slot, _ in slots.values():
-                    self._slot_lock(slot, take=False)
+                    self._slot_lock(arena, slot, take=False)
         except BaseException:
-            with self._writer_lock():
-                self._release(arena, slots)
+            self._release(arena, slots)  # our own slots: no writer lock needed
             raise
         self._record(bytes_written=sum(sizes[i] for i in order if results[i]))
+        for i, name in enumerate(names):
+            j = first_of[name]
+            if j != i:
+                results[i] = results[j]
         return results
 
     def _read(self, key: str, views: list[memoryview] | None, target: Any) -> Any:
@@ -1317,10 +1431,9 @@ class MmapBackend(HiCacheStorage):
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
-            for fd in (self._log_fd, self._lock_fd):
-                if fd >= 0:
-                    os.close(fd)
-            self._log_fd = self._lock_fd = -1
+            if self._log_fd >= 0:
+                os.close(self._log_fd)
+            self._log_fd = -1
 
     # ------------------------------------------------------------------ introspection
 

@@ -58,8 +58,18 @@ class IOPool:
 
         futures = [executor.submit(run, s) for s in range(k)]
         # Wait for every worker before raising: a caller that cleans up after an error
-        # must not race workers still touching its buffers.
-        wait(futures)
+        # must not race workers still touching its buffers. That holds when the wait
+        # itself is interrupted (KeyboardInterrupt in a main thread): the workers run on,
+        # so wait for them again before letting the interruption through.
+        try:
+            wait(futures)
+        except BaseException:
+            while not all(f.done() for f in futures):
+                try:
+                    wait(futures)
+                except BaseException:  # noqa: BLE001, S110 - keep waiting, then re-raise the first
+                    pass
+            raise
         for future in futures:
             future.result()
         return out  # type: ignore[return-value]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -380,10 +381,10 @@ def shared_tmp() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("planted", ["arena", "arena.index", "arena.lock"])
+@pytest.mark.parametrize("planted", ["arena", "arena.index"])
 def test_files_another_user_planted_are_refused(shared_tmp: Path, planted: str) -> None:
     """Item 6: another user pre-creates the arena (to read every page written to it) or
-    its index or lock; the backend refuses with a ConfigError naming the path."""
+    its index; the backend refuses with a ConfigError naming the path."""
     target = shared_tmp / planted
     r = as_user(
         f"""
@@ -415,7 +416,7 @@ def test_the_default_location_is_private_to_the_user() -> None:
         st = os.lstat(directory)
         assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
         assert stat.S_IMODE(st.st_mode) == 0o700
-        for suffix in ("", ".index", ".lock"):
+        for suffix in ("", ".index"):
             fst = os.stat(b.path + suffix)
             assert fst.st_uid == os.geteuid() and not fst.st_mode & 0o077
     finally:
@@ -451,3 +452,240 @@ def test_corrupt_reads_warn_rate_limited(
     warnings = [r for r in caplog.records if "checksum mismatch" in r.getMessage()]
     assert len(warnings) == 1
     assert reader.get_stats().corrupt_objects == 300
+
+
+# ----------------------------------------------------------------- the second attack
+
+
+def test_writers_opened_before_and_after_a_lock_file_removal_share_one_lock(
+    arena: Callable[..., MmapBackend], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writers lock the arena file itself: removing a file beside it (the lock file of
+    earlier releases, removed by a /tmp cleaner) can never give two instances two lock
+    domains, in which one took the other's in-flight slot as a dead writer's and the
+    late copy landed in its page."""
+    import hicache_storage.backends._mmap as mm
+
+    a = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    n = a.usage()["slots"]
+    assert a.batch_set([f"f{i}" for i in range(n - 1)], [value(i, 65536) for i in range(n - 1)])
+    (tmp_path / "arena.lock").unlink(missing_ok=True)  # the lock file of earlier releases
+    b = arena(reuse_delay=0, low_free_slots=0)
+    paused, go = threading.Event(), threading.Event()
+    real = mm._copy_in
+
+    def copy_in(arena_: object, slot: int, views: list, ptrs: object) -> None:
+        if threading.current_thread().name == "a-writer":
+            paused.set()
+            go.wait(10)
+        real(arena_, slot, views, ptrs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mm, "_copy_in", copy_in)
+    t = threading.Thread(target=lambda: a.set("X", value(0x58, 65536)), name="a-writer")
+    t.start()
+    assert paused.wait(10)
+    b.set("Y", value(0x59, 65536))  # may fail (the only free slot is being written)
+    go.set()
+    t.join(10)
+    for reader in (b, arena()):
+        got = read(reader, "Y")
+        assert got is None or got == value(0x59, 65536), "a page copied over another's"
+
+
+def test_reused_generations_never_match_a_readers_stale_entry(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    """The slot table is zeroed in place; a new write must not recreate a (slot,
+    generation) pair a running reader still holds for another key."""
+    w = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0)
+    r = arena(reuse_delay=0)
+    assert w.set("A", value(0x41, 4096))
+    assert read(r, "A") == value(0x41, 4096)  # r holds A's entry
+    assert w.delete("A")  # r has not read the DEL yet
+    arena_ = w._arena
+    assert arena_ is not None
+    with open(tmp_path / "arena", "r+b") as f:
+        f.seek(arena_.table_off)
+        f.write(bytes(arena_.data_off - arena_.table_off))
+    fresh = arena(reuse_delay=0)
+    assert fresh.set("B", value(0x42, 4096))
+    got = read(r, "A")
+    assert got is None or got == value(0x41, 4096), "B's page served as A"
+
+
+def test_zeroed_slots_are_never_served_as_hits(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    """Table and data zeroed (a lost write-back without fsync, a restored image): the log
+    still names the key, but nothing proves the bytes are its: a miss, not zeros."""
+    w = arena(capacity="1MiB", slot_size="64KiB")
+    assert w.set("K", value(0x4B, 4096))
+    w.close()
+    size = (tmp_path / "arena").stat().st_size
+    with open(tmp_path / "arena", "r+b") as f:
+        f.seek(4096)
+        f.write(bytes(size - 4096))
+    assert arena().get("K") is None
+
+
+def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
+    arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KeyboardInterrupt in the calling thread mid-batch: the slots are released only
+    after the I/O threads stop copying into them, so no later page is overwritten."""
+    import signal
+
+    import torch
+
+    import hicache_storage.backends._mmap as mm
+
+    pool = make_pool(num_pages=32, page_size=4)
+    a = arena(StorageConfig(namespace=pool_namespace(pool)), capacity="1MiB", slot_size="64KiB",
+              io_threads=2, reuse_delay=0)  # fmt: skip
+    a.register_mem_pool_host(pool)
+    b = arena(io_threads=1, reuse_delay=0)
+    real = mm._copy_in
+
+    def slow(arena_: object, slot: int, views: list, ptrs: object) -> None:
+        if threading.current_thread().name.startswith("hicache-mmap"):
+            time.sleep(0.3)
+        real(arena_, slot, views, ptrs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mm, "_copy_in", slow)
+    timer = threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        a.batch_set_v1([f"p{i}" for i in range(12)], torch.arange(12 * 4))
+    timer.join()
+    monkeypatch.setattr(mm, "_copy_in", real)
+    assert b.batch_set([f"y{i}" for i in range(12)], [b"\x59" * 768] * 12) == [True] * 12
+    time.sleep(1)  # any copy still running would land now
+    for i in range(12):
+        assert read(b, f"y{i}") == b"\x59" * 768
+
+
+@pytest.mark.parametrize("planted", ["fifo", "directory", "group-writable"])
+def test_a_bad_index_under_a_running_instance_gives_failure_shapes_then_recovers(
+    arena: Callable[..., MmapBackend], tmp_path: Path, planted: str
+) -> None:
+    b = arena(capacity="1MiB", slot_size="64KiB")
+    assert b.set("k1", value(1))
+    index = tmp_path / "arena.index"
+    index.unlink()
+    if planted == "fifo":
+        os.mkfifo(index, 0o600)
+    elif planted == "directory":
+        index.mkdir()
+    else:
+        index.write_bytes(b"")
+        os.chmod(index, 0o664)
+    assert b.exists("x") is False  # not ConfigError into the engine
+    assert b.get("x") is None
+    assert b.batch_exists(["x"]) == 0
+    assert b.set("k2", value(2)) is False
+    if planted == "directory":
+        index.rmdir()
+    else:
+        index.unlink()
+    assert b.set("n0", value(3))  # recovers: a new log for this arena
+    assert read(b, "n0") == value(3)
+    assert read(arena(), "n0") == value(3)
+
+
+def test_a_dead_writer_holding_every_slot_does_not_stop_all_writes(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    import signal
+
+    child = textwrap.dedent(
+        f"""
+        import sys, time, torch
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        from tests.conftest import make_pool, pool_namespace
+        from hicache_storage import StorageConfig
+        from hicache_storage.backends import MmapBackend
+        import hicache_storage.backends._mmap as M
+        pool = make_pool(num_pages=64, page_size=4)
+        b = MmapBackend(StorageConfig(namespace=pool_namespace(pool)),
+                        path={str(tmp_path / "arena")!r}, capacity="1MiB", slot_size="64KiB",
+                        reuse_delay=0)
+        b.register_mem_pool_host(pool)
+        n = b.usage()["slots"]
+        def stuck(*args):
+            print("copying", flush=True)
+            time.sleep(120)
+        M._copy_in = stuck
+        b.batch_set_v1([f"p{{i}}" for i in range(n)], torch.arange(n * 4))
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "copying"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc.stdout.close()  # type: ignore[union-attr]
+    b = arena(reuse_delay=0)
+    assert b.set("x", value(1)) is True
+    assert b.batch_set(["y1", "y2"], [value(2), value(3)]) == [True, True]
+    assert read(arena(), "y2") == value(3)
+
+
+def test_a_clock_stepped_back_does_not_keep_retired_slots_out_of_use(
+    arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0.05)
+    n = a.usage()["slots"]
+    assert a.batch_set([f"k{i}" for i in range(n)], [value(i) for i in range(n)]) == [True] * n
+    for i in range(n - 2):
+        assert a.delete(f"k{i}")
+    a.close()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 3600)
+    b = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0.05)
+    assert [b.set(f"new{i}", value(i)) for i in range(3)] == [True] * 3
+
+
+def test_a_log_rewritten_in_place_is_reread_not_cut(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    w = arena(capacity="4MiB", slot_size="64KiB")
+    assert w.set("k1", value(1)) and w.set("k2", value(2))
+    index = tmp_path / "arena.index"
+    os.truncate(index, index.stat().st_size - 50)  # in place: the same inode
+    f = arena()
+    assert f.set("kkk3", value(3))
+    assert w.exists("kkk3")  # w notices the rewrite and reads the log again
+    assert w.set("k4", value(4))  # and never cuts f's record as a torn tail
+    for b in (f, arena()):
+        assert read(b, "kkk3") == value(3)
+        assert read(b, "k4") == value(4)
+
+
+def test_failed_constructors_leak_no_descriptors(tmp_path: Path) -> None:
+    bad = tmp_path / "arena"
+    bad.write_bytes(b"garbage" * 1000)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        with pytest.raises(ConfigError):
+            MmapBackend(StorageConfig(), path=str(bad))
+    good = tmp_path / "good"
+    MmapBackend(StorageConfig(), path=str(good), capacity="1MiB", slot_size="4KiB").close()
+    index = tmp_path / "good.index"
+    os.chmod(index, 0o664)
+    for _ in range(50):
+        with pytest.raises(ConfigError):
+            MmapBackend(StorageConfig(), path=str(good))
+    assert len(os.listdir("/proc/self/fd")) <= before + 2
+
+
+def test_duplicate_keys_in_a_batch_take_one_slot(arena: Callable[..., MmapBackend]) -> None:
+    pool = make_pool(num_pages=8, page_size=4)
+    b = arena(StorageConfig(namespace=pool_namespace(pool)), capacity="1MiB", slot_size="4KiB")
+    b.register_mem_pool_host(pool)
+    assert b.batch_set_v1(["d", "d", "d", "d"], list(range(16))) == [True] * 4
+    arena_ = b._arena
+    assert arena_ is not None
+    assert int((arena_.slots["state"] == 2).sum()) == 1  # one COMMITTED row, no leaks
+    assert b.usage()["live"] == 1
