@@ -539,7 +539,7 @@ class FileStore(HiCacheStorage):
             got = preadv_all(fd, [memoryview(head), *views], 0)
             if got != st.st_size:
                 raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
-            header = decode_header(head)
+            header = decode_header(head, name.path)  # renamed or swapped: not this key's
             if header.payload_len != payload:
                 raise CorruptObjectError(
                     f"header says {header.payload_len} bytes, file holds {payload}"
@@ -650,7 +650,9 @@ class FileStore(HiCacheStorage):
             return True
         payload = total_nbytes(views)
         nbytes = HEADER_SIZE + payload
-        header = encode_header(payload, checksum(views, self._algorithm), self._algorithm)
+        header = encode_header(
+            payload, checksum(views, self._algorithm), self._algorithm, name.path
+        )
         data: list[memoryview | bytes] = [header, *views]
         reservation: Reservation | None = None
         try:  # released on any exit unless committed (the reservation may be replaced)

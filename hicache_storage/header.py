@@ -1,24 +1,29 @@
 """The stored-object header: truncation or corruption reads as a miss, never as garbage KV.
 
-Every object a byte-oriented backend stores is ``header || payload``. The header is 32
+Every object a byte-oriented backend stores is ``header || payload``. The header is 48
 bytes, little-endian::
 
     offset size field
     0      4    magic         b"HCS\\x01"
-    4      1    version       1
+    4      1    version       2
     5      1    algorithm     0 = no payload checksum, 1 = xxh3-64
     6      2    flags         0 (reserved)
     8      8    payload_len   bytes of payload that follow the header
     16     8    checksum      payload checksum (0 when algorithm is 0)
-    24     4    header_crc    CRC-32 of bytes 0..23
-    28     4    reserved      0
+    24     16   name_digest   BLAKE2b-128 of the object's name
+    40     4    header_crc    CRC-32 of bytes 0..39
+    44     4    reserved      0
 
-The payload checksum is xxh3-64 (about 35 GiB/s on one core here), computed over the
-payload's segments in order without joining them.
+The name digest binds an object to the name it was stored under: a file renamed,
+copied or linked to another key's name (another user swapping two of a victim's pages in
+a directory they control, a confused copy between namespaces) reads as a miss, never as
+that key's page. The payload checksum is xxh3-64, computed over the payload's segments in
+order without joining them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 from collections.abc import Sequence
@@ -35,13 +40,14 @@ __all__ = [
     "checksum",
     "decode_header",
     "encode_header",
+    "name_digest",
     "verify_payload",
 ]
 
 MAGIC = b"HCS\x01"
-VERSION = 1
-HEADER_SIZE = 32
-_FMT = struct.Struct("<4sBBHQQ")  # 24 bytes, then header_crc and reserved
+VERSION = 2
+HEADER_SIZE = 48
+_FMT = struct.Struct("<4sBBHQQ16s")  # 40 bytes, then header_crc and reserved
 _TAIL = struct.Struct("<II")
 
 #: Checksum algorithms by option name.
@@ -81,27 +87,35 @@ def checksum(views: Sequence[memoryview], algorithm: int) -> int:
     raise CorruptObjectError(f"unknown checksum algorithm id {algorithm}")
 
 
-def encode_header(payload_len: int, payload_checksum: int, algorithm: int) -> bytes:
-    """Return the 32-byte header for a payload."""
-    head = _FMT.pack(MAGIC, VERSION, algorithm, 0, payload_len, payload_checksum)
+def name_digest(name: str) -> bytes:
+    """The 16-byte digest that binds an object to ``name`` (its stored object name)."""
+    return hashlib.blake2b(name.encode("utf-8"), digest_size=16).digest()
+
+
+def encode_header(payload_len: int, payload_checksum: int, algorithm: int, name: str) -> bytes:
+    """Return the header for a payload stored under ``name``."""
+    head = _FMT.pack(MAGIC, VERSION, algorithm, 0, payload_len, payload_checksum, name_digest(name))
     return head + _TAIL.pack(zlib.crc32(head), 0)
 
 
-def decode_header(raw: bytes | bytearray | memoryview) -> ObjectHeader:
-    """Decode and check a header; raise :class:`CorruptObjectError` if it is not valid."""
+def decode_header(raw: bytes | bytearray | memoryview, name: str | None = None) -> ObjectHeader:
+    """Decode and check a header; raise :class:`CorruptObjectError` if it is not valid, or
+    (with ``name``) if it was not stored under ``name``."""
     if len(raw) < HEADER_SIZE:
         raise CorruptObjectError(f"object shorter than its header ({len(raw)} bytes)")
-    head = bytes(raw[:24])
-    magic, version, algorithm, _flags, payload_len, csum = _FMT.unpack(head)
-    crc, _reserved = _TAIL.unpack(bytes(raw[24:HEADER_SIZE]))
-    if magic != MAGIC:
+    head = bytes(raw[: _FMT.size])
+    if head[:4] != MAGIC:
         raise CorruptObjectError("bad magic: not a hicache-storage object")
+    if head[4] != VERSION:
+        raise CorruptObjectError(f"unsupported object version {head[4]}")
+    _magic, _version, algorithm, _flags, payload_len, csum, digest = _FMT.unpack(head)
+    crc, _reserved = _TAIL.unpack(bytes(raw[_FMT.size : HEADER_SIZE]))
     if zlib.crc32(head) != crc:
         raise CorruptObjectError("header checksum mismatch")
-    if version != VERSION:
-        raise CorruptObjectError(f"unsupported object version {version}")
     if algorithm not in ALGORITHMS.values():
         raise CorruptObjectError(f"unknown checksum algorithm id {algorithm}")
+    if name is not None and digest != name_digest(name):
+        raise CorruptObjectError("the object was stored under another name")
     return ObjectHeader(algorithm, payload_len, csum)
 
 

@@ -25,9 +25,9 @@ def test_header_round_trip_and_checks() -> None:
     payload = [memoryview(b"hello "), memoryview(b"world")]
     csum = checksum(payload, 1)
     assert csum == checksum([memoryview(b"hello world")], 1)  # segments hash like one buffer
-    raw = encode_header(11, csum, 1)
+    raw = encode_header(11, csum, 1, "ns/ab/key")
     assert len(raw) == HEADER_SIZE
-    h = decode_header(raw)
+    h = decode_header(raw, "ns/ab/key")
     assert (h.algorithm, h.payload_len, h.checksum) == (1, 11, csum)
     verify_payload(h, payload)
     with pytest.raises(CorruptObjectError, match="checksum"):
@@ -38,7 +38,7 @@ def test_header_round_trip_and_checks() -> None:
 
 @pytest.mark.parametrize("offset", range(HEADER_SIZE - 4))
 def test_any_flipped_header_byte_is_detected(offset: int) -> None:
-    raw = bytearray(encode_header(11, 1234, 1))
+    raw = bytearray(encode_header(11, 1234, 1, "ns/ab/key"))
     raw[offset] ^= 0x01
     with pytest.raises(CorruptObjectError):
         decode_header(raw)
@@ -46,7 +46,16 @@ def test_any_flipped_header_byte_is_detected(offset: int) -> None:
 
 def test_short_header_is_corrupt() -> None:
     with pytest.raises(CorruptObjectError):
-        decode_header(encode_header(1, 0, 0)[:10])
+        decode_header(encode_header(1, 0, 0, "k")[:10])
+
+
+def test_a_header_is_bound_to_its_name() -> None:
+    raw = encode_header(5, 0, 0, "ns/ab/key-x")
+    decode_header(raw)  # no name given: not checked
+    decode_header(raw, "ns/ab/key-x")
+    for other in ("ns/ab/key-y", "other/ab/key-x", "ns/ab/key-x~tp1of2", ""):
+        with pytest.raises(CorruptObjectError, match="another name"):
+            decode_header(raw, other)
 
 
 def test_write_atomic_first_writer_wins(tmp_path: Path) -> None:

@@ -575,3 +575,36 @@ def test_stale_leftovers_are_removed_at_startup(make_file_backend: Factory, root
     assert not leftover.exists()
     assert not trash.exists()
     assert bytes(again.get("k").numpy()) == b"v"
+
+
+@pytest.mark.parametrize("kind", ["file", "shm"])
+def test_a_page_moved_to_another_keys_name_is_a_miss(kind: str, root: str) -> None:
+    """Issue 8, second attack: someone who controls a directory (another user after a
+    tmp cleaner removed the root, an operator's copy) swaps two of this user's pages: each
+    file still passes the ownership rule, but it was stored under the other name, so it
+    reads as a miss (and is removed), never as the other key's page."""
+    import shutil
+    import uuid
+
+    from hicache_storage.backends import ShmBackend
+
+    shm_dir = f"/dev/shm/hicache-swap-{uuid.uuid4().hex[:8]}"
+    b = (
+        FileBackend(StorageConfig(), root=root)
+        if kind == "file"
+        else ShmBackend(StorageConfig(), directory=shm_dir)
+    )
+    try:
+        assert b.set("X", b"\x58" * 4096) and b.set("Y", b"\x59" * 4096)
+        px, py = b._path(b.object_name("X")), b._path(b.object_name("Y"))
+        tmp = px + ".swap"
+        os.rename(px, tmp)
+        os.rename(py, px)
+        os.rename(tmp, py)
+        assert b.get("X") is None and b.get("Y") is None
+        assert b.get_stats().corrupt_objects == 2
+        assert b.set("X", b"\x58" * 4096)
+        assert bytes(b.get("X").numpy()) == b"\x58" * 4096
+    finally:
+        b.close()
+        shutil.rmtree(shm_dir, ignore_errors=True)

@@ -55,10 +55,14 @@ def location(request: pytest.FixtureRequest) -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def page_file_bytes(payload: bytes, algorithm: str = "xxh3") -> bytes:
-    """A well-formed stored object (header + payload), as an attacker would forge it."""
+def page_file_bytes(payload: bytes, algorithm: str = "xxh3", key: str = "victim-key") -> bytes:
+    """A well-formed stored object (header + payload) for ``key`` in NS, as an attacker
+    would forge it (the name digest is public: forging it is easy)."""
+    from hicache_storage.keys import object_name
+
     alg = algorithm_id(algorithm)
-    return encode_header(len(payload), checksum([payload], alg), alg) + payload
+    name = object_name(NS.digest, key, None).path
+    return encode_header(len(payload), checksum([payload], alg), alg, name) + payload
 
 
 def object_path(kind: str, root: str, key: str) -> str:
@@ -299,7 +303,9 @@ def test_a_root_or_namespace_another_user_prepared_is_refused(
     root = os.path.join(shared_dirs[kind], "store")
     dst = object_path(kind, root, "k")
     algorithm = "xxh3" if kind == "file" else "none"
-    planted = plant(NOBODY, dst, page_file_bytes(b"\x66" * 64, algorithm), tmp_path, dirmode="755")
+    planted = plant(
+        NOBODY, dst, page_file_bytes(b"\x66" * 64, algorithm, key="k"), tmp_path, dirmode="755"
+    )
     assert planted.returncode == 0, planted.stderr
     # 1. The root itself is another user's.
     with pytest.raises(ConfigError, match=rf"{root}.*owned by uid {NOBODY}.*Fix"):
@@ -370,8 +376,8 @@ def test_group_mode_trusts_members_and_nobody_else(shm_dir: str, tmp_path: Path)
     assert member.returncode == 0, member.stderr
     assert member.stdout.split() == ["True", "True"]  # the member writes and reads ours
     assert bytes(b.get("shared").numpy()) == b"\x44" * 64  # and we read the member's
-    forged = page_file_bytes(b"\x66" * 64, "none")
     for key, mode, gid in (("own-group", "644", str(MEMBER)), ("world-writable", "666", "-")):
+        forged = page_file_bytes(b"\x66" * 64, "none", key=key)
         dst = b._path(b.object_name(key))
         r = plant(MEMBER, dst, forged, tmp_path, mode=mode, groups=[GROUP])
         assert r.returncode == 0, r.stderr

@@ -468,7 +468,7 @@ class InPlaceFile(FileBackend):
         if os.path.exists(path):
             return True
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        header = encode_header(total_nbytes(views), checksum(views, 1), 1)
+        header = encode_header(total_nbytes(views), checksum(views, 1), 1, name.path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             os.write(fd, header)

@@ -90,7 +90,7 @@ class SQLiteBackend(HiCacheStorage):
             return None
         blob = memoryview(row[0])
         try:
-            header = decode_header(blob[:HEADER_SIZE])
+            header = decode_header(blob[:HEADER_SIZE], self._name(key))
             payload = blob[HEADER_SIZE:]
             verify_payload(header, [payload])
         except CorruptObjectError:
@@ -112,7 +112,7 @@ class SQLiteBackend(HiCacheStorage):
 
     def set(self, key: str, value: Any) -> bool:
         views = source_views(value)
-        header = encode_header(total_nbytes(views), checksum(views, 1), 1)
+        header = encode_header(total_nbytes(views), checksum(views, 1), 1, self._name(key))
         blob = b"".join([header, *views])
         # INSERT OR IGNORE: the first writer wins, an existing page is never replaced.
         self._db().execute(
