@@ -48,6 +48,7 @@ runs one prefetch and one backup thread against one instance), and several proce
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import inspect
 import logging
@@ -60,7 +61,7 @@ from types import TracebackType
 from typing import Any, ClassVar, TypeVar
 
 from hicache_storage.buffers import PageBuffer, Segment, memoryview_at, source_views, total_nbytes
-from hicache_storage.config import StorageConfig
+from hicache_storage.config import StorageConfig, scrub, secret_values
 from hicache_storage.errors import (
     BackendClosedError,
     BackendError,
@@ -344,6 +345,7 @@ class _State:
         self.closing = False
         self.strict = os.environ.get("HICACHE_STORAGE_STRICT", "") not in ("", "0", "false")
         self.log = RateLimitedLog(logger)
+        self.secrets: list[str] | None = None  # values of secret options, once known
 
 
 # --------------------------------------------------------------------------- the ABC
@@ -409,16 +411,36 @@ class HiCacheStorage(abc.ABC):
         return self._hicache_state().closed
 
     def _log_failure(self, op: str, exc: BaseException) -> None:
+        """Log a failure (rate limited). The message and, for unexpected exceptions, the
+        traceback are scrubbed of this backend's secret option values and URL passwords:
+        a client's error may quote them."""
         unexpected = not isinstance(exc, (BackendError, OSError, TimeoutError, ConnectionError))
+        secrets = self._secret_values()
+        text = scrub(str(exc), secrets)
+        if unexpected:
+            import traceback
+
+            text += "\n" + scrub("".join(traceback.format_exception(exc)), secrets).rstrip()
         self._hicache_state().log(
             "fail:" + op,
             "%s.%s failed (%s: %s); returning its failure result",
             type(self).__name__,
             op,
             type(exc).__name__,
-            exc,
-            exc_info=unexpected,
+            text,
         )
+
+    def _secret_values(self) -> list[str]:
+        """Values of this backend's secret options (its ``options`` dataclass, if any)."""
+        state = self._hicache_state()
+        if state.secrets is not None:
+            return state.secrets
+        opts = getattr(self, "options", None)
+        if opts is None or not dataclasses.is_dataclass(opts) or isinstance(opts, type):
+            return []  # not parsed yet (or none): look again next time
+        values = {f.name: getattr(opts, f.name, None) for f in dataclasses.fields(opts)}
+        state.secrets = secret_values(values, type(opts))
+        return state.secrets
 
     def _record(self, **counters: int) -> None:
         """Add to this backend's scalar counters (``bytes_read``, ``corrupt_objects``...)."""

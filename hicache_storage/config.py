@@ -18,7 +18,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -39,7 +39,9 @@ __all__ = [
     "parse_size",
     "redact_options",
     "redact_text",
+    "scrub",
     "secret",
+    "secret_values",
 ]
 
 #: Keys of the extra config that belong to the engine's controller or to the reference
@@ -63,8 +65,11 @@ REDACTED = "<redacted>"
 #: Words that make an option name a secret, as a whole part of the name (``_``/``-``
 #: separated): ``password``, ``redis_password``, ``aws_secret_access_key``, ``token``...
 _SECRET_WORDS = frozenset(
-    {"password", "passwd", "pass", "secret", "token", "key", "credential", "credentials"}
-)
+    {
+        "password", "passwd", "pass", "passphrase", "pwd", "secret", "token", "key", "auth",
+        "credential", "credentials", "cookie", "signature", "apikey", "privatekey",
+    }
+)  # fmt: skip
 #: ``scheme://user:password@host``: the password part of a URL.
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:)(?P<pw>[^@/\s]+)(?=@)")
 
@@ -76,14 +81,15 @@ def secret(default: Any = None) -> Any:
 
         auth: str | None = secret()
     """
-    return field(default=default, metadata={"secret": True})
+    return field(default=default, metadata={"secret": True}, repr=False)
 
 
 def is_secret_option(name: str, options_class: type | None = None) -> bool:
     """True if option ``name`` holds a secret: its name says so (a part of it is
     ``password``, ``secret``, ``token``, ``key``, ``credentials``...), or the backend's
     options class marks the field with :func:`secret`."""
-    parts = re.split(r"[_\-.\s]+", name.lower())
+    spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name)  # camelCase: apiKey, accessKeyId
+    parts = re.split(r"[_\-.\s]+", spaced.lower())
     if any(p in _SECRET_WORDS for p in parts):
         return True
     if options_class is not None and dataclasses.is_dataclass(options_class):
@@ -422,16 +428,54 @@ def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
         else:
             continue
         kwargs[name] = _coerce(raw, hints[name], name, is_secret_option(name, cls))
+    _redact_repr(cls)
     try:
         return cls(**kwargs)
-    except ConfigError:
-        raise
     except (TypeError, ValueError, OverflowError) as exc:
-        # An options class's own check that is not a ConfigError: still a bad option,
-        # and its message may hold a value, so secrets are cut out of it.
-        secrets_ = [str(v) for k, v in kwargs.items() if v is not None and is_secret_option(k, cls)]
-        msg = redact_text(f"{type(exc).__name__}: {exc}")
-        for s in sorted(secrets_, key=len, reverse=True):
-            if s:
-                msg = msg.replace(s, REDACTED)
+        # An options class's own check (a ConfigError included): still a bad option, and
+        # its message may hold a value, so secrets are cut out of it.
+        msg = scrub(f"{exc}", secret_values(kwargs, cls))
+        if not isinstance(exc, ConfigError):
+            msg = f"{type(exc).__name__}: {msg}"
         raise ConfigError(f"invalid options for backend {backend!r}: {msg}") from None
+
+
+def secret_values(options: Mapping[str, Any], options_class: type | None = None) -> list[str]:
+    """The values of the secret options in ``options`` (as text), for :func:`scrub`."""
+    out = []
+    for name, value in options.items():
+        if value is not None and is_secret_option(str(name), options_class):
+            out.append(str(value))
+    return out
+
+
+def scrub(text: str, secrets: Sequence[str] = ()) -> str:
+    """``text`` without URL passwords and without any of ``secrets`` (values of 4
+    characters or more; shorter ones would garble the text and are redacted by name)."""
+    text = redact_text(text)
+    for value in sorted(set(secrets), key=len, reverse=True):
+        if len(value) >= 4:
+            text = text.replace(value, REDACTED)
+    return text
+
+
+def _redact_repr(cls: type) -> None:
+    """Give an options dataclass a ``repr`` that shows secret fields redacted and URL
+    passwords cut out (its generated one would print them), once per class."""
+    if cls.__dict__.get("_hicache_redacting_repr"):
+        return
+    fields = [f for f in dataclasses.fields(cls) if f.repr or is_secret_option(f.name, cls)]
+    hidden = {f.name for f in fields if is_secret_option(f.name, cls)}
+
+    def shown(self: Any, name: str) -> str:
+        value = getattr(self, name)
+        if name in hidden and value is not None:
+            return REDACTED
+        return redact_text(repr(value))
+
+    def __repr__(self: Any) -> str:
+        body = ", ".join(f"{f.name}={shown(self, f.name)}" for f in fields)
+        return f"{type(self).__qualname__}({body})"
+
+    cls.__repr__ = __repr__  # type: ignore[method-assign, assignment]
+    cls._hicache_redacting_repr = True  # type: ignore[attr-defined]
