@@ -280,3 +280,28 @@ def test_conformance_preflight_uses_the_kits_environment_variable(
     monkeypatch.setenv("HICACHE_STORAGE_BACKEND_EXTRA_CONFIG", '{"rooot": 1}')
     code, out, err = run_main(["conformance", "--hicache-storage-backend", "file"], capsys)
     assert_one_line_error(code, out, err, "unknown option")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--report", "/nonexistent/dir/r.json"],
+        ["--markdown", "/nonexistent/dir/r.md"],
+        ["-k", "and or ("],
+    ],
+)
+def test_conformance_refuses_bad_outputs_and_filters_before_running(
+    extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Second attack: these ran the whole kit, then failed (exit 1 or 4, several lines)."""
+    from hicache_storage.cli.main import main
+
+    config = json.dumps({"root": str(tmp_path / "r")})
+    code = main(
+        ["conformance", "--hicache-storage-backend", "file",
+         "--hicache-storage-backend-extra-config", config, *extra]
+    )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert "passed" not in out

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from hicache_storage.config import REDACTED, is_secret_option, load_extra_config, redact_text
-from hicache_storage.errors import HiCacheStorageError
+from hicache_storage.errors import ConfigError, HiCacheStorageError
 from hicache_storage.registry import available_backends
 
 __all__ = ["build_parser", "main"]
@@ -233,6 +233,28 @@ def _preflight(args: argparse.Namespace, options: dict[str, Any]) -> None:
         backend.close()
 
 
+def _check_conformance_args(args: argparse.Namespace) -> None:
+    """Refuse, before anything runs, report paths that cannot be written and a ``-k``
+    expression pytest cannot parse (they used to fail only after the whole kit ran)."""
+    import os
+
+    for flag, path in (("--report", args.report), ("--markdown", args.markdown)):
+        if path is None:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ConfigError(f"{flag} {path}: cannot write a file there")
+    if args.k:
+        try:
+            from _pytest.mark.expression import Expression
+        except ImportError:  # pragma: no cover - pytest moved it: pytest reports it then
+            return
+        try:
+            Expression.compile(args.k)
+        except Exception as exc:  # noqa: BLE001 - its parse error type is private
+            raise ConfigError(f"-k {args.k!r} is not a valid expression: {exc}") from None
+
+
 def _cmd_conformance(args: argparse.Namespace) -> int:
     import os
     import tempfile
@@ -240,6 +262,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     if args.extra_config is None:  # the kit reads its environment variable then: so do we
         args.extra_config = os.environ.get("HICACHE_STORAGE_BACKEND_EXTRA_CONFIG")
     options = _load_options(args)
+    _check_conformance_args(args)
     _preflight(args, options)
 
     import pytest
