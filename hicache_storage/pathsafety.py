@@ -19,42 +19,73 @@ This module holds the rules, once for every backend:
 
 Trust rule, in one place (documented in ``docs/backends/file.md``):
 
-=============  ==============================================  ===========================
-mode           owner                                           mode bits that must be off
-=============  ==============================================  ===========================
-private        the effective uid                               group and other write
-group ``G``    the effective uid, or any user with group ``G``  other write
-=============  ==============================================  ===========================
+=============  ======================================================  ===================
+mode           owner                                                   mode bits that must
+                                                                       be off
+=============  ======================================================  ===================
+private        the effective uid                                       group and other
+                                                                       write
+group ``G``    the effective uid, or (with group ``G``) a current      other write
+               member of ``G`` or root
+=============  ======================================================  ===================
 
 In group mode the members of ``G`` trust each other (any of them may add pages); a file
-or directory that is not this user's and not of group ``G`` is never trusted. Only a
-member of ``G`` (or root) can give a file group ``G``, so an outsider cannot plant one.
+or directory that is not this user's and not of group ``G`` is never trusted, and neither
+is one of group ``G`` whose owner is no longer a member (a former member who owns a
+setgid directory of the store could otherwise still create files of group ``G`` in it).
+Membership is read from the system's user and group databases (``pwd``/``grp``: the
+owner's primary group, or the group's member list), cached for :data:`MEMBERSHIP_TTL`
+seconds. A group the group database does not know (a bare numeric gid, as in some
+containers) has no member list to check: then any owner of a file of group ``G`` counts
+as a member, as only a member (or root) can give a file that group; this is logged once
+per group.
+
+Directories are created, checked and given to the group through a descriptor opened with
+``O_DIRECTORY | O_NOFOLLOW`` (``fstat``, ``fchown``, ``fchmod``), never by path, so a
+member who swaps a just-created directory for a symlink cannot redirect a ``chmod`` to a
+directory elsewhere.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import grp
+import logging
 import os
+import pwd
 import stat
+import time
 
 from hicache_storage.errors import ConfigError, CorruptObjectError
 
 __all__ = [
+    "MEMBERSHIP_TTL",
     "NotRegularFileError",
     "UnsafePathError",
     "check_file",
     "check_path",
     "ensure_dir",
     "ensure_parent",
+    "is_member",
     "is_trusted",
     "open_regular",
     "open_regular_stat",
     "user_dir",
 ]
 
+logger = logging.getLogger(__name__)
+
 #: Directories of the system that may be world-writable (sticky, root-owned) parents.
 _SYSTEM_DIRS = frozenset({"/", "/tmp", "/var/tmp", "/dev/shm", "/run", "/run/user"})
+
+#: Seconds a group-membership answer is reused (a user removed from the group stops being
+#: trusted within this time; lookups stay off the per-page path).
+MEMBERSHIP_TTL = 5.0
+_membership: dict[tuple[int, int], tuple[float, bool]] = {}
+_unlisted_groups_logged: set[int] = set()
+#: ``open`` flags for a directory: never through a symlink in the last component.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class UnsafePathError(ConfigError):
@@ -103,6 +134,48 @@ def is_trusted(st: os.stat_result, gid: int | None = None) -> bool:
     return _problem(st, gid) is None
 
 
+def is_member(uid: int, gid: int) -> bool:
+    """True if user ``uid`` is a member of group ``gid`` now, as the system's databases say.
+
+    A member has ``gid`` as its primary group (``pwd``) or is listed in the group's
+    members (``grp``); root counts as a member (it can give itself any group). A group the
+    group database does not know cannot be checked: every user counts as a member then
+    (logged once per group). Answers are cached for :data:`MEMBERSHIP_TTL` seconds.
+    """
+    if uid == 0:
+        return True
+    key = (uid, gid)
+    now = time.monotonic()
+    cached = _membership.get(key)
+    if cached is not None and cached[0] > now:
+        return cached[1]
+    member = _lookup_member(uid, gid)
+    _membership[key] = (now + MEMBERSHIP_TTL, member)
+    return member
+
+
+def _lookup_member(uid: int, gid: int) -> bool:
+    try:
+        group = grp.getgrgid(gid)
+    except (KeyError, OverflowError):
+        if gid not in _unlisted_groups_logged:
+            _unlisted_groups_logged.add(gid)
+            logger.warning(
+                "group %d has no entry in the group database, so the membership of the "
+                "owners of its files cannot be checked: every file and directory of group "
+                "%d is trusted as a member's. Add the group (with its members) to the "
+                "group database to have former members refused",
+                gid,
+                gid,
+            )
+        return True
+    try:
+        user = pwd.getpwuid(uid)
+    except (KeyError, OverflowError):
+        return False  # a uid the user database does not know is listed in no group
+    return user.pw_gid == gid or user.pw_name in group.gr_mem
+
+
 def _problem(st: os.stat_result, gid: int | None) -> str | None:
     """What makes ``st`` untrusted (owner, then write bits), or None."""
     euid = os.geteuid()
@@ -113,11 +186,17 @@ def _problem(st: os.stat_result, gid: int | None) -> str | None:
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             return f"its mode {_mode_str(st.st_mode)} lets other users write to it"
         return None
-    if not mine and st.st_gid != gid:
-        return (
-            f"it is owned by uid {st.st_uid} and group {st.st_gid}: neither you (uid {euid}) "
-            f"nor the sharing group {gid}"
-        )
+    if not mine:
+        if st.st_gid != gid:
+            return (
+                f"it is owned by uid {st.st_uid} and group {st.st_gid}: neither you (uid "
+                f"{euid}) nor the sharing group {gid}"
+            )
+        if not is_member(st.st_uid, gid):
+            return (
+                f"it is owned by uid {st.st_uid}, who is not a member of the sharing group "
+                f"{gid} (not you, uid {euid}, either)"
+            )
     if st.st_mode & stat.S_IWOTH:
         return f"its mode {_mode_str(st.st_mode)} lets every user write to it"
     return None
@@ -166,9 +245,22 @@ def _check_existing_dir(
                 "directory"
             )
         # Our own directory, asked to be shared: give it to the group (only adds access
-        # for the configured group; others still cannot write).
-        os.chown(path, -1, gid)
-        os.chmod(path, mode)
+        # for the configured group; others still cannot write). Through a descriptor of
+        # the very directory just checked: a symlink or another directory swapped in
+        # since is never changed.
+        try:
+            fd = os.open(path, _DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                raise _refuse(path, "it was replaced while being checked", "retry") from None
+            raise
+        try:
+            now = os.fstat(fd)
+            if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev) or now.st_uid != st.st_uid:
+                raise _refuse(path, "it was replaced while being checked", "retry")
+            _share(fd, mode, gid)
+        finally:
+            os.close(fd)
 
 
 def _check_ancestors(path: str) -> None:
@@ -192,15 +284,39 @@ def _check_ancestors(path: str) -> None:
         parent = up
 
 
+def _share(fd: int, mode: int, gid: int | None) -> None:
+    """Give the directory open as ``fd`` group ``gid`` and exactly ``mode``."""
+    if gid is not None:
+        os.fchown(fd, -1, gid)
+    os.fchmod(fd, mode)  # mkdir masks the mode with the umask and may drop setgid
+
+
 def _make_dir(path: str, mode: int, gid: int | None) -> bool:
-    """mkdir with exactly ``mode`` and group ``gid``; False if something already exists."""
+    """mkdir with exactly ``mode`` and group ``gid``; False if something already exists.
+
+    Mode and group are set through a descriptor opened without following a symlink, and
+    only if it is a directory of this user: in a directory that others may write (a
+    shared store), what sits at ``path`` right after ``mkdir`` may already be something
+    else (a symlink to a private directory, another user's directory). Then False: the
+    caller checks what is there as an existing path.
+    """
     try:
         os.mkdir(path, 0o700)  # nobody else can enter while mode and group are set
     except FileExistsError:
         return False
-    if gid is not None:
-        os.chown(path, -1, gid)
-    os.chmod(path, mode)  # mkdir masks the mode with the umask and may drop setgid
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            return False  # replaced at once (symlink, file) or moved away
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            return False  # another user's directory was put in its place
+        _share(fd, mode, gid)
+    finally:
+        os.close(fd)
     return True
 
 

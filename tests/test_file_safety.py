@@ -16,7 +16,7 @@ import sys
 import textwrap
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +104,14 @@ PLANT = textwrap.dedent("""
 
 
 def run_as(
-    uid: int, gid: int, groups: list[int], script: str, *args: str
+    uid: int, gid: int, groups: list[int], script: str, *args: str, wrap: Sequence[str] = ()
 ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` (which calls ``drop()`` once it has imported what it needs) as
-    ``uid``/``gid`` with supplementary ``groups``; ``args`` are its ``args``."""
+    ``uid``/``gid`` with supplementary ``groups``; ``args`` are its ``args``. ``wrap``:
+    a command line the interpreter runs under (see :func:`with_user_db`)."""
     return subprocess.run(
         [
+            *wrap,
             sys.executable,
             "-c",
             PRELUDE + script,
@@ -397,6 +399,114 @@ def shm_dir() -> Iterator[str]:
     d = f"/dev/shm/hicache-test-{uuid.uuid4().hex[:8]}"
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+FORMER = MEMBER  # 4243: a member once, no longer listed in the group database
+LISTED = 4244  # a current member: listed in the group's member list
+
+
+@pytest.fixture
+def with_user_db(tmp_path: Path) -> list[str]:
+    """A command prefix that runs a program in a private mount namespace whose
+    /etc/passwd and /etc/group know the test users and group 4242, with only LISTED as a
+    member (FORMER was removed). Nothing outside that namespace sees these files."""
+    db = tmp_path / "db"
+    db.mkdir()
+    os.chmod(tmp_path, 0o755)
+    passwd = db / "passwd"
+    passwd.write_text(
+        Path("/etc/passwd").read_text()
+        + f"former:x:{FORMER}:{FORMER}::/:/bin/false\nlisted:x:{LISTED}:{LISTED}::/:/bin/false\n"
+    )
+    group = db / "group"
+    group.write_text(Path("/etc/group").read_text() + f"kvshare:x:{GROUP}:listed\n")
+    for f in (passwd, group):
+        os.chmod(f, 0o644)
+    script = f'mount --bind {passwd} /etc/passwd && mount --bind {group} /etc/group && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+
+
+FORMER_PREPARES = textwrap.dedent("""
+    import torch
+    from hicache_storage import StorageConfig
+    from hicache_storage.backends import ShmBackend
+    from hicache_storage.keys import object_name
+    sys.path.insert(0, args[2])
+    from tests.test_file_safety import NS, page_file_bytes
+    root, step = args[0], args[1]
+    name = object_name(NS.digest, "victim-key", None)
+    fan = os.path.join(root, name.namespace, name.fanout)
+    if step == "former":  # a descriptor it kept from its member days (any process of it)
+        held = os.open(fan, os.O_RDONLY | os.O_DIRECTORY)
+    drop()
+    if step == "member":  # still holding the group: a page, and the fan-out directory
+        b = ShmBackend(StorageConfig(namespace=NS), directory=root, group=4242)
+        print(b.set("old-page", b"\x01" * 64), end=" ")
+        if not os.path.isdir(fan):
+            os.mkdir(fan)
+        os.chmod(fan, 0o2770)
+        print(os.stat(fan).st_uid == os.getuid() and os.stat(fan).st_gid == 4242)
+    else:  # out of the group: the setgid directory it owns still gives its files the group
+        fd = os.open(name.leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640, dir_fd=held)
+        os.write(fd, page_file_bytes(b"EVIL" * 16, "none"))
+        print(os.fstat(fd).st_gid, os.getgroups())
+        os.close(fd)
+""")
+
+LISTED_READS = textwrap.dedent("""
+    import torch
+    from hicache_storage import StorageConfig
+    from hicache_storage.backends import ShmBackend
+    from hicache_storage.errors import ConfigError
+    sys.path.insert(0, args[1])
+    from tests.test_file_safety import NS
+    drop()
+    try:
+        b = ShmBackend(StorageConfig(namespace=NS), directory=args[0], group=4242)
+    except ConfigError as exc:
+        print("ConfigError", exc)
+        raise SystemExit(0)
+    def show(key):
+        got = b.get(key)
+        return "miss" if got is None else bytes(got.numpy())[:4].decode(errors="replace")
+    print(show("victim-key"), show("old-page"), show("from-root"), b.set("listed", b"L" * 64))
+""")
+
+
+def test_a_former_member_cannot_plant_pages_members_serve(
+    shm_dir: str, with_user_db: list[str]
+) -> None:
+    """Second attack D3, with real users and a real group database (in a private mount
+    namespace): FORMER, a member once, made a fan-out directory of the store (setgid, of
+    group 4242) and a page; removed from the group, it can still create files there, which
+    get group 4242. A current member must miss them all: the owner is no longer a member.
+    A store root a former member owns is refused outright."""
+    repo = str(Path(__file__).parents[1])
+    owner = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, group=GROUP)
+    assert owner.set("from-root", b"ROOT" * 16)
+    r = run_as(FORMER, FORMER, [GROUP], FORMER_PREPARES, shm_dir, "member", repo, wrap=with_user_db)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True"], (r.stdout, r.stderr)
+    r = run_as(FORMER, FORMER, [], FORMER_PREPARES, shm_dir, "former", repo, wrap=with_user_db)
+    assert r.returncode == 0 and r.stdout.split()[0] == str(GROUP), (r.stdout, r.stderr)
+    r = run_as(LISTED, LISTED, [GROUP], LISTED_READS, shm_dir, repo, wrap=with_user_db)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["miss", "miss", "ROOT", "True"], (r.stdout, r.stderr)
+    assert bytes(owner.get("listed").numpy()) == b"L" * 64  # a current member's page is shared
+    owner.close()
+    # A whole store created by the former member while it was one.
+    theirs = shm_dir + "-former"
+    try:
+        r = run_as(
+            FORMER, FORMER, [GROUP], FORMER_PREPARES, theirs, "member", repo, wrap=with_user_db
+        )
+        assert r.returncode == 0, r.stderr
+        r = run_as(LISTED, LISTED, [GROUP], LISTED_READS, theirs, repo, wrap=with_user_db)
+        assert r.returncode == 0, r.stderr
+        assert (
+            r.stdout.startswith("ConfigError") and f"uid {FORMER}, who is not a member" in r.stdout
+        )
+    finally:
+        shutil.rmtree(theirs, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ item 12: removed root

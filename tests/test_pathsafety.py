@@ -195,3 +195,131 @@ def test_a_symlinked_parent_is_fine(tmp_path: Path) -> None:
     ensure_dir(str(tmp_path / "data" / "kv"))
     assert (tmp_path / "nvme" / "kv").is_dir()
     ensure_dir(str(tmp_path / "data" / "kv"))  # and when it exists
+
+
+# ------------------------------------------------------------------ symlink races (group mode)
+
+
+def victim_dir(tmp_path: Path) -> Path:
+    """A private directory elsewhere (the attacker wants it given to the group)."""
+    victim = tmp_path / "victim-private"
+    victim.mkdir(mode=0o700)
+    (victim / "id_rsa").write_text("PRIVATE")
+    return victim
+
+
+def swap_for_symlink(path: str, target: Path) -> None:
+    """What a member who may write the parent does: move the new directory away, leave a
+    symlink to ``target`` in its place."""
+    os.rename(path, path + ".moved")
+    os.symlink(target, path)
+
+
+def test_a_directory_swapped_for_a_symlink_right_after_mkdir_is_never_chmodded_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group mode, second attack D2: the swap lands between ``mkdir`` and the chown/chmod
+    that make the directory the group's; the link's target must stay as it was."""
+    victim = victim_dir(tmp_path)
+    before = os.stat(victim)
+    store = tmp_path / "store"
+    store.mkdir(mode=0o2770)
+    target = str(store / "a7")
+    real_mkdir = os.mkdir
+
+    def racing_mkdir(path: object, *args: object, **kwargs: object) -> None:
+        real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
+        if os.fspath(path) == target:  # type: ignore[arg-type]
+            swap_for_symlink(target, victim)
+
+    monkeypatch.setattr(os, "mkdir", racing_mkdir)
+    with pytest.raises(UnsafePathError) as refused:
+        ensure_dir(target, 0o2770, gid=GID)
+    after = os.stat(victim)
+    assert (after.st_gid, stat.S_IMODE(after.st_mode)) == (before.st_gid, 0o700)
+    assert "symbolic link" in str(refused.value)
+
+
+def test_a_directory_swapped_for_a_symlink_while_being_adopted_is_never_chmodded_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same race against an existing directory that is being given to the group."""
+    victim = victim_dir(tmp_path)
+    before = os.stat(victim)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    target = str(mine)
+    real_lstat = os.lstat
+    swapped = []
+
+    def racing_lstat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        st = real_lstat(path, *args, **kwargs)  # type: ignore[arg-type]
+        if os.fspath(path) == target and not swapped:  # type: ignore[arg-type]
+            swapped.append(True)
+            swap_for_symlink(target, victim)
+        return st
+
+    monkeypatch.setattr(os, "lstat", racing_lstat)
+    with pytest.raises(UnsafePathError, match="replaced"):
+        ensure_dir(target, 0o2770, gid=GID, adopt=True)
+    after = os.stat(victim)
+    assert (after.st_gid, stat.S_IMODE(after.st_mode)) == (before.st_gid, 0o700)
+
+
+# ------------------------------------------------------------------ group membership
+
+
+def test_group_mode_trusts_only_current_members(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Second attack D3 (the rule; tests/test_file_safety.py has it with real users and a
+    real group database): a file of the sharing group is trusted only if its owner is a
+    member now, by primary group or member list; root always; a group the database does
+    not know cannot be checked, and then the group alone decides (as before)."""
+    import grp
+    import pwd
+
+    from hicache_storage import pathsafety
+
+    users = {
+        4243: pwd.struct_passwd(("former", "x", 4243, 4243, "", "/", "/bin/false")),
+        4244: pwd.struct_passwd(("listed", "x", 4244, 4244, "", "/", "/bin/false")),
+        4245: pwd.struct_passwd(("primary", "x", 4245, GID, "", "/", "/bin/false")),
+    }
+    group = grp.struct_group(("kv", "x", GID, ["listed"]))
+
+    def getpwuid(uid: int) -> pwd.struct_passwd:
+        return users[uid]
+
+    def getgrgid(gid: int) -> grp.struct_group:
+        if gid != GID:
+            raise KeyError(gid)
+        return group
+
+    monkeypatch.setattr(pwd, "getpwuid", getpwuid)
+    monkeypatch.setattr(grp, "getgrgid", getgrgid)
+    monkeypatch.setattr(pathsafety, "_membership", {}, raising=False)
+    f = tmp_path / "page"
+    f.write_bytes(b"x")
+    os.chmod(f, 0o640)
+    for uid, trusted in ((4243, False), (4244, True), (4245, True), (0, True), (4299, False)):
+        os.chown(f, uid, GID)
+        assert pathsafety.is_trusted(os.lstat(f), GID) is trusted, uid
+    os.chown(f, 4243, GID)
+    with pytest.raises(UnsafePathError, match="uid 4243, who is not a member"):
+        check_file(str(f), os.lstat(f), gid=GID)
+    d = tmp_path / "fanout"
+    d.mkdir(mode=0o2770)
+    os.chown(d, 4243, GID)
+    with pytest.raises(UnsafePathError, match="not a member"):
+        ensure_dir(str(d), 0o2770, gid=GID)
+    # Answers are cached (a removal takes effect within MEMBERSHIP_TTL), then re-read.
+    os.chown(f, 4244, GID)
+    assert pathsafety.is_trusted(os.lstat(f), GID)
+    group = grp.struct_group(("kv", "x", GID, []))  # 4244 removed from the group
+    assert pathsafety.is_trusted(os.lstat(f), GID)  # still cached
+    monkeypatch.setattr(pathsafety, "_membership", {})  # the TTL passed
+    assert not pathsafety.is_trusted(os.lstat(f), GID)
+    # A group unknown to the database: membership cannot be checked.
+    os.chown(f, 4243, 4299)
+    assert pathsafety.is_trusted(os.lstat(f), 4299)

@@ -20,6 +20,7 @@ from hicache_storage import HiCacheStorage, StorageConfig, page_hashes
 from hicache_storage.backends import ShmBackend
 from hicache_storage.conformance import BackendConformance, BackendSpec
 from hicache_storage.errors import ConfigError
+from hicache_storage.header import HEADER_SIZE
 
 from .conftest import broken_directory, make_pool, pool_namespace, tree_files
 
@@ -104,7 +105,7 @@ def test_group_sharing_with_a_real_unprivileged_process(shm_dir: str) -> None:
     assert stat.S_IMODE(root.st_mode) == 0o2770 and root.st_gid == gid
     member = as_nobody(["cat", path], [gid])
     assert member.returncode == 0, member.stderr
-    assert member.stdout.endswith(b"shared page")  # 32-byte header, then the page
+    assert member.stdout.endswith(b"shared page")  # the header, then the page
     assert as_nobody(["touch", os.path.join(fan, "probe")], [gid]).returncode == 0  # may write too
     outsider = as_nobody(["cat", path], [])
     assert outsider.returncode != 0
@@ -210,7 +211,7 @@ def test_another_process_reads_what_one_wrote(shm_dir: str) -> None:
 
 # ---------------------------------------------------------------- recycling when full
 
-HEAD = 32  # the object header
+HEAD = HEADER_SIZE  # the object header
 SIZE = 64 * 1024
 
 
@@ -418,9 +419,10 @@ GROUP_RECYCLER = textwrap.dedent("""
     import os, sys
     from hicache_storage import StorageConfig
     from hicache_storage.backends import ShmBackend
+    from hicache_storage.header import HEADER_SIZE
     os.setgroups([4242]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
     b = ShmBackend(StorageConfig(), directory=sys.argv[1], group="4242", max_size=2 * 4096)
-    print(b.set("k2", b"\\x02" * (4096 - 32)))
+    print(b.set("k2", b"\\x02" * (4096 - HEADER_SIZE)))
 """)
 
 
@@ -428,7 +430,8 @@ def test_another_users_page_is_evicted_not_recycled(shm_dir: str) -> None:
     """Group sharing: the oldest page belongs to another user, whose 0640 file this process
     may not rewrite. The write must still succeed (evict it, write a new file)."""
     owner = ShmBackend(StorageConfig(), directory=shm_dir, group="4242", max_size=2 * 4096)
-    assert owner.set("k0", b"\x00" * (4096 - 32)) and owner.set("k1", b"\x01" * (4096 - 32))
+    page = 4096 - HEADER_SIZE
+    assert owner.set("k0", b"\x00" * page) and owner.set("k1", b"\x01" * page)
     owner.close()
     r = subprocess.run(
         [sys.executable, "-c", GROUP_RECYCLER, shm_dir],
@@ -440,6 +443,6 @@ def test_another_users_page_is_evicted_not_recycled(shm_dir: str) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True"], r.stderr
     reader = ShmBackend(StorageConfig(), directory=shm_dir, group="4242")
-    assert bytes(reader.get("k2").numpy()) == b"\x02" * (4096 - 32)
+    assert bytes(reader.get("k2").numpy()) == b"\x02" * (4096 - HEADER_SIZE)
     assert [reader.exists(k) for k in ("k0", "k1")].count(True) <= 1  # one was evicted
     reader.close()

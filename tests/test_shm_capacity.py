@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 
+from hicache_storage.header import HEADER_SIZE
+
 WORKER = Path(__file__).parent / "workers" / "shm_writer.py"
 OBJ = 64 * 1024  # header included: whole tmpfs pages
-PAYLOAD = OBJ - 32
+PAYLOAD = OBJ - HEADER_SIZE
 
 
 def start(
