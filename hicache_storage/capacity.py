@@ -19,6 +19,11 @@ The tracker sees only what its owner told it (objects found at start-up, objects
 wrote). When other processes share the store, that view goes stale; a ``refresh``
 callback (a re-scan of the store) lets it catch up when it cannot otherwise make room, so
 a writer whose own objects were all evicted by others still finds something to evict.
+With ``shared_cap`` (one cap for several processes), writers also re-scan on a schedule
+(:meth:`CapacityTracker.refresh_if_due`: at most every :data:`CAP_REFRESH_MIN_INTERVAL`
+seconds, and never more often than :data:`CAP_REFRESH_COST_FACTOR` times the last scan's
+duration, so scanning takes at most 2% of the time), so that the cap applies to what
+every process wrote, not to one process's share of it.
 """
 
 from __future__ import annotations
@@ -33,9 +38,18 @@ from types import TracebackType
 from hicache_storage.errors import ConfigError
 from hicache_storage.ratelimit import RateLimitedLog
 
-__all__ = ["CapacityTracker", "Reservation"]
+__all__ = ["CAP_REFRESH_COST_FACTOR", "CAP_REFRESH_MIN_INTERVAL", "CapacityTracker", "Reservation"]
 
 logger = logging.getLogger(__name__)
+
+#: With a shared cap, a writer re-scans the store at most this often (seconds)...
+CAP_REFRESH_MIN_INTERVAL = 0.01
+#: ...and waits at least this many times the last scan's duration before the next one.
+CAP_REFRESH_COST_FACTOR = 50
+#: Uses (reads, writes) this recent (seconds) are remembered across a re-scan: the store's
+#: mtimes, which a re-scan orders by, lag them by up to a second (they are refreshed at
+#: most once a second per object).
+RECENT_USE_MEMORY = 2.0
 
 
 class Reservation:
@@ -106,6 +120,10 @@ class CapacityTracker:
             tracker's lock held.
         refresh_interval: seconds to wait after a refresh that did not make room before
             the next one (a store filled by other programs is not re-scanned per write).
+        shared_cap: ``max_bytes`` is one budget for several processes that each keep a
+            tracker: re-scan on a schedule while writing (:meth:`refresh_if_due`) and
+            evict whatever is least recently used in the store, so that the store comes
+            back under the cap whoever wrote the excess.
     """
 
     def __init__(
@@ -119,6 +137,7 @@ class CapacityTracker:
         block_size: int = 1,
         refresh: Callable[[], Iterable[tuple[str, int, float]]] | None = None,
         refresh_interval: float = 1.0,
+        shared_cap: bool = False,
     ) -> None:
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"max size must be > 0, got {max_bytes}")
@@ -138,6 +157,11 @@ class CapacityTracker:
         self.refresh_interval = refresh_interval
         self._last_refresh = -float("inf")
         self.refreshes = 0
+        self.shared_cap = shared_cap and max_bytes is not None and refresh is not None
+        #: ``time.monotonic()`` from which the next scheduled re-scan may run (shared cap).
+        self.next_cap_refresh = -float("inf")
+        #: Wall-clock time of recent uses (shared cap), kept across re-scans.
+        self._recent: dict[str, float] = {}
         self._log = RateLimitedLog(logger)
         self._lock = threading.Lock()
         self._lru: OrderedDict[str, int] = OrderedDict()  # oldest first
@@ -188,6 +212,16 @@ class CapacityTracker:
         with self._lock:
             if name in self._lru:
                 self._lru.move_to_end(name)
+                if self.shared_cap:
+                    self._used_now(name)
+
+    def _used_now(self, name: str) -> None:
+        """Remember when ``name`` was used (a re-scan only knows the mtimes, which lag)."""
+        recent = self._recent
+        recent[name] = now = time.time()
+        if len(recent) > 2 * len(self._lru) + 1024:  # no re-scan for a while: stay small
+            cutoff = now - RECENT_USE_MEMORY
+            self._recent = {n: t for n, t in recent.items() if t > cutoff}
 
     def discard(self, name: str) -> None:
         """Forget ``name`` (deleted by the caller)."""
@@ -206,6 +240,8 @@ class CapacityTracker:
                 self._used -= old
             self._lru[name] = nbytes
             self._used += nbytes
+            if self.shared_cap:
+                self._used_now(name)
 
     def clear(self, prefix: str | None = None) -> None:
         """Forget every committed object (with ``prefix``: those whose name starts with it);
@@ -229,6 +265,7 @@ class CapacityTracker:
         if not self.enabled:
             return Reservation(self, name, 0, self._generation)
         with self._lock:
+            self._cap_refresh_locked()
             if self.max_bytes is not None and not self._make_room_under_cap(name, nbytes):
                 return None
             if (
@@ -255,6 +292,7 @@ class CapacityTracker:
         if not self.enabled:
             return None
         with self._lock:
+            self._cap_refresh_locked()
             if not self._lru:
                 return None
             victim, size = next(iter(self._lru.items()))
@@ -307,6 +345,19 @@ class CapacityTracker:
         b = self.block_size
         return -(-nbytes // b) * b
 
+    def refresh_if_due(self) -> bool:
+        """With ``shared_cap``: re-scan the store if the scheduled re-scan is due (call it
+        before a write, outside other locks); True if it re-scanned."""
+        if not self.shared_cap or time.monotonic() < self.next_cap_refresh:
+            return False
+        with self._lock:
+            return self._cap_refresh_locked()
+
+    def _cap_refresh_locked(self) -> bool:
+        if not self.shared_cap or time.monotonic() < self.next_cap_refresh:
+            return False
+        return self._rescan()
+
     def _refresh_locked(self) -> bool:
         """Replace the view by the store's real content (``refresh``), if allowed now."""
         if self._refresh is None:
@@ -314,12 +365,31 @@ class CapacityTracker:
         now = time.monotonic()
         if now - self._last_refresh < self.refresh_interval:
             return False
-        self._last_refresh = now
+        return self._rescan()
+
+    def _rescan(self) -> bool:
+        """Replace the view by the store's real content (``refresh``). Recent uses the
+        store's mtimes do not show yet keep their place; writes in flight stay reserved."""
+        assert self._refresh is not None
+        start = time.monotonic()
         try:
-            entries = sorted(self._refresh(), key=lambda e: e[2])
+            entries = list(self._refresh())
         except Exception:
             logger.exception("re-scanning the store failed")
+            entries = None
+        end = time.monotonic()
+        self._last_refresh = end
+        self.next_cap_refresh = end + max(
+            CAP_REFRESH_MIN_INTERVAL, CAP_REFRESH_COST_FACTOR * (end - start)
+        )
+        if entries is None:
             return False
+        recent = self._recent
+        if recent:
+            entries = [(n, b, max(t, recent.get(n, t))) for n, b, t in entries]
+            cutoff = time.time() - RECENT_USE_MEMORY
+            self._recent = {n: t for n, t in recent.items() if t > cutoff}
+        entries.sort(key=lambda e: e[2])
         self._lru = OrderedDict((name, nbytes) for name, nbytes, _ in entries)
         self._used = sum(self._lru.values())
         self.refreshes += 1
@@ -394,6 +464,8 @@ class CapacityTracker:
                 self._used -= old
             self._lru[r.name] = r.nbytes
             self._used += r.nbytes
+            if self.shared_cap:
+                self._used_now(r.name)
             return True
 
     def _release(self, r: Reservation) -> None:

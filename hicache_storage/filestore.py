@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import re
@@ -31,11 +32,13 @@ from typing import Any, ClassVar, Literal, TypeVar
 from hicache_storage.atomic import (
     commit_temp,
     fsync_dir,
+    is_temporary,
     open_temp,
     preadv_all,
     publish,
     remove_stale_temporaries,
     temp_path,
+    writer_is_dead,
     writev_all,
 )
 from hicache_storage.backend import HiCacheStorage
@@ -66,7 +69,7 @@ from hicache_storage.header import (
     verify_payload,
 )
 from hicache_storage.iopool import IOPool
-from hicache_storage.keys import ObjectName
+from hicache_storage.keys import _KEY_RE, _SHARD_RE, KEY_MAX_LEN, ObjectName
 from hicache_storage.metacache import MetadataCache
 from hicache_storage.pathsafety import (
     NotRegularFileError,
@@ -87,13 +90,21 @@ T = TypeVar("T")
 
 _TRASH_PREFIX = ".trash."
 _NAMESPACE_DIR = re.compile(r"ns\d+-[0-9a-f]+")
+_FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
 #: The lock file (in the root) that serializes free-space checks between processes.
 SPACE_LOCK = ".hicache-space.lock"
 #: A read refreshes a file's mtime (its recency after a restart or a re-scan) only when the
 #: mtime is older than this many seconds: one inode update per page per second at most.
 RECENCY_STEP = 1.0
-#: How long a write waits for another process's free-space check before giving up.
-SPACE_LOCK_TIMEOUT = 10.0
+#: How long a write waits for another process's free-space check before giving up. The
+#: lock is held for a statvfs, a reservation and an fallocate (a re-scan at most), so a
+#: longer wait means a stuck holder (a stopped process, a debugger).
+SPACE_LOCK_TIMEOUT = 2.0
+#: After a write gave up waiting for the free-space lock, writes of this instance try it
+#: only briefly (:data:`SPACE_LOCK_RETRY` seconds) for this many seconds: a stuck holder
+#: fails the pages of a batch at once instead of costing every page the full timeout.
+SPACE_LOCK_COOLDOWN = 10.0
+SPACE_LOCK_RETRY = 0.05
 #: Writers check the free-space floor under the cross-process lock (and allocate their
 #: file before releasing it) once the free space is within this many objects (of the size
 #: being written) of the floor; above that, concurrent writers cannot reach the floor
@@ -109,6 +120,18 @@ def _holds_only_a_store(path: str) -> bool:
             return all(e.name.startswith(".") or _NAMESPACE_DIR.fullmatch(e.name) for e in entries)
     except OSError:
         return False
+
+
+def _is_object_name(fanout: str, leaf: str) -> bool:
+    """True if ``leaf`` in the fan-out directory ``fanout`` is a name this store makes: a
+    valid key (with an optional ``~<shard>``) whose fan-out is ``fanout``. Anything else
+    in a store's directories (another program's files) is never counted or evicted."""
+    key, sep, shard = leaf.partition("~")
+    if len(key) > KEY_MAX_LEN or _KEY_RE.fullmatch(key) is None or ".." in key:
+        return False
+    if sep and _SHARD_RE.fullmatch(shard) is None:
+        return False
+    return hashlib.blake2b(leaf.encode("ascii"), digest_size=1).hexdigest() == fanout
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -200,6 +223,7 @@ class FileStore(HiCacheStorage):
         self._tree_ok = False  # root and namespace directory checked since the last forget
         self._dirs_lock = threading.Lock()
         self._space_mutex = threading.Lock()
+        self._space_lock_stuck_until = 0.0  # monotonic; see SPACE_LOCK_COOLDOWN
         self._ensure_tree()  # ConfigError: refuse to start on an unsafe or unusable root
         self._io = IOPool(opts.io_threads, f"hicache-{self.name}")
         try:
@@ -213,8 +237,11 @@ class FileStore(HiCacheStorage):
                 free_space=self._free_space,
                 block_size=os.statvfs(self.root).f_frsize,
                 refresh=self._scan,
+                shared_cap=self.capacity_per_root,
             )
-            if self._tracker.enabled:
+            if self._tracker.shared_cap:
+                self._tracker.refresh_if_due()  # the first scan, timed: it sets the schedule
+            elif self._tracker.enabled:
                 self._tracker.load(self._scan())
         except BaseException:
             self._io.close()
@@ -297,9 +324,15 @@ class FileStore(HiCacheStorage):
         return os.path.join(self.root, name.namespace, name.fanout, name.leaf)
 
     def _remove_leftovers(self) -> None:
-        """Delete temporaries of dead writers and directories left by an interrupted clear()."""
+        """Delete temporaries of dead writers and directories left by an interrupted clear().
+
+        Those of this namespace; with :attr:`capacity_per_root` (one budget for the root),
+        the directories of an interrupted clear() of any namespace, and the start-up scan
+        (:meth:`_scan`) removes the temporaries of dead writers in every namespace (an
+        interrupted recycle leaves its temporary in the evicted page's namespace).
+        """
         remove_stale_temporaries(self.directory, self.options.stale_temp_age)
-        prefix = f"{_TRASH_PREFIX}{self.namespace.digest}."
+        prefix = f"{_TRASH_PREFIX}{'' if self.capacity_per_root else self.namespace.digest}"
         for entry in os.scandir(self.root):
             if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
@@ -314,7 +347,11 @@ class FileStore(HiCacheStorage):
         """The stored objects this instance accounts for, as (relative name, bytes, mtime).
 
         Those of its namespace and shard, or (:attr:`capacity_per_root`) every object of
-        every namespace under the root. Only regular files that pass the trust rule count.
+        every namespace under the root. Only names the store makes count (namespace
+        directories, two-hex fan-outs, key names of that fan-out: another program's files
+        in the directory are never counted, evicted or recycled), and only regular files
+        that pass the trust rule. With :attr:`capacity_per_root`, temporaries of dead
+        writers (this host) found on the way are removed: nothing else ever would.
         """
         found: list[tuple[str, int, float]] = []
         if self.capacity_per_root:
@@ -323,7 +360,7 @@ class FileStore(HiCacheStorage):
                     namespaces = [
                         e.name
                         for e in entries
-                        if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+                        if _NAMESPACE_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
                     ]
             except OSError:
                 return found
@@ -331,29 +368,47 @@ class FileStore(HiCacheStorage):
         else:
             namespaces = [self.namespace.digest]
             every_shard = False
+        sweep = self.capacity_per_root
         for ns in namespaces:
             try:
                 with os.scandir(os.path.join(self.root, ns)) as fans:
-                    fan_names = [f.name for f in fans if f.is_dir(follow_symlinks=False)]
+                    fan_names = [
+                        f.name
+                        for f in fans
+                        if _FANOUT_DIR.fullmatch(f.name) and f.is_dir(follow_symlinks=False)
+                    ]
             except OSError:
                 continue  # removed meanwhile
             for fan in fan_names:
                 try:
                     with os.scandir(os.path.join(self.root, ns, fan)) as files:
                         for f in files:
-                            if f.name.startswith("."):
+                            name = f.name
+                            if name.startswith("."):
+                                if sweep and is_temporary(name) and writer_is_dead(name):
+                                    self._remove_dead_temporary(f.path)
                                 continue
-                            if not every_shard and not self._owns(f.name):
+                            if not every_shard and not self._owns(name):
+                                continue
+                            if not _is_object_name(fan, name):
                                 continue
                             try:
                                 st = f.stat(follow_symlinks=False)
                             except OSError:
                                 continue
                             if stat.S_ISREG(st.st_mode) and is_trusted(st, self.group_id):
-                                found.append((f"{ns}/{fan}/{f.name}", st.st_size, st.st_mtime))
+                                found.append((f"{ns}/{fan}/{name}", st.st_size, st.st_mtime))
                 except OSError:
                     continue
         return found
+
+    def _remove_dead_temporary(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # another member's (group sharing), read-only...
+            self._log("temporary", "cannot remove the stale temporary %s: %s", path, exc)
 
     def _free_space(self) -> int:
         path = self.root
@@ -397,12 +452,17 @@ class FileStore(HiCacheStorage):
         A ``flock`` on :data:`SPACE_LOCK` in the root, opened anew each time (so a root
         that was removed and recreated is locked through its new file), polled without
         blocking so that a stuck process can delay writes but never hang them: after
-        :data:`SPACE_LOCK_TIMEOUT` seconds the write fails.
+        :data:`SPACE_LOCK_TIMEOUT` seconds the write fails, and for the next
+        :data:`SPACE_LOCK_COOLDOWN` seconds writes wait only :data:`SPACE_LOCK_RETRY`
+        seconds (so a batch of N pages fails in about one timeout, not N). A root that is
+        gone raises ``FileNotFoundError`` (the caller recreates its directories).
         """
         path = os.path.join(self.root, SPACE_LOCK)
         with self._space_mutex:
             try:
                 fd, st = open_regular_stat(path, os.O_RDONLY | os.O_CREAT, self.file_mode)
+            except FileNotFoundError:
+                raise  # the root was removed: the caller forgets its directories, retries
             except OSError as exc:
                 raise from_os_error(exc, f"open {path}") from exc
             try:
@@ -413,20 +473,27 @@ class FileStore(HiCacheStorage):
                     if self.group_id is not None:
                         os.fchown(fd, -1, self.group_id)
                     os.fchmod(fd, self.file_mode)  # the umask masked it; members need it
-                deadline = time.monotonic() + SPACE_LOCK_TIMEOUT
+                now = time.monotonic()
+                stuck = now < self._space_lock_stuck_until
+                wait = SPACE_LOCK_RETRY if stuck else SPACE_LOCK_TIMEOUT
+                deadline = now + wait
                 pause = 0.0002
                 while True:
                     try:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                         break
                     except BlockingIOError:
-                        if time.monotonic() > deadline:
+                        now = time.monotonic()
+                        if now > deadline:
+                            if not stuck:
+                                self._space_lock_stuck_until = now + SPACE_LOCK_COOLDOWN
                             raise BackendTimeoutError(
-                                f"the free-space lock {path} was held for over "
-                                f"{SPACE_LOCK_TIMEOUT:g} s"
+                                f"the free-space lock {path} was held for over {wait:g} s"
+                                + (" (held by a stuck process: not waiting)" if stuck else "")
                             ) from None
                         time.sleep(pause)
                         pause = min(pause * 2, 0.01)
+                self._space_lock_stuck_until = 0.0
                 yield
             finally:
                 os.close(fd)  # releases the lock
@@ -648,6 +715,7 @@ class FileStore(HiCacheStorage):
             self._meta.add(path)
             self._touch(name, path, st)
             return True
+        self._tracker.refresh_if_due()  # a cap shared with other processes: catch up
         payload = total_nbytes(views)
         nbytes = HEADER_SIZE + payload
         header = encode_header(
@@ -703,26 +771,26 @@ class FileStore(HiCacheStorage):
             self._ensure_fanout(name)
             locked = self._serialize and self._near_floor(nbytes)
             allocate = nbytes if locked else 0
-            with self._space_lock() if locked else contextlib.nullcontext():
-                reservation = self._reserve(name, nbytes)
-                try:
-                    tmp, fd = open_temp(
-                        os.path.dirname(path),
-                        mode=self.file_mode,
-                        gid=self.group_id,
-                        allocate=allocate,
-                    )
-                except FileNotFoundError:
-                    reservation.release()
-                    if attempt:
+            try:
+                with self._space_lock() if locked else contextlib.nullcontext():
+                    reservation = self._reserve(name, nbytes)
+                    try:
+                        tmp, fd = open_temp(
+                            os.path.dirname(path),
+                            mode=self.file_mode,
+                            gid=self.group_id,
+                            allocate=allocate,
+                        )
+                    except BaseException:
+                        reservation.release()
                         raise
-                    self._forget_dirs()
-                    continue
-                except BaseException:
-                    reservation.release()
+                    if allocate:
+                        reservation.mark_allocated()
+            except FileNotFoundError:  # the lock file or the fan-out directory is gone
+                if attempt:
                     raise
-                if allocate:
-                    reservation.mark_allocated()
+                self._forget_dirs()
+                continue
             try:
                 published = commit_temp(
                     tmp, fd, path, data, fsync=self.options.fsync, allocated=allocate

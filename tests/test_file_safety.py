@@ -536,6 +536,23 @@ def test_a_removed_root_is_recreated_on_the_next_write(
     b.close()
 
 
+def test_a_removed_shm_root_near_its_free_space_floor_is_recreated(small_tmpfs: str) -> None:
+    """Second attack D5: near the floor every write first takes the free-space lock, whose
+    file is in the removed root; that must lead to the same recovery (forget the
+    directories, recreate them), not to a failure of every later write."""
+    b = ShmBackend(StorageConfig(namespace=NS), directory=os.path.join(small_tmpfs, "kv"))
+    value = b"\x05" * 8192
+    assert b._serialize and b._near_floor(len(value))  # the locked path
+    assert b.set("before", value)
+    for i in range(300):  # many fan-out directories known to exist
+        b.set(f"warm{i}", b"w" * 64)
+    shutil.rmtree(b.root)
+    assert [b.set(f"after{i}", value) for i in range(5)] == [True] * 5
+    assert bytes(b.get("after4").numpy()) == value
+    assert b.get("before") is None
+    b.close()
+
+
 def test_a_removed_group_root_is_recreated_shared(shm_dir: str) -> None:
     b = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, group=GROUP)
     shutil.rmtree(shm_dir)
