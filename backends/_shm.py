@@ -13,16 +13,26 @@ it kept free, checked under a lock shared by every process so that the store nev
 from __future__ import annotations
 
 import grp
+import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from hicache_storage.backend import Capabilities
+from hicache_storage.config import StorageConfig
 from hicache_storage.errors import ConfigError
 from hicache_storage.filestore import FileStore, FileStoreOptions
 from hicache_storage.pathsafety import user_dir
 
 __all__ = ["ShmBackend", "ShmOptions"]
+
+logger = logging.getLogger(__name__)
+
+#: Filesystems that keep files in memory: what ``directory`` is meant to be on.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+_warned_not_in_memory: set[str] = set()
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,7 @@ def _group_id(group: object) -> int:
     """The gid named by ``group``: an int, a string of digits, or a group name."""
     if isinstance(group, bool) or not isinstance(group, (int, str)):
         raise ConfigError(f"group must be a group name or a gid, got {group!r}")
-    if isinstance(group, int) or group.isdigit():
+    if isinstance(group, int) or (group.isascii() and group.isdigit()):
         gid = int(group)
         if not 0 <= gid < 2**32 - 1:
             raise ConfigError(f"group {group!r} is not a valid gid")
@@ -73,6 +83,29 @@ def _group_id(group: object) -> int:
         return grp.getgrnam(group).gr_gid
     except KeyError:
         raise ConfigError(f"unknown group {group!r}") from None
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem that holds ``path`` (``tmpfs``, ``ext4``...), read from
+    ``/proc/self/mountinfo`` (the last mount on the longest matching mount point), or
+    None when it cannot be told."""
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    best, fstype = -1, None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right.split():
+            continue
+        point = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= best:
+            best, fstype = len(point), right.split()[0]
+    return fstype
 
 
 class ShmBackend(FileStore):
@@ -85,6 +118,26 @@ class ShmBackend(FileStore):
     recycles_files = True  # readers lock and re-check (see FileStore._open_published)
     capacity_per_root = True  # one LRU and one cap for every namespace: no writer starves
     serialize_free_space = True  # the floor holds with any number of writer processes
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config, **options)
+        self._warn_unless_in_memory()
+
+    def _warn_unless_in_memory(self) -> None:
+        """Warn (once per directory and process) when ``directory`` is not on a tmpfs: it
+        works, but pages then go to a disk, and the defaults (half of the filesystem, a
+        tenth kept free) were meant for memory."""
+        fstype = filesystem_type(self.root)
+        if fstype is None or fstype in MEMORY_FILESYSTEMS or self.root in _warned_not_in_memory:
+            return
+        _warned_not_in_memory.add(self.root)
+        logger.warning(
+            "shm directory %s is on a %s filesystem, not a tmpfs: pages go to that "
+            "filesystem, and max_size/min_free_space default to half and a tenth of it; "
+            "use a directory in /dev/shm (or another tmpfs), or the file backend",
+            self.root,
+            fstype,
+        )
 
     def _location(self, opts: Any) -> str:
         directory: str | None = opts.directory

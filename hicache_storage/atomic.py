@@ -24,6 +24,8 @@ import socket
 import time
 from collections.abc import Sequence
 
+from hicache_storage.ratelimit import RateLimitedLog
+
 __all__ = [
     "TEMP_PREFIX",
     "commit_temp",
@@ -40,6 +42,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+#: Failures that repeat on every write (a directory that refuses unlinks, a filesystem
+#: whose directory fsync fails) are logged rate limited: a line per kind every 5 s.
+_log = RateLimitedLog(logger)
 
 TEMP_PREFIX = ".tmp."
 _HOST_TAG = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
@@ -172,7 +177,7 @@ def publish(tmp: str, final: str) -> bool:
         os.unlink(tmp)
     except OSError as exc:
         # Published all the same; the start-up sweep removes the leftover later.
-        logger.warning("published %s but could not remove its temporary: %s", final, exc)
+        _log("temporary", "published %s but could not remove its temporary: %s", final, exc)
     return True
 
 
@@ -244,7 +249,13 @@ def commit_temp(
             # The object is visible and complete; only the durability of its name across
             # a power failure is in doubt. Reporting a failure for a visible object would
             # be worse (callers would count it as missing), so log it loudly instead.
-            logger.error("published %s but fsync of its directory failed: %s", final, exc)
+            _log(
+                "fsync",
+                "published %s but fsync of its directory failed: %s",
+                final,
+                exc,
+                level=logging.ERROR,
+            )
     return published
 
 
@@ -314,7 +325,7 @@ def remove_stale_temporaries(root: str, max_age: float = 3600.0) -> int:
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                logger.warning("cannot remove stale temporary %s: %s", path, exc)
+                _log("stale", "cannot remove stale temporary %s: %s", path, exc)
     if removed:
         logger.info("removed %d stale temporaries under %s", removed, root)
     return removed

@@ -875,7 +875,13 @@ class FileStore(HiCacheStorage):
             try:
                 fsync_dir(os.path.dirname(path))
             except OSError as exc:  # visible and complete: as write_atomic, log it
-                logger.error("published %s but fsync of its directory failed: %s", path, exc)
+                self._log(
+                    "fsync",
+                    "published %s but fsync of its directory failed: %s",
+                    path,
+                    exc,
+                    level=logging.ERROR,
+                )
         return published
 
     def set(self, key: str, value: Any) -> bool:

@@ -100,3 +100,35 @@ def test_rate_limited_log_says_how_many_it_suppressed(
     assert log("a", "event %d", 4)
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["event 1", "other", "event 4 (2 similar messages suppressed)"]
+
+
+def test_temporaries_that_cannot_be_removed_and_failed_directory_fsyncs_are_rate_limited(
+    root: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Second attack, minor: two log lines of the publish path that repeat on every write
+    of a directory that refuses unlinks, or of a filesystem whose directory fsync fails."""
+    from hicache_storage import atomic
+
+    b = FileBackend(StorageConfig(), root=root, fsync=True)
+    assert b.set("warm", b"w")  # directories exist: only the per-write lines are left
+    real_unlink = os.unlink
+
+    def unlink(path: str, *args: object, **kwargs: object) -> None:
+        if os.path.basename(path).startswith(".tmp."):
+            raise PermissionError(1, "Operation not permitted", path)
+        real_unlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    def fsync_dir(directory: str) -> None:
+        raise OSError(5, "Input/output error", directory)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(atomic, "fsync_dir", fsync_dir)
+    caplog.set_level(logging.WARNING)
+    assert all(b.set(f"k{i}", b"x" * 100) for i in range(300))  # published all the same
+    lines = warnings_of(caplog)
+    assert len(lines) <= 4, [r.getMessage() for r in lines]
+    assert {"temporary", "fsync"} <= {
+        "temporary" if "temporary" in r.getMessage() else "fsync" for r in lines
+    }
+    monkeypatch.undo()
+    b.close()

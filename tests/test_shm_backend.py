@@ -168,8 +168,8 @@ def test_group_option_forms(shm_dir: str) -> None:
         b = ShmBackend(StorageConfig(), directory=shm_dir, group=group)
         assert b.group_id == 4242
         b.close()
-    for bad in (True, -1, 4.2, "no-such-group-xyz"):
-        with pytest.raises(ConfigError):
+    for bad in (True, -1, 4.2, "no-such-group-xyz", "\u0664\u0662", "\u00b2", "4\u00b2"):
+        with pytest.raises(ConfigError):  # non-ASCII digits ("٤٢", "²") are no gid
             ShmBackend(StorageConfig(), directory=shm_dir, group=bad)
 
 
@@ -446,3 +446,35 @@ def test_another_users_page_is_evicted_not_recycled(shm_dir: str) -> None:
     assert bytes(reader.get("k2").numpy()) == b"\x02" * (4096 - HEADER_SIZE)
     assert [reader.exists(k) for k in ("k0", "k1")].count(True) <= 1  # one was evicted
     reader.close()
+
+
+def not_in_memory_dir(tmp_path: Path) -> str:
+    """A directory on a filesystem that is not a tmpfs (skip if this machine has none)."""
+    for candidate in (str(tmp_path), str(ROOT), "/var/tmp"):
+        kind = subprocess.run(
+            ["stat", "-f", "-c", "%T", candidate], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        if kind and kind not in ("tmpfs", "ramfs"):
+            return os.path.join(candidate, f"hicache-shm-test-{uuid.uuid4().hex[:8]}")
+    pytest.skip("every candidate directory is on a tmpfs here")
+
+
+def test_a_directory_not_on_a_tmpfs_is_warned_about_once(
+    tmp_path: Path, shm_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Second attack, minor: ``directory`` on a disk works, with one warning per directory
+    and process (not one per instance), and none for a tmpfs."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    on_disk = not_in_memory_dir(tmp_path)
+    try:
+        for _ in range(3):
+            b = ShmBackend(StorageConfig(), directory=on_disk, max_size="1MiB")
+            assert b.set("k", b"v") and b.get("k") is not None  # it works all the same
+            b.close()
+        ShmBackend(StorageConfig(), directory=shm_dir).close()
+    finally:
+        shutil.rmtree(on_disk, ignore_errors=True)
+    lines = [r.getMessage() for r in caplog.records if "not a tmpfs" in r.getMessage()]
+    assert len(lines) == 1 and on_disk in lines[0], lines
