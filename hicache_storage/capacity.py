@@ -160,7 +160,7 @@ class CapacityTracker:
         self.shared_cap = shared_cap and max_bytes is not None and refresh is not None
         #: ``time.monotonic()`` from which the next scheduled re-scan may run (shared cap).
         self.next_cap_refresh = -float("inf")
-        #: Wall-clock time of recent uses (shared cap), kept across re-scans.
+        #: Wall-clock time of recent reads (shared cap), kept across re-scans.
         self._recent: dict[str, float] = {}
         self._log = RateLimitedLog(logger)
         self._lock = threading.Lock()
@@ -216,12 +216,14 @@ class CapacityTracker:
                     self._used_now(name)
 
     def _used_now(self, name: str) -> None:
-        """Remember when ``name`` was used (a re-scan only knows the mtimes, which lag)."""
+        """Remember when ``name`` was read (a re-scan only knows the mtimes, which lag a
+        read by up to a second; a write's mtime is its time)."""
         recent = self._recent
         recent[name] = now = time.time()
         if len(recent) > 2 * len(self._lru) + 1024:  # no re-scan for a while: stay small
             cutoff = now - RECENT_USE_MEMORY
-            self._recent = {n: t for n, t in recent.items() if t > cutoff}
+            lru = self._lru  # at most len(lru) are kept: the next prune is far away
+            self._recent = {n: t for n, t in recent.items() if t > cutoff and n in lru}
 
     def discard(self, name: str) -> None:
         """Forget ``name`` (deleted by the caller)."""
@@ -240,8 +242,6 @@ class CapacityTracker:
                 self._used -= old
             self._lru[name] = nbytes
             self._used += nbytes
-            if self.shared_cap:
-                self._used_now(name)
 
     def clear(self, prefix: str | None = None) -> None:
         """Forget every committed object (with ``prefix``: those whose name starts with it);
@@ -464,8 +464,6 @@ class CapacityTracker:
                 self._used -= old
             self._lru[r.name] = r.nbytes
             self._used += r.nbytes
-            if self.shared_cap:
-                self._used_now(r.name)
             return True
 
     def _release(self, r: Reservation) -> None:

@@ -92,3 +92,26 @@ def test_three_processes_share_one_cap(shm_dir: str) -> None:
                 tell(p, "quit")
             p.communicate(timeout=60)
     assert [p.returncode for p in procs] == [0, 0, 0]
+
+
+def test_a_rescan_keeps_the_recency_of_recent_reads(shm_dir: str) -> None:
+    """A re-scan orders by mtime, which a read refreshes at most once a second: a page read
+    just after it was written must still count as recently used after a re-scan."""
+    from hicache_storage import KVCacheNamespace, StorageConfig
+    from hicache_storage.backends import ShmBackend
+
+    size = 4096 - HEADER_SIZE
+    b = ShmBackend(
+        StorageConfig(namespace=KVCacheNamespace(model_id="lru", dtype="bytes", page_size=1)),
+        directory=shm_dir,
+        max_size=4 * 4096,
+    )
+    for i in range(4):
+        assert b.set(f"k{i}", bytes([i]) * size)
+    assert b.get("k0") is not None  # k0 is now the most recent; k1 the oldest
+    b._tracker.next_cap_refresh = -float("inf")  # the scheduled re-scan is due
+    refreshes = b._tracker.refreshes
+    assert b.set("k4", b"\x04" * size)
+    assert b._tracker.refreshes == refreshes + 1
+    assert [b.exists(f"k{i}") for i in range(5)] == [True, False, True, True, True]
+    b.close()
