@@ -71,7 +71,16 @@ _SECRET_WORDS = frozenset(
     }
 )  # fmt: skip
 #: ``scheme://user:password@host``: the password part of a URL.
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:)(?P<pw>[^@/\s]+)(?=@)")
+# (The password runs to the authority's last ``@``, so one holding ``@`` is cut whole.)
+_URL_PASSWORD = re.compile(
+    r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:)(?P<pw>[^/?#\s]+)(?=@[^@/?#\s]*(?:[/?#\s]|$))"
+)
+#: ``?password=...`` / ``&token=...``: secret query parameters of a URL.
+_QUERY_SECRET = re.compile(
+    r"(?P<head>[?&;](?:[A-Za-z0-9_]*(?:password|passwd|pwd|token|secret|key|auth)[A-Za-z0-9_]*)=)"
+    r"(?P<val>[^&#\s]+)",
+    re.IGNORECASE,
+)
 
 
 def secret(default: Any = None) -> Any:
@@ -100,8 +109,10 @@ def is_secret_option(name: str, options_class: type | None = None) -> bool:
 
 
 def redact_text(text: str) -> str:
-    """``text`` with the password of every ``scheme://user:password@`` URL redacted."""
-    return _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED, text)
+    """``text`` with the password of every ``scheme://user:password@`` URL, and every
+    secret query parameter (``?password=``, ``&token=``...), redacted."""
+    text = _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED, text)
+    return _QUERY_SECRET.sub(lambda m: m.group("head") + REDACTED, text)
 
 
 def _redact_value(value: Any) -> Any:
@@ -444,8 +455,15 @@ def secret_values(options: Mapping[str, Any], options_class: type | None = None)
     """The values of the secret options in ``options`` (as text), for :func:`scrub`."""
     out = []
     for name, value in options.items():
-        if value is not None and is_secret_option(str(name), options_class):
+        if value is None:
+            continue
+        if is_secret_option(str(name), options_class):
             out.append(str(value))
+        elif isinstance(value, str):  # passwords inside URLs of ordinary options
+            out.extend(m.group("pw") for m in _URL_PASSWORD.finditer(value))
+            out.extend(m.group("val") for m in _QUERY_SECRET.finditer(value))
+        elif isinstance(value, Mapping):
+            out.extend(secret_values(value))
     return out
 
 
@@ -471,7 +489,7 @@ def _redact_repr(cls: type) -> None:
         value = getattr(self, name)
         if name in hidden and value is not None:
             return REDACTED
-        return redact_text(repr(value))
+        return redact_text(repr(_redact_value(value)))
 
     def __repr__(self: Any) -> str:
         body = ", ".join(f"{f.name}={shown(self, f.name)}" for f in fields)

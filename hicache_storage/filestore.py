@@ -105,9 +105,6 @@ SPACE_LOCK_TIMEOUT = 2.0
 #: fails the pages of a batch at once instead of costing every page the full timeout.
 SPACE_LOCK_COOLDOWN = 10.0
 SPACE_LOCK_RETRY = 0.05
-#: A wait that timed out goes on while the free space keeps changing (other writers take
-#: and release the lock: it is contended, not stuck), up to this many seconds in all.
-SPACE_LOCK_BUSY_LIMIT = 30.0
 #: Writers check the free-space floor under the cross-process lock (and allocate their
 #: file before releasing it) once the free space is within this many objects (of the size
 #: being written) of the floor; above that, concurrent writers cannot reach the floor
@@ -480,8 +477,6 @@ class FileStore(HiCacheStorage):
                 stuck = now < self._space_lock_stuck_until
                 wait = SPACE_LOCK_RETRY if stuck else SPACE_LOCK_TIMEOUT
                 deadline = now + wait
-                limit = now + SPACE_LOCK_BUSY_LIMIT
-                seen = self._free_space()
                 pause = 0.0002
                 while True:
                     try:
@@ -489,12 +484,6 @@ class FileStore(HiCacheStorage):
                         break
                     except BlockingIOError:
                         now = time.monotonic()
-                        if now > deadline and not stuck and now < limit:
-                            # Contended rather than stuck if the holders keep changing the
-                            # free space (they allocate and evict): wait on, within limit.
-                            free = self._free_space()
-                            if free != seen:
-                                seen, deadline = free, now + wait
                         if now > deadline:
                             if not stuck:
                                 self._space_lock_stuck_until = now + SPACE_LOCK_COOLDOWN

@@ -115,3 +115,23 @@ def test_secret_names_in_any_spelling(name: str) -> None:
 @pytest.mark.parametrize("name", ["root", "max_size", "io_threads", "directory", "group"])
 def test_ordinary_names_are_not_secrets(name: str) -> None:
     assert not is_secret_option(name)
+
+
+def test_url_passwords_of_ordinary_options_are_scrubbed_from_failure_logs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Third review: a client error quoting only the password of a URL option (not the
+    whole URL) leaked, as did secret query parameters and secrets nested in dicts."""
+    from hicache_storage.config import redact_options, redact_text
+
+    b = canary(tmp_path, fail=True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            b._log_failure("set", ConnectionError(f"WRONGPASS {URL_PW} for user"))
+        assert "WRONGPASS" in caplog.text
+        assert_clean(caplog.text)
+    finally:
+        b.close()
+    assert URL_PW not in redact_text(f"s3://h/b?password={URL_PW}&x=1")
+    assert URL_PW not in redact_text(f"redis://u:a@{URL_PW}@127.0.0.1:1/0")
+    assert URL_PW not in repr(redact_options({"extra": {"token": URL_PW}}))
