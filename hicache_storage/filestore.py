@@ -105,6 +105,32 @@ SPACE_LOCK_TIMEOUT = 2.0
 #: fails the pages of a batch at once instead of costing every page the full timeout.
 SPACE_LOCK_COOLDOWN = 10.0
 SPACE_LOCK_RETRY = 0.05
+#: A wait that timed out while the lock changed hands (``/proc/locks``: other writers take
+#: and release it, so it is contended, not stuck) goes on, up to this many seconds in all.
+SPACE_LOCK_BUSY_LIMIT = 30.0
+
+
+def _flock_holders(st: os.stat_result) -> frozenset[int] | None:
+    """Pids holding a ``flock`` on the file of ``st`` (from ``/proc/locks``), or None
+    when that cannot be told."""
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    pids = set()
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 27370 fe:00:2147144 0 EOF"; waiters carry "->".
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == dev:
+            try:
+                pids.add(int(fields[4]))
+            except ValueError:
+                return None
+    return frozenset(pids)
+
+
 #: Writers check the free-space floor under the cross-process lock (and allocate their
 #: file before releasing it) once the free space is within this many objects (of the size
 #: being written) of the floor; above that, concurrent writers cannot reach the floor
@@ -477,6 +503,10 @@ class FileStore(HiCacheStorage):
                 stuck = now < self._space_lock_stuck_until
                 wait = SPACE_LOCK_RETRY if stuck else SPACE_LOCK_TIMEOUT
                 deadline = now + wait
+                limit = now + SPACE_LOCK_BUSY_LIMIT
+                holders = _flock_holders(st) if not stuck else None
+                changed = False  # the lock changed hands since the deadline was set
+                sampled = now
                 pause = 0.0002
                 while True:
                     try:
@@ -484,6 +514,15 @@ class FileStore(HiCacheStorage):
                         break
                     except BlockingIOError:
                         now = time.monotonic()
+                        if holders is not None and now - sampled > 0.02:
+                            sampled = now  # who holds it, sampled every 20 ms at most
+                            current = _flock_holders(st)
+                            if current is not None and current != holders:
+                                holders, changed = current, True
+                        if now > deadline and changed and now < limit:
+                            # Contended rather than stuck: the lock changed hands while
+                            # this write waited (a stuck holder keeps it). Wait on.
+                            deadline, changed = now + wait, False
                         if now > deadline:
                             if not stuck:
                                 self._space_lock_stuck_until = now + SPACE_LOCK_COOLDOWN

@@ -53,3 +53,52 @@ def test_a_held_free_space_lock_fails_a_batch_fast_and_never_hangs(small_tmpfs: 
     assert b.batch_set(["r0", "r1"], [value, value]) == [True, True]
     assert bytes(b.get("r1").numpy()) == value
     b.close()
+
+
+HANDOFF_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+end = time.monotonic() + float(sys.argv[2])
+print("ready", flush=True)
+while time.monotonic() < end:
+    fcntl.flock(fd, fcntl.LOCK_EX)  # blocking: takes over the moment the other lets go
+    time.sleep(0.5)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    time.sleep(0.001)  # the other holder, blocked in flock, takes it now
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_contended_free_space_lock_is_waited_for_not_taken_for_stuck(
+    small_tmpfs: str,
+) -> None:
+    """Third review: the lock held without a gap by two processes that hand it to each
+    other for 3 timeouts is contended, not stuck (its holder changes): a write waits for
+    it and succeeds, instead of failing after one timeout (and failing fast for the
+    cool-down after that, which starved a writer among six in CI)."""
+    import subprocess
+    import sys
+
+    b = ShmBackend(StorageConfig(namespace=NS), directory=os.path.join(small_tmpfs, "kv"))
+    value = b"\x07" * 8192
+    assert b._serialize and b._near_floor(len(value))
+    assert b.set("warm", value)
+    lock = os.path.join(b.root, SPACE_LOCK)
+    span = str(3 * SPACE_LOCK_TIMEOUT)
+    holders = [
+        subprocess.Popen(
+            [sys.executable, "-c", HANDOFF_HOLDER, lock, span], stdout=subprocess.PIPE, text=True
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    try:
+        for h in holders:
+            assert h.stdout is not None and h.stdout.readline().strip() == "ready"
+        assert b.set("contended", value) is True
+        assert bytes(b.get("contended").numpy()) == value
+    finally:
+        for h in holders:
+            h.wait(60)
+            if h.stdout is not None:
+                h.stdout.close()
+        b.close()
