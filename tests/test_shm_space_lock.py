@@ -88,7 +88,7 @@ def test_a_contended_free_space_lock_is_waited_for_not_taken_for_stuck(
     holders = [
         subprocess.Popen(
             [sys.executable, "-c", HANDOFF_HOLDER, lock, span], stdout=subprocess.PIPE, text=True
-        )  # fmt: skip
+        )
         for _ in range(2)
     ]
     try:
