@@ -196,14 +196,17 @@ def _new_generation(old: int) -> int:
             return gen
 
 
-def _link_or_open(tmp: str, path: str) -> int | None:
-    """Publish the complete temporary ``tmp`` as ``path`` (first creator wins): None if
-    this call linked it, else a descriptor of the file another process put there."""
+def _link_or_open(tmp: str, fd: int, path: str) -> int:
+    """Publish the complete temporary ``tmp`` (open as ``fd``) as ``path``, first creator
+    wins. Returns the descriptor to use: ``fd``, or, when another process won the race,
+    one of the file it put there (``fd`` is then closed)."""
     try:
         os.link(tmp, path)
     except FileExistsError:
-        return open_regular(path, os.O_RDWR)
-    return None
+        theirs = open_regular(path, os.O_RDWR)
+        os.close(fd)
+        return theirs
+    return fd
 
 
 def _log_header(nonce: int) -> bytes:
@@ -377,10 +380,7 @@ class _Arena:
             head = _SUPER.pack(_MAGIC, _VERSION, 0, slot_size, nslots, table_off, data_off, nonce)
             os.pwrite(fd, head + _CRC.pack(zlib.crc32(head)), 0)
             os.fsync(fd)
-            theirs = _link_or_open(tmp, path)
-            if theirs is not None:  # another process won the race
-                os.close(fd)
-                fd = theirs
+            fd = _link_or_open(tmp, fd, path)
             fsync_dir(os.path.dirname(path) or ".")
         except BaseException:
             os.close(fd)
@@ -837,10 +837,7 @@ class MmapBackend(HiCacheStorage):
             writev_all(fd, [_log_header(arena.nonce)])
             if self.options.fsync:
                 os.fsync(fd)
-            theirs = _link_or_open(tmp, self.index_path)
-            if theirs is not None:  # another process won the race
-                os.close(fd)
-                fd = theirs
+            fd = _link_or_open(tmp, fd, self.index_path)
         except BaseException:
             os.close(fd)
             raise
