@@ -495,10 +495,6 @@ class _MmapCapabilities:
         return replace(_CAPS, max_object_bytes=obj._slot_limit())
 
 
-class _NoSlot(Exception):
-    """No slot can be used yet (all resting after eviction, or being written)."""
-
-
 class MmapBackend(HiCacheStorage):
     """A fixed-capacity slab of page slots in one memory-mapped file, with a crash-safe index."""
 
