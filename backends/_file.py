@@ -8,23 +8,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_storage.backend import Capabilities
+from hicache_storage.protocol import Capabilities
 from hicache_storage.errors import ConfigError
-from hicache_storage.filestore import FileStore, FileStoreOptions
-from hicache_storage.pathsafety import user_dir
+from hicache_storage.storekit.filestore import FileTreeStore, FileTreeOptions
+from hicache_storage.storekit.pathsafety import user_dir
 
 __all__ = ["FileBackend", "FileOptions"]
 
 
 @dataclass(frozen=True)
-class FileOptions(FileStoreOptions):
+class FileOptions(FileTreeOptions):
     """Options of the ``file`` backend (environment: ``HICACHE_STORAGE_FILE_<NAME>``).
 
     Attributes:
         root: directory under which every namespace gets its own subdirectory; default
             ``/tmp/hicache-storage-<uid>``, private to the user (0700). An existing root
             must be owned by the user and not writable by others.
-        (and every option of :class:`~hicache_storage.filestore.FileStoreOptions`; here
+        (and every option of :class:`~hicache_storage.storekit.filestore.FileTreeOptions`; here
         ``max_size=None`` means no cap and ``min_free_space=None`` means 0.)
     """
 
@@ -36,7 +36,7 @@ class FileOptions(FileStoreOptions):
             raise ConfigError("root must not be empty")
 
 
-class FileBackend(FileStore):
+class FileBackend(FileTreeStore):
     """Pages as files on a local or shared filesystem (zero-copy ``writev``/``preadv``)."""
 
     name = "file"

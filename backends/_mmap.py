@@ -46,8 +46,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from hicache_storage.atomic import fsync_dir, temp_path, writev_all
-from hicache_storage.backend import Capabilities, HiCacheStorage
+from hicache_storage.storekit.atomic import fsync_dir, temp_path, writev_all
+from hicache_storage.protocol import Capabilities, HiCacheStorage
 from hicache_storage.buffers import PageBuffer, is_tensor, source_views, target_views, total_nbytes
 from hicache_storage.config import Size, StorageConfig, parse_options
 from hicache_storage.errors import (
@@ -58,9 +58,9 @@ from hicache_storage.errors import (
     InvalidArgumentError,
     NotSupportedError,
 )
-from hicache_storage.header import ALGORITHMS, algorithm_id, checksum
-from hicache_storage.iopool import IOPool
-from hicache_storage.pathsafety import (
+from hicache_storage.storekit.header import ALGORITHMS, algorithm_id, checksum
+from hicache_storage.storekit.iopool import IOPool
+from hicache_storage.storekit.pathsafety import (
     NotRegularFileError,
     check_file,
     ensure_dir,
@@ -560,7 +560,7 @@ class MmapBackend(HiCacheStorage):
     @staticmethod
     def _remove_stale_creations(directory: str) -> None:
         """Temporaries of arena creators that died (this directory only, not recursive)."""
-        from hicache_storage.atomic import is_temporary, writer_is_dead
+        from hicache_storage.storekit.atomic import is_temporary, writer_is_dead
 
         try:
             names = os.listdir(directory)

@@ -19,11 +19,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hicache_storage.backend import Capabilities
+from hicache_storage.protocol import Capabilities
 from hicache_storage.config import StorageConfig
 from hicache_storage.errors import ConfigError
-from hicache_storage.filestore import FileStore, FileStoreOptions
-from hicache_storage.pathsafety import user_dir
+from hicache_storage.storekit.filestore import FileTreeStore, FileTreeOptions
+from hicache_storage.storekit.pathsafety import user_dir
 
 __all__ = ["ShmBackend", "ShmOptions"]
 
@@ -36,7 +36,7 @@ _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
 @dataclass(frozen=True)
-class ShmOptions(FileStoreOptions):
+class ShmOptions(FileTreeOptions):
     """Options of the ``shm`` backend (environment: ``HICACHE_STORAGE_SHM_<NAME>``).
 
     Attributes:
@@ -53,7 +53,7 @@ class ShmOptions(FileStoreOptions):
         recycle: when full, evict by overwriting the least-recently-used page's tmpfs
             file with the new page (when no reader holds it) instead of freeing it and
             allocating a new one: about 1.5x faster writes, and faster reads of the result.
-        (and the other options of :class:`~hicache_storage.filestore.FileStoreOptions`.)
+        (and the other options of :class:`~hicache_storage.storekit.filestore.FileTreeOptions`.)
     """
 
     directory: str | None = None
@@ -108,14 +108,14 @@ def filesystem_type(path: str) -> str | None:
     return fstype
 
 
-class ShmBackend(FileStore):
+class ShmBackend(FileTreeStore):
     """Pages as tmpfs files in ``/dev/shm``: node-local, shared by processes, memory speed."""
 
     name = "shm"
     capabilities = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
     options_class = ShmOptions
     location_option = "directory"
-    recycles_files = True  # readers lock and re-check (see FileStore._open_published)
+    recycles_files = True  # readers lock and re-check (see FileTreeStore._open_published)
     capacity_per_root = True  # one LRU and one cap for every namespace: no writer starves
     serialize_free_space = True  # the floor holds with any number of writer processes
 
@@ -154,7 +154,7 @@ class ShmBackend(FileStore):
             self.file_mode = 0o640
             self.dir_mode = 0o2770
 
-    def _limits(self, opts: FileStoreOptions) -> tuple[int | None, int]:
+    def _limits(self, opts: FileTreeOptions) -> tuple[int | None, int]:
         st = os.statvfs(self.root)
         total = st.f_blocks * st.f_frsize
         max_size = opts.max_size if opts.max_size is not None else total // 2

@@ -23,8 +23,8 @@ from hicache_storage.config import redact_options
 from hicache_storage.conformance import _secrets
 
 if TYPE_CHECKING:
-    from hicache_storage.backend import HiCacheStorage
     from hicache_storage.conformance._kit import BackendSpec
+    from hicache_storage.protocol import HiCacheStorage
 
 __all__ = ["CheckRecord", "ReportCollector", "render_markdown"]
 

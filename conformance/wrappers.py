@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hicache_storage.backend import Capabilities, HiCacheStorage
 from hicache_storage.buffers import PageBuffer
 from hicache_storage.errors import BackendUnavailableError, InvalidArgumentError
+from hicache_storage.protocol import Capabilities, HiCacheStorage
 
 __all__ = ["FaultyBackend", "LatencyBackend"]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hicache_storage.backend import Capabilities, HiCacheStorage
 from hicache_storage.buffers import PageBuffer, Segment
 from hicache_storage.config import StorageConfig, load_extra_config, parse_size
 from hicache_storage.keys import (
@@ -26,6 +25,7 @@ from hicache_storage.keys import (
     storage_namespace_seed,
     validate_key,
 )
+from hicache_storage.protocol import Capabilities, HiCacheStorage
 from hicache_storage.registry import available_backends, create_backend, load_backend_class
 from hicache_storage.stats import StorageStats
 

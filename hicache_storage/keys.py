@@ -249,7 +249,7 @@ class KVCacheNamespace:
         """The namespace of the pages of host pool ``pool``, for model ``model_id``.
 
         Reads what :meth:`HiCacheStorage.register_mem_pool_host
-        <hicache_storage.backend.HiCacheStorage.register_mem_pool_host>` checks from the
+        <hicache_storage.protocol.HiCacheStorage.register_mem_pool_host>` checks from the
         pool: ``page_size``, ``dtype``, ``layout`` (the stored object layout) and MLA
         (``mla`` or ``is_mla``: an MLA pool's pages are rank-replicated). Works with
         :class:`~hicache_storage.host_pool.HostKVPool` and SGLang-style host pools.

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from hicache_storage.backend import Capabilities, HiCacheStorage
 from hicache_storage.config import StorageConfig
 from hicache_storage.errors import AmbiguousBackendError, BackendLoadError, UnknownBackendError
+from hicache_storage.protocol import Capabilities, HiCacheStorage
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hicache_storage import atomic
+from hicache_storage.storekit import atomic
 from hicache_storage.errors import CorruptObjectError
-from hicache_storage.header import (
+from hicache_storage.storekit.header import (
     HEADER_SIZE,
     checksum,
     decode_header,

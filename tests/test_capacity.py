@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from hicache_storage.capacity import CapacityTracker
+from hicache_storage.storekit.capacity import CapacityTracker
 from hicache_storage.errors import ConfigError
-from hicache_storage.metacache import MetadataCache
+from hicache_storage.storekit.metacache import MetadataCache
 
 
 class Store:

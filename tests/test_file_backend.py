@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from hicache_storage import KVCacheNamespace, StorageConfig, page_hashes
-from hicache_storage.atomic import TEMP_PREFIX
+from hicache_storage.storekit.atomic import TEMP_PREFIX
 from hicache_storage.backends import FileBackend
 from hicache_storage.errors import ConfigError, InvalidKeyError
-from hicache_storage.header import HEADER_SIZE
+from hicache_storage.storekit.header import HEADER_SIZE
 
 from .conftest import LAYOUTS, make_pool, pool_namespace, tree_files
 

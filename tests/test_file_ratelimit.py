@@ -13,7 +13,7 @@ import pytest
 
 from hicache_storage import StorageConfig
 from hicache_storage.backends import FileBackend, ShmBackend
-from hicache_storage.capacity import CapacityTracker
+from hicache_storage.storekit.capacity import CapacityTracker
 
 from .conftest import tree_files
 
@@ -107,7 +107,7 @@ def test_temporaries_that_cannot_be_removed_and_failed_directory_fsyncs_are_rate
 ) -> None:
     """Second attack, minor: two log lines of the publish path that repeat on every write
     of a directory that refuses unlinks, or of a filesystem whose directory fsync fails."""
-    from hicache_storage import atomic
+    from hicache_storage.storekit import atomic
 
     b = FileBackend(StorageConfig(), root=root, fsync=True)
     assert b.set("warm", b"w")  # directories exist: only the per-write lines are left

@@ -26,7 +26,7 @@ import torch
 from hicache_storage import HiCacheStorage, StorageConfig, page_hashes
 from hicache_storage.backends import FileBackend, ShmBackend
 from hicache_storage.errors import ConfigError
-from hicache_storage.header import algorithm_id, checksum, encode_header
+from hicache_storage.storekit.header import algorithm_id, checksum, encode_header
 
 from .conftest import make_pool, pool_namespace
 

@@ -19,7 +19,7 @@ import pytest
 
 from hicache_storage import StorageConfig
 from hicache_storage.backends import FileBackend, MmapBackend, ShmBackend
-from hicache_storage.header import HEADER_SIZE
+from hicache_storage.storekit.header import HEADER_SIZE
 
 PAGE = bytes(range(256)) * 64  # 16 KiB
 

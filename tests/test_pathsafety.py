@@ -1,4 +1,4 @@
-"""hicache_storage.pathsafety: per-user locations, directory and file trust, safe opens."""
+"""hicache_storage.storekit.pathsafety: per-user locations, directory and file trust, safe opens."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hicache_storage.errors import ConfigError, CorruptObjectError
-from hicache_storage.pathsafety import (
+from hicache_storage.storekit.pathsafety import (
     NotRegularFileError,
     UnsafePathError,
     check_file,
@@ -279,7 +279,7 @@ def test_group_mode_trusts_only_current_members(
     import grp
     import pwd
 
-    from hicache_storage import pathsafety
+    from hicache_storage.storekit import pathsafety
 
     users = {
         4243: pwd.struct_passwd(("former", "x", 4243, 4243, "", "/", "/bin/false")),

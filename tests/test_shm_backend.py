@@ -20,7 +20,7 @@ from hicache_storage import HiCacheStorage, StorageConfig, page_hashes
 from hicache_storage.backends import ShmBackend
 from hicache_storage.conformance import BackendConformance, BackendSpec
 from hicache_storage.errors import ConfigError
-from hicache_storage.header import HEADER_SIZE
+from hicache_storage.storekit.header import HEADER_SIZE
 
 from .conftest import broken_directory, make_pool, pool_namespace, tree_files
 
@@ -304,7 +304,7 @@ def test_a_reader_that_opened_the_file_before_it_was_recycled_misses(
     longer leads to this file and report a miss, never k2's bytes as k0."""
     import fcntl
 
-    from hicache_storage import filestore
+    from hicache_storage.storekit import filestore
 
     writer = full_store(shm_dir, 2)
     reader = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir)
@@ -419,7 +419,7 @@ GROUP_RECYCLER = textwrap.dedent("""
     import os, sys
     from hicache_storage import StorageConfig
     from hicache_storage.backends import ShmBackend
-    from hicache_storage.header import HEADER_SIZE
+    from hicache_storage.storekit.header import HEADER_SIZE
     os.setgroups([4242]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
     b = ShmBackend(StorageConfig(), directory=sys.argv[1], group="4242", max_size=2 * 4096)
     print(b.set("k2", b"\\x02" * (4096 - HEADER_SIZE)))

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hicache_storage.header import HEADER_SIZE
+from hicache_storage.storekit.header import HEADER_SIZE
 
 WORKER = Path(__file__).parent / "workers" / "shm_writer.py"
 OBJ = 64 * 1024  # header included: whole tmpfs pages

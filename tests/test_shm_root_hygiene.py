@@ -24,9 +24,9 @@ from collections.abc import Iterator
 import pytest
 
 from hicache_storage import KVCacheNamespace, StorageConfig
-from hicache_storage.atomic import temp_path
+from hicache_storage.storekit.atomic import temp_path
 from hicache_storage.backends import ShmBackend
-from hicache_storage.header import HEADER_SIZE
+from hicache_storage.storekit.header import HEADER_SIZE
 
 from .conftest import tree_files
 
@@ -83,7 +83,8 @@ def test_files_that_are_not_the_stores_are_never_counted_or_evicted(shm_dir: str
 
 KILLED_RECYCLER = textwrap.dedent("""
     import os, signal, sys
-    from hicache_storage import KVCacheNamespace, StorageConfig, filestore
+    from hicache_storage import KVCacheNamespace, StorageConfig
+    from hicache_storage.storekit import filestore
     from hicache_storage.backends import ShmBackend
 
     def die(fd, views):  # in _recycle: the evicted page is already a temporary

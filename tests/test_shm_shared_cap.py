@@ -3,7 +3,7 @@
 Second attack D7: each process's tracker knew only what it found at start-up and what it
 wrote, so three processes with a 4 MiB cap filled 12 MiB and stayed there. Now every
 writer re-scans the whole directory on a schedule (cost-bounded, see
-:mod:`hicache_storage.capacity`) and evicts the oldest pages of any namespace. What holds
+:mod:`hicache_storage.storekit.capacity`) and evicts the oldest pages of any namespace. What holds
 (docs/backends/shm.md): the directory exceeds ``max_size`` by at most what the other
 processes wrote since the writing instance's last re-scan, and the next write of any
 instance whose re-scan is due brings it back under ``max_size``.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_storage.header import HEADER_SIZE
+from hicache_storage.storekit.header import HEADER_SIZE
 
 WORKER = Path(__file__).parent / "workers" / "shm_cap_writer.py"
 CAP = 4 << 20

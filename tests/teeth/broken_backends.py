@@ -20,7 +20,7 @@ import torch
 from hicache_storage import Capabilities, HiCacheStorage, PageBuffer, StorageConfig
 from hicache_storage.backends import FileBackend
 from hicache_storage.buffers import is_tensor, source_views, target_views, total_nbytes
-from hicache_storage.header import checksum, encode_header
+from hicache_storage.storekit.header import checksum, encode_header
 from hicache_storage.keys import ObjectName
 
 _DATA: dict[str, bytes] = {}

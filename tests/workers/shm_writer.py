@@ -19,7 +19,8 @@ import sys
 import time
 from typing import Any
 
-from hicache_storage import KVCacheNamespace, StorageConfig, filestore
+from hicache_storage import KVCacheNamespace, StorageConfig
+from hicache_storage.storekit import filestore
 from hicache_storage.backends import ShmBackend
 
 ENOSPC = [0]

@@ -11,7 +11,7 @@ from hicache_storage import Capabilities, HiCacheStorage, StorageConfig
 from hicache_storage.buffers import source_views, target_views, total_nbytes
 from hicache_storage.config import parse_options
 from hicache_storage.errors import BackendError, ConfigError, CorruptObjectError
-from hicache_storage.header import (
+from hicache_storage.storekit.header import (
     HEADER_SIZE,
     checksum,
     decode_header,

@@ -3,10 +3,10 @@
 Shared by the ``file`` backend (any POSIX filesystem) and the ``shm`` backend (``/dev/shm``),
 which differ only in their options and defaults. Layout:
 ``<root>/<namespace digest>/<fanout>/<key>[~<shard>]``; every file is
-``header || payload`` (see :mod:`hicache_storage.header`), published atomically
-(:mod:`hicache_storage.atomic`); capacity is tracked with
-:class:`~hicache_storage.capacity.CapacityTracker`. Every directory used and every file read
-passes the trust rule of :mod:`hicache_storage.pathsafety` (owned by this user or, in group
+``header || payload`` (see :mod:`hicache_storage.storekit.header`), published atomically
+(:mod:`hicache_storage.storekit.atomic`); capacity is tracked with
+:class:`~hicache_storage.storekit.capacity.CapacityTracker`. Every directory used and every file read
+passes the trust rule of :mod:`hicache_storage.storekit.pathsafety` (owned by this user or, in group
 mode, the group; not writable by others; never a symlink, FIFO or other special file), and
 directories that vanish while the store runs are recreated on the next write. Guarantees
 are documented in ``docs/backends/file.md`` and ``docs/backends/shm.md``.
@@ -29,7 +29,27 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
-from hicache_storage.atomic import (
+from hicache_storage.buffers import (
+    PageBuffer,
+    memoryview_at,
+    source_views,
+    target_views,
+    total_nbytes,
+)
+from hicache_storage.config import Size, StorageConfig, parse_options
+from hicache_storage.errors import (
+    BackendError,
+    BackendTimeoutError,
+    CapacityError,
+    ConfigError,
+    CorruptObjectError,
+    InvalidArgumentError,
+    from_os_error,
+)
+from hicache_storage.keys import _KEY_RE, _SHARD_RE, KEY_MAX_LEN, ObjectName
+from hicache_storage.protocol import HiCacheStorage
+from hicache_storage.ratelimit import RateLimitedLog
+from hicache_storage.storekit.atomic import (
     commit_temp,
     fsync_dir,
     is_temporary,
@@ -41,26 +61,8 @@ from hicache_storage.atomic import (
     writer_is_dead,
     writev_all,
 )
-from hicache_storage.backend import HiCacheStorage
-from hicache_storage.buffers import (
-    PageBuffer,
-    memoryview_at,
-    source_views,
-    target_views,
-    total_nbytes,
-)
-from hicache_storage.capacity import CapacityTracker, Reservation
-from hicache_storage.config import Size, StorageConfig, parse_options
-from hicache_storage.errors import (
-    BackendError,
-    BackendTimeoutError,
-    CapacityError,
-    ConfigError,
-    CorruptObjectError,
-    InvalidArgumentError,
-    from_os_error,
-)
-from hicache_storage.header import (
+from hicache_storage.storekit.capacity import CapacityTracker, Reservation
+from hicache_storage.storekit.header import (
     HEADER_SIZE,
     algorithm_id,
     checksum,
@@ -68,10 +70,9 @@ from hicache_storage.header import (
     encode_header,
     verify_payload,
 )
-from hicache_storage.iopool import IOPool
-from hicache_storage.keys import _KEY_RE, _SHARD_RE, KEY_MAX_LEN, ObjectName
-from hicache_storage.metacache import MetadataCache
-from hicache_storage.pathsafety import (
+from hicache_storage.storekit.iopool import IOPool
+from hicache_storage.storekit.metacache import MetadataCache
+from hicache_storage.storekit.pathsafety import (
     NotRegularFileError,
     UnsafePathError,
     check_file,
@@ -80,9 +81,8 @@ from hicache_storage.pathsafety import (
     is_trusted,
     open_regular_stat,
 )
-from hicache_storage.ratelimit import RateLimitedLog
 
-__all__ = ["FileStore", "FileStoreOptions"]
+__all__ = ["FileTreeOptions", "FileTreeStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 @dataclass(frozen=True)
-class FileStoreOptions:
+class FileTreeOptions:
     """Options shared by file-like stores (each backend adds its location option).
 
     Attributes:
@@ -202,15 +202,15 @@ class FileStoreOptions:
             raise ConfigError(f"eviction_ratio must be in (0, 1], got {self.eviction_ratio}")
 
 
-class FileStore(HiCacheStorage):
+class FileTreeStore(HiCacheStorage):
     """Pages as files in a directory tree (zero-copy ``writev``/``preadv``).
 
-    Subclasses set :attr:`options_class` (a :class:`FileStoreOptions` subclass) and
+    Subclasses set :attr:`options_class` (a :class:`FileTreeOptions` subclass) and
     implement :meth:`_location`; they may change :attr:`file_mode`, :attr:`dir_mode`,
     :attr:`group_id` (in ``_configure``) and the defaults of the capacity limits.
     """
 
-    options_class: ClassVar[type[FileStoreOptions]] = FileStoreOptions
+    options_class: ClassVar[type[FileTreeOptions]] = FileTreeOptions
     #: The option that names the root (for error messages).
     location_option: ClassVar[str] = "root"
     #: Mode of stored files and of directories this store creates.
@@ -283,7 +283,7 @@ class FileStore(HiCacheStorage):
     def _configure(self, opts: Any) -> None:
         """Set modes and group from the options (default: private, 0600/0700)."""
 
-    def _limits(self, opts: FileStoreOptions) -> tuple[int | None, int]:
+    def _limits(self, opts: FileTreeOptions) -> tuple[int | None, int]:
         """``(max_size, min_free_space)`` with the backend's defaults applied."""
         return opts.max_size, opts.min_free_space or 0
 
@@ -294,7 +294,7 @@ class FileStore(HiCacheStorage):
 
         Creates what is missing (the root with its parents: a cleaner or an operator may
         have removed it while the store runs) with this store's mode and group, and checks
-        what exists (:func:`~hicache_storage.pathsafety.ensure_dir`). Raises ConfigError.
+        what exists (:func:`~hicache_storage.storekit.pathsafety.ensure_dir`). Raises ConfigError.
         """
         levels = (
             [] if self._tree_ok else [(self.root, "", True), (self.directory, self.root, False)]
@@ -868,7 +868,7 @@ class FileStore(HiCacheStorage):
         file first leaves the namespace (``rename`` to a temporary: new readers miss it),
         then is overwritten only if no reader holds it (``flock`` exclusive, not waiting;
         see :meth:`_open_published` for the readers' side), then published like a new
-        file. Returns True/False as :func:`~hicache_storage.atomic.publish`, or None when
+        file. Returns True/False as :func:`~hicache_storage.storekit.atomic.publish`, or None when
         the file could not be reused (gone, another size, read by someone, not a regular
         file of this user): it is then removed, and the caller writes a new file.
         """

@@ -49,26 +49,20 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
-import inspect
 import logging
-import os
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar
 
+from hicache_storage._guard import ENGINE_OPS, InstanceState, active_calls, guard_class
+from hicache_storage._guard import overrides as _overrides
 from hicache_storage.buffers import PageBuffer, Segment, memoryview_at, source_views, total_nbytes
 from hicache_storage.config import StorageConfig, scrub, secret_values
 from hicache_storage.errors import (
-    BackendClosedError,
     BackendError,
-    ContractViolationError,
     HostIndicesError,
     InvalidArgumentError,
-    InvalidTypeError,
     NamespaceMismatchError,
     NotSupportedError,
 )
@@ -77,11 +71,8 @@ from hicache_storage.keys import (
     ObjectName,
     normalize_dtype,
     object_name,
-    validate_key,
-    validate_keys,
 )
-from hicache_storage.ratelimit import RateLimitedLog
-from hicache_storage.stats import StatsRecorder, StorageStats
+from hicache_storage.stats import StorageStats
 
 __all__ = ["ALL_LAYOUTS", "Capabilities", "HiCacheStorage"]
 
@@ -121,233 +112,6 @@ class Capabilities:
         return [n for n in ("zero_copy", "delete", "persistent", "shared") if getattr(self, n)]
 
 
-# --------------------------------------------------------------------------- the guard
-
-
-@dataclass(frozen=True)
-class _Op:
-    """How to guard one engine-facing method."""
-
-    kind: str  # "single" (key first) or "batch" (keys first)
-    failure: Callable[[int], Any]
-    check: Callable[[Any, int], tuple[Any, str | None]]
-    count_ok: Callable[[Any], int]
-
-
-def _check_any(result: Any, n: int) -> tuple[Any, str | None]:
-    return result, None
-
-
-def _check_bool(result: Any, n: int) -> tuple[Any, str | None]:
-    if isinstance(result, bool):
-        return result, None
-    # 0/1 and numpy booleans keep their meaning; anything else (None...) is a failure.
-    meaningful = isinstance(result, int) or type(result).__name__ == "bool_"
-    return (
-        bool(result) if meaningful else False
-    ), f"returned {type(result).__name__}, expected bool"
-
-
-def _check_count(result: Any, n: int) -> tuple[Any, str | None]:
-    if isinstance(result, bool) or not isinstance(result, int):
-        if isinstance(result, list) and len(result) == n:
-            # A per-key list: the engine needs the leading run.
-            lead = 0
-            while lead < n and result[lead] is True:
-                lead += 1
-            return lead, "returned a list, expected the int count of leading hits"
-        return 0, f"returned {type(result).__name__}, expected int"
-    if not 0 <= result <= n:
-        return 0, f"returned {result} for {n} keys (must be in [0, {n}])"
-    return result, None
-
-
-def _check_bools(result: Any, n: int) -> tuple[Any, str | None]:
-    if isinstance(result, list) and len(result) == n:
-        if all(isinstance(x, bool) for x in result):
-            return result, None
-        return [x is True for x in result], "returned non-bool entries"
-    if isinstance(result, bool):
-        return [result] * n, f"returned a bool, expected a list of {n} bools"
-    if isinstance(result, list):
-        return [False] * n, f"returned {len(result)} results for {n} keys"
-    return [False] * n, f"returned {type(result).__name__}, expected a list of {n} bools"
-
-
-def _check_gets(result: Any, n: int) -> tuple[Any, str | None]:
-    if isinstance(result, list) and len(result) == n:
-        return result, None
-    if isinstance(result, list):
-        return [None] * n, f"returned {len(result)} results for {n} keys"
-    return [None] * n, f"returned {type(result).__name__}, expected a list of {n} results"
-
-
-def _ok_truthy(result: Any) -> int:
-    return 1 if result is True else 0
-
-
-def _ok_not_none(result: Any) -> int:
-    return 0 if result is None else 1
-
-
-_OPS: dict[str, _Op] = {
-    "get": _Op("single", lambda n: None, _check_any, _ok_not_none),
-    "set": _Op("single", lambda n: False, _check_bool, _ok_truthy),
-    "exists": _Op("single", lambda n: False, _check_bool, _ok_truthy),
-    "batch_get": _Op(
-        "batch", lambda n: [None] * n, _check_gets, lambda r: sum(x is not None for x in r)
-    ),
-    "batch_set": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
-    "batch_exists": _Op("batch", lambda n: 0, _check_count, lambda r: int(r)),
-    "batch_get_v1": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
-    "batch_set_v1": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
-    "batch_get_pages": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
-    "batch_set_pages": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
-}
-
-#: Exceptions that reach the caller: bad arguments and unsupported operations.
-_PASS_THROUGH = (InvalidArgumentError, NotSupportedError, ContractViolationError)
-
-_local = threading.local()
-
-
-def _active_calls() -> dict[int, int]:
-    """This thread's guarded calls in progress: instance id -> item errors so far."""
-    active: dict[int, int] | None = getattr(_local, "active", None)
-    if active is None:
-        active = _local.active = {}
-    return active
-
-
-#: Kept under its old name for code that imported it from here.
-_RateLimitedLog = RateLimitedLog
-
-
-def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap an engine-facing method with validation, failure shapes and stats."""
-    spec = _OPS[name]
-    batch = spec.kind == "batch"
-
-    @functools.wraps(fn)
-    def wrapper(self: HiCacheStorage, *args: Any, **kwargs: Any) -> Any:
-        active = _active_calls()
-        me = id(self)
-        if me in active:
-            # Nested call on this instance (a default batch loop calling get, or super()):
-            # the outermost call validated the arguments and records the stats.
-            try:
-                return fn(self, *args, **kwargs)
-            except _PASS_THROUGH:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the engine must never see a store failure
-                active[me] += 1
-                self._log_failure(name, exc)
-                n = len(args[0]) if batch and args else 1
-                return spec.failure(n)
-
-        # Outermost call: validate keys (first argument), run, check the result's shape.
-        if args:
-            first = args[0]
-        elif batch and "keys" in kwargs:
-            first = kwargs.pop("keys")
-        elif not batch and "key" in kwargs:
-            first = kwargs.pop("key")
-        else:
-            raise InvalidTypeError(f"{name}() needs {'keys' if batch else 'a key'}")
-        if batch:
-            first = validate_keys(first)
-            n = len(first)
-        else:
-            validate_key(first)
-            n = 1
-        args = (first, *args[1:])
-        state = self._hicache_state()
-        if state.closed:
-            self._log_failure(name, BackendClosedError(f"{type(self).__name__} is closed"))
-            state.stats.record(name, n, 0, n, 0.0)
-            return spec.failure(n)
-        active[me] = 0
-        t0 = time.perf_counter()
-        errors = 0
-        try:
-            result = fn(self, *args, **kwargs)
-        except _PASS_THROUGH:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the engine must never see a store failure
-            if isinstance(exc, TypeError):
-                _raise_if_bad_call(name, fn, self, args, kwargs, exc)
-            self._log_failure(name, exc)
-            result = spec.failure(n)
-            errors = n
-        finally:
-            inner_errors = active.pop(me, 0)
-        elapsed = time.perf_counter() - t0
-        errors = min(n, max(errors, inner_errors))
-        result, problem = spec.check(result, n)
-        if problem is not None:
-            state.stats.add(contract_violations=1)
-            message = f"{type(self).__name__}.{name} {problem}"
-            if state.strict:
-                raise ContractViolationError(message)
-            state.log(
-                "violation:" + name, "contract violation: %s; replaced by a safe result", message
-            )
-        state.stats.record(name, n, spec.count_ok(result), errors, elapsed)
-        return result
-
-    wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
-    wrapper.__wrapped__ = fn
-    return wrapper
-
-
-def _raise_if_bad_call(
-    name: str,
-    fn: Callable[..., Any],
-    obj: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    exc: TypeError,
-) -> None:
-    """Raise InvalidTypeError if ``exc`` came from calling ``fn`` with the wrong arguments.
-
-    Checked only after a TypeError, so the happy path pays nothing for it.
-    """
-    try:
-        inspect.signature(fn).bind(obj, *args, **kwargs)
-    except TypeError as bad:
-        raise InvalidTypeError(f"{name}(): {bad}") from exc
-
-
-def _guard_close(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Make ``close`` idempotent: the body runs once, later calls return at once."""
-
-    @functools.wraps(fn)
-    def wrapper(self: HiCacheStorage) -> None:
-        state = self._hicache_state()
-        if state.closed or state.closing:
-            return
-        state.closing = True
-        try:
-            fn(self)
-        finally:
-            state.closed = True
-
-    wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
-    return wrapper
-
-
-class _State:
-    """Per-instance bookkeeping of the protocol layer."""
-
-    def __init__(self) -> None:
-        self.stats = StatsRecorder()
-        self.closed = False
-        self.closing = False
-        self.strict = os.environ.get("HICACHE_STORAGE_STRICT", "") not in ("", "0", "false")
-        self.log = RateLimitedLog(logger)
-        self.secrets: list[str] | None = None  # values of secret options, once known
-
-
 # --------------------------------------------------------------------------- the ABC
 
 
@@ -378,22 +142,14 @@ class HiCacheStorage(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # Look the methods up through the whole MRO: an implementation may come from a
-        # mixin that does not derive from HiCacheStorage.
-        for op in _OPS:
-            fn = getattr(cls, op, None)
-            if callable(fn) and not getattr(fn, "__hicache_guarded__", False):
-                setattr(cls, op, _guard(op, fn))
-        fn = getattr(cls, "close", None)
-        if callable(fn) and not getattr(fn, "__hicache_guarded__", False):
-            cls.close = _guard_close(fn)  # type: ignore[method-assign]
+        guard_class(cls)
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _hicache_state(self) -> _State:
-        state: _State | None = self.__dict__.get("_hicache")
+    def _hicache_state(self) -> InstanceState:
+        state: InstanceState | None = self.__dict__.get("_hicache")
         if state is None:
-            state = self.__dict__.setdefault("_hicache", _State())
+            state = self.__dict__.setdefault("_hicache", InstanceState())
         return state
 
     @property
@@ -452,13 +208,25 @@ class HiCacheStorage(abc.ABC):
         A backend that catches per-item failures itself (in worker threads, say) logs them
         with :meth:`_log_failure` and reports how many here, so the stats stay right.
         """
-        active = _active_calls()
+        active = active_calls()
         if id(self) in active:
             active[id(self)] += count
 
     def object_name(self, key: str) -> ObjectName:
         """The stored name of ``key`` for this backend's namespace and shard."""
         return object_name(self.namespace.digest, key, self.config.shard)
+
+    @classmethod
+    def overrides(cls, op: str) -> bool:
+        """True if this class implements the engine-facing method ``op`` itself.
+
+        False when ``op`` is the base class's default (the per-key loop for the batch
+        forms). The conformance kit uses it to check that a ``zero_copy`` claim is backed
+        by a native ``batch_get_pages``/``batch_set_pages``.
+        """
+        if op not in ENGINE_OPS:
+            raise InvalidArgumentError(f"{op!r} is not an engine-facing method: {ENGINE_OPS}")
+        return _overrides(cls, op, HiCacheStorage)
 
     def get_stats(self, reset: bool = True) -> StorageStats:
         """Return the counters since the last reset; by default reset them (reference semantics)."""
@@ -683,9 +451,7 @@ class HiCacheStorage(abc.ABC):
         )
 
 
-for _op in _OPS:
-    setattr(HiCacheStorage, _op, _guard(_op, getattr(HiCacheStorage, _op)))
-HiCacheStorage.close = _guard_close(HiCacheStorage.close)  # type: ignore[method-assign]
+guard_class(HiCacheStorage)
 
 
 def _copy_into_page(value: Any, page: PageBuffer) -> bool:
