@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_storage.protocol import Capabilities
 from hicache_storage.errors import ConfigError
-from hicache_storage.storekit.filestore import FileTreeStore, FileTreeOptions
+from hicache_storage.protocol import Capabilities
+from hicache_storage.storekit.filestore import FileTreeOptions, FileTreeStore
 from hicache_storage.storekit.pathsafety import user_dir
 
 __all__ = ["FileBackend", "FileOptions"]

@@ -46,8 +46,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from hicache_storage.storekit.atomic import fsync_dir, temp_path, writev_all
-from hicache_storage.protocol import Capabilities, HiCacheStorage
 from hicache_storage.buffers import PageBuffer, is_tensor, source_views, target_views, total_nbytes
 from hicache_storage.config import Size, StorageConfig, parse_options
 from hicache_storage.errors import (
@@ -58,6 +56,8 @@ from hicache_storage.errors import (
     InvalidArgumentError,
     NotSupportedError,
 )
+from hicache_storage.protocol import Capabilities, HiCacheStorage
+from hicache_storage.storekit.atomic import fsync_dir, temp_path, writev_all
 from hicache_storage.storekit.header import ALGORITHMS, algorithm_id, checksum
 from hicache_storage.storekit.iopool import IOPool
 from hicache_storage.storekit.pathsafety import (
@@ -1361,20 +1361,13 @@ class MmapBackend(HiCacheStorage):
         # docstring inherited
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
-        errors = [0]
-
-        def one(i: int) -> bool:
-            try:
-                return self._read(keys[i], pages[i].views, pages[i]) is not None
-            except Exception as exc:  # noqa: BLE001 - one page fails, the batch goes on
-                self._log_failure("batch_get_pages", exc)
-                errors[0] += 1
-                return False
-
         with self._op():
-            out = self._io.map(one, len(keys))
-        self._add_item_errors(errors[0])
-        return out
+            return self._map_pages(
+                "batch_get_pages",
+                len(keys),
+                lambda i: self._read(keys[i], pages[i].views, pages[i]),
+                self._io.map,
+            )
 
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         # docstring inherited

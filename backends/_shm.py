@@ -19,10 +19,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hicache_storage.protocol import Capabilities
 from hicache_storage.config import StorageConfig
 from hicache_storage.errors import ConfigError
-from hicache_storage.storekit.filestore import FileTreeStore, FileTreeOptions
+from hicache_storage.protocol import Capabilities
+from hicache_storage.storekit.filestore import FileTreeOptions, FileTreeStore
 from hicache_storage.storekit.pathsafety import user_dir
 
 __all__ = ["ShmBackend", "ShmOptions"]

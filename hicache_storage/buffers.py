@@ -14,15 +14,32 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-from hicache_storage.errors import InvalidTypeError
+from hicache_storage.errors import HostIndicesError, InvalidTypeError
+
+if TYPE_CHECKING:
+    import torch
+
+#: What ``get`` may fill: a CPU tensor, a writable bytes-like object or a page buffer.
+ReadTarget: TypeAlias = "torch.Tensor | PageBuffer | bytearray | memoryview"
+#: What ``set`` may store: a CPU tensor, a page buffer or any bytes-like object.
+WriteValue: TypeAlias = "torch.Tensor | PageBuffer | bytes | bytearray | memoryview"
+#: Host-pool token indices of a v1 call: a 1-D integer tensor or a sequence of ints,
+#: ``page_size`` indices per page.
+HostIndices: TypeAlias = "torch.Tensor | Sequence[int]"
 
 __all__ = [
+    "HostIndices",
     "PageBuffer",
+    "ReadTarget",
     "Segment",
+    "WriteValue",
+    "copy_into",
     "is_tensor",
     "memoryview_at",
+    "new_target",
+    "pages_from_meta",
     "source_views",
     "target_views",
     "total_nbytes",
@@ -137,3 +154,63 @@ def target_views(target: object) -> list[memoryview]:
 def total_nbytes(views: Sequence[memoryview]) -> int:
     """Sum of the views' lengths in bytes."""
     return sum(v.nbytes for v in views)
+
+
+def copy_into(views: Sequence[memoryview], data: Sequence[memoryview] | bytes | memoryview) -> bool:
+    """Scatter ``data`` across the writable ``views`` in order; False if sizes differ.
+
+    ``data`` is one buffer or several (the segments of a stored value); nothing is written
+    when the total sizes differ, so a target is never partly filled.
+    """
+    parts = [memoryview(data)] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    parts = [p if p.format == "B" and p.ndim == 1 else p.cast("B") for p in parts]
+    if total_nbytes(parts) != total_nbytes(views):
+        return False
+    if len(parts) == 1 and len(views) == 1:
+        views[0][:] = parts[0]
+        return True
+    src = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+    off = 0
+    for v in views:
+        n = v.nbytes
+        v[:] = src[off : off + n]
+        off += n
+    return True
+
+
+def new_target(nbytes: int) -> tuple[Any, list[memoryview]]:
+    """A new 1-D uint8 CPU tensor of ``nbytes`` and a writable view of it, for ``get(key)``."""
+    import torch
+
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    return t, [memoryview_at(int(t.data_ptr()), nbytes, t)]
+
+
+def pages_from_meta(pool: Any, host_indices: Any, n: int) -> list[PageBuffer]:
+    """Page buffers from a reference-engine pool's ``get_page_buffer_meta(indices)``.
+
+    The pool returns one pointer and one size per segment, pages in order; ``n`` pages of
+    ``page_size`` indices each are expected, else :class:`HostIndicesError`.
+    """
+    page_size = int(pool.page_size)
+    count = len(host_indices)
+    if count != n * page_size:
+        raise HostIndicesError(f"got {count} host indices for {n} keys; expected {n * page_size}")
+    if n == 0:
+        return []
+    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+    if len(ptrs) % n or len(ptrs) != len(sizes):
+        raise HostIndicesError(f"pool returned {len(ptrs)} segments for {n} pages")
+    per = len(ptrs) // n
+    owner = getattr(pool, "kv_buffer", pool)
+    return [
+        PageBuffer(
+            [
+                Segment(int(p), int(s), memoryview_at(int(p), int(s), owner))
+                for p, s in zip(
+                    ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per], strict=True
+                )
+            ]
+        )
+        for i in range(n)
+    ]

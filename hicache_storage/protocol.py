@@ -50,14 +50,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar
 
 from hicache_storage._guard import ENGINE_OPS, InstanceState, active_calls, guard_class
 from hicache_storage._guard import overrides as _overrides
-from hicache_storage.buffers import PageBuffer, Segment, memoryview_at, source_views, total_nbytes
+from hicache_storage.buffers import PageBuffer, copy_into, pages_from_meta, source_views
 from hicache_storage.config import StorageConfig, scrub, secret_values
 from hicache_storage.errors import (
     BackendError,
@@ -212,6 +213,39 @@ class HiCacheStorage(abc.ABC):
         if id(self) in active:
             active[id(self)] += count
 
+    def _map_pages(
+        self,
+        op: str,
+        n: int,
+        fn: Callable[[int], object],
+        mapper: Callable[[Callable[[int], bool], int], list[bool]] | None = None,
+    ) -> list[bool]:
+        """Run ``fn(i)`` for each item ``i < n``; an item that raises fails alone.
+
+        ``fn`` returns a true value (anything but ``None``/``False``) when item ``i``
+        succeeded. ``mapper`` runs the items (``IOPool.map`` to spread them over worker
+        threads; serial in the caller's thread when omitted). Each exception is logged with
+        :meth:`_log_failure` and counted once as an item error of the current call, safely
+        from any number of worker threads. Returns one bool per item, in order.
+        """
+        lock = threading.Lock()
+        errors = 0
+
+        def one(i: int) -> bool:
+            nonlocal errors
+            try:
+                done = fn(i)
+            except Exception as exc:  # noqa: BLE001 - one item fails, the batch goes on
+                self._log_failure(op, exc)
+                with lock:
+                    errors += 1
+                return False
+            return done is not None and done is not False
+
+        out = mapper(one, n) if mapper is not None else [one(i) for i in range(n)]
+        self._add_item_errors(errors)
+        return out
+
     def object_name(self, key: str) -> ObjectName:
         """The stored name of ``key`` for this backend's namespace and shard."""
         return object_name(self.namespace.digest, key, self.config.shard)
@@ -326,7 +360,7 @@ class HiCacheStorage(abc.ABC):
             elif r is page:
                 out.append(True)
             else:
-                out.append(_copy_into_page(r, page))
+                out.append(copy_into(page.views, source_views(r)))
         return out
 
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
@@ -397,7 +431,7 @@ class HiCacheStorage(abc.ABC):
             if hasattr(pool, "page_buffers"):
                 pages: list[PageBuffer] = pool.page_buffers(host_indices, expected_pages=len(keys))
                 return pages
-            return _pages_from_meta(pool, host_indices, len(keys))
+            return pages_from_meta(pool, host_indices, len(keys))
         except HostIndicesError as exc:
             self._hicache_state().log(
                 "v1:indices", "%s: %s; all pages fail", type(self).__name__, exc
@@ -452,42 +486,3 @@ class HiCacheStorage(abc.ABC):
 
 
 guard_class(HiCacheStorage)
-
-
-def _copy_into_page(value: Any, page: PageBuffer) -> bool:
-    """Copy a ``get`` result that is not the page itself into the page, if sizes match."""
-    views = source_views(value)
-    if total_nbytes(views) != page.nbytes:
-        return False
-    src = memoryview(b"".join(views)) if len(views) > 1 else views[0]
-    off = 0
-    for seg in page.segments:
-        seg.memoryview[:] = src[off : off + seg.nbytes]
-        off += seg.nbytes
-    return True
-
-
-def _pages_from_meta(pool: Any, host_indices: Any, n: int) -> list[PageBuffer]:
-    """Page buffers from a reference-style pool's ``get_page_buffer_meta``."""
-    page_size = int(pool.page_size)
-    count = len(host_indices)
-    if count != n * page_size:
-        raise HostIndicesError(f"got {count} host indices for {n} keys; expected {n * page_size}")
-    if n == 0:
-        return []
-    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
-    if len(ptrs) % n or len(ptrs) != len(sizes):
-        raise HostIndicesError(f"pool returned {len(ptrs)} segments for {n} pages")
-    per = len(ptrs) // n
-    owner = getattr(pool, "kv_buffer", pool)
-    return [
-        PageBuffer(
-            [
-                Segment(int(p), int(s), memoryview_at(int(p), int(s), owner))
-                for p, s in zip(
-                    ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per], strict=False
-                )
-            ]
-        )
-        for i in range(n)
-    ]

@@ -714,20 +714,7 @@ class FileTreeStore(HiCacheStorage):
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         names = [self.object_name(k) for k in keys]
-        errors = [0]
-
-        def one(i: int) -> bool:
-            try:
-                done = io(names[i], pages[i].views)
-                return done is not None and done is not False
-            except Exception as exc:  # noqa: BLE001 - one page fails, the batch goes on
-                self._log_failure(op, exc)
-                errors[0] += 1
-                return False
-
-        out = self._io.map(one, len(keys))
-        self._add_item_errors(errors[0])
-        return out
+        return self._map_pages(op, len(keys), lambda i: io(names[i], pages[i].views), self._io.map)
 
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         # docstring inherited
