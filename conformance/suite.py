@@ -69,13 +69,13 @@ from hicache_storage.errors import (
     InvalidArgumentError,
     InvalidKeyError,
 )
+from hicache_storage.layouts import LAYOUTS
 
 __all__ = ["BackendConformance", "requires"]
 
 #: ``@requires("delete")``: run the check only if the backend claims the capability.
 requires = pytest.mark.hicache_requires
 
-LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 #: (layers, page size, KV heads, head dim) of the engine-batch check's bfloat16 pages.
 POOL_SHAPE_5D = (3, 4, 2, 16)
 HOSTILE_KEYS = [

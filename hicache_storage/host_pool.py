@@ -32,13 +32,11 @@ import torch
 
 from hicache_storage.buffers import PageBuffer, Segment, memoryview_at
 from hicache_storage.errors import ConfigError, HostIndicesError, InvalidTypeError
+from hicache_storage.layouts import LAYOUTS
 
 __all__ = ["LAYOUTS", "HostKVPool"]
 
 logger = logging.getLogger(__name__)
-
-#: Host-pool layouts this SDK understands.
-LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
 class HostKVPool:

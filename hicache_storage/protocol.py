@@ -73,6 +73,7 @@ from hicache_storage.keys import (
     normalize_dtype,
     object_name,
 )
+from hicache_storage.layouts import LAYOUTS
 from hicache_storage.stats import StorageStats
 
 __all__ = ["ALL_LAYOUTS", "Capabilities", "HiCacheStorage"]
@@ -81,8 +82,8 @@ logger = logging.getLogger(__name__)
 
 _B = TypeVar("_B", bound="HiCacheStorage")
 
-#: Every host-pool layout the SDK knows.
-ALL_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
+#: Every host-pool layout the SDK knows, as a set (kept for code that imported it here).
+ALL_LAYOUTS: frozenset[str] = frozenset(LAYOUTS)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,6 @@ import torch
 from hicache_storage import HiCacheStorage, HostKVPool, KVCacheNamespace, StorageConfig
 from hicache_storage.backends import FileBackend
 
-LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
-
 
 def make_pool(
     layout: str = "page_first", mla: bool = False, num_pages: int = 16, page_size: int = 4

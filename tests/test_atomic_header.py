@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache_storage.storekit import atomic
 from hicache_storage.errors import CorruptObjectError
+from hicache_storage.storekit import atomic
 from hicache_storage.storekit.header import (
     HEADER_SIZE,
     checksum,

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from hicache_storage.storekit.capacity import CapacityTracker
 from hicache_storage.errors import ConfigError
+from hicache_storage.storekit.capacity import CapacityTracker
 from hicache_storage.storekit.metacache import MetadataCache
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hicache_storage.cli.main import main
+from hicache_storage.layouts import LAYOUTS
 
 SMALL = [
     "--pages",
@@ -42,7 +43,7 @@ def test_backends_lists_file_with_capabilities(capsys: pytest.CaptureFixture[str
     assert entry["capabilities"]["zero_copy"] is True
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_bench_json_verifies_every_page(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str
 ) -> None:

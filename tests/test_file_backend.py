@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from hicache_storage import KVCacheNamespace, StorageConfig, page_hashes
-from hicache_storage.storekit.atomic import TEMP_PREFIX
 from hicache_storage.backends import FileBackend
 from hicache_storage.errors import ConfigError, InvalidKeyError
+from hicache_storage.layouts import LAYOUTS
+from hicache_storage.storekit.atomic import TEMP_PREFIX
 from hicache_storage.storekit.header import HEADER_SIZE
 
-from .conftest import LAYOUTS, make_pool, pool_namespace, tree_files
+from .conftest import make_pool, pool_namespace, tree_files
 
 WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))

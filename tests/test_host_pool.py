@@ -7,8 +7,9 @@ import torch
 
 from hicache_storage import HostKVPool
 from hicache_storage.errors import ConfigError, HostIndicesError, InvalidTypeError
+from hicache_storage.layouts import LAYOUTS
 
-from .conftest import LAYOUTS, make_pool
+from .conftest import make_pool
 
 L, H, D, PS, P = 3, 2, 8, 4, 16
 ITEM = 2  # bfloat16

@@ -22,6 +22,7 @@ from hicache_storage.errors import (
     NamespaceMismatchError,
     NotSupportedError,
 )
+from hicache_storage.layouts import LAYOUTS
 
 from .conftest import make_pool, pool_namespace
 
@@ -219,7 +220,7 @@ def test_close_is_idempotent_and_later_calls_fail_cleanly() -> None:
 
 
 @pytest.mark.parametrize("cls", [DictBackend, NewTensorBackend])
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mla", [False, True])
 def test_default_v1_round_trip(cls: type[DictBackend], layout: str, mla: bool) -> None:
     pool = make_pool(layout, mla)

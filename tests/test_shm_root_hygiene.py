@@ -24,8 +24,8 @@ from collections.abc import Iterator
 import pytest
 
 from hicache_storage import KVCacheNamespace, StorageConfig
-from hicache_storage.storekit.atomic import temp_path
 from hicache_storage.backends import ShmBackend
+from hicache_storage.storekit.atomic import temp_path
 from hicache_storage.storekit.header import HEADER_SIZE
 
 from .conftest import tree_files

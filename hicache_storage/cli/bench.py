@@ -17,8 +17,9 @@ import torch
 
 from hicache_storage.config import StorageConfig, redact_options
 from hicache_storage.errors import ConfigError, HiCacheStorageError
-from hicache_storage.host_pool import LAYOUTS, HostKVPool
+from hicache_storage.host_pool import HostKVPool
 from hicache_storage.keys import KVCacheNamespace, page_hashes
+from hicache_storage.layouts import LAYOUTS
 from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.registry import create_backend
 

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from hicache_storage.config import REDACTED, is_secret_option, load_extra_config, redact_text
 from hicache_storage.errors import ConfigError, HiCacheStorageError
+from hicache_storage.layouts import LAYOUTS
 from hicache_storage.registry import available_backends
 
 __all__ = ["build_parser", "main"]
@@ -393,9 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=_positive_int, default=8)
     p.add_argument("--head-dim", type=_positive_int, default=128)
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="torch dtype of the KV cache")
-    p.add_argument(
-        "--layout", default="page_first", choices=["layer_first", "page_first", "page_first_direct"]
-    )
+    p.add_argument("--layout", default="page_first", choices=list(LAYOUTS))
     p.add_argument(
         "--mla", action="store_true", help="MLA pool (one latent vector per token and layer)"
     )

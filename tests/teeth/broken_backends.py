@@ -20,8 +20,8 @@ import torch
 from hicache_storage import Capabilities, HiCacheStorage, PageBuffer, StorageConfig
 from hicache_storage.backends import FileBackend
 from hicache_storage.buffers import is_tensor, source_views, target_views, total_nbytes
-from hicache_storage.storekit.header import checksum, encode_header
 from hicache_storage.keys import ObjectName
+from hicache_storage.storekit.header import checksum, encode_header
 
 _DATA: dict[str, bytes] = {}
 _LOCK = threading.Lock()

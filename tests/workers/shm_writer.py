@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 from hicache_storage import KVCacheNamespace, StorageConfig
-from hicache_storage.storekit import filestore
 from hicache_storage.backends import ShmBackend
+from hicache_storage.storekit import filestore
 
 ENOSPC = [0]
 _real = filestore.from_os_error
