@@ -34,14 +34,25 @@ def test_wheel_layout_and_entry_points(tmp_path: Path) -> None:
     assert "hicache_storage/backends/_file.py" in names
     assert "hicache_storage/conformance/__init__.py" in names
     assert "hicache_storage/py.typed" in names
-    # Every package directory in the source tree is shipped.
+    # Every package directory in the source tree is shipped: a subpackage missing from
+    # pyproject's `packages` list would otherwise be silently left out of the wheel.
+    shipped = set(names)
+    missing = []
+    walked = 0
     for src, dest in (
+        ("hicache_storage", "hicache_storage"),
         ("backends", "hicache_storage/backends"),
         ("conformance", "hicache_storage/conformance"),
     ):
         for init in (ROOT / src).rglob("__init__.py"):
+            if "__pycache__" in init.parts:
+                continue
+            walked += 1
             rel = init.relative_to(ROOT / src).as_posix()
-            assert f"{dest}/{rel}" in names, rel
+            if f"{dest}/{rel}" not in shipped:
+                missing.append(f"{src}/{rel}")
+    assert walked >= 5  # hicache_storage, cli, storekit, backends, conformance at least
+    assert missing == [], f"not in the wheel (add to pyproject's packages list): {missing}"
     info = next(n for n in names if n.endswith("entry_points.txt"))
     eps = zipfile.ZipFile(wheel).read(info).decode()
     assert "[hicache_storage.backends]" in eps
