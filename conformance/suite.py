@@ -999,7 +999,7 @@ class BackendConformance:
         (k,) = unique_keys(1)
         for bad in (object(), None, 3.5):
             try:
-                ok = b.set(k, bad)
+                ok = b.set(k, bad)  # type: ignore[arg-type]  # deliberately wrong
             except InvalidArgumentError:
                 ok = False
             assert ok is False, rule("bad-value", f"set() accepted a {type(bad).__name__}")

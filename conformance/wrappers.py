@@ -5,7 +5,7 @@ random with a realistic exception; ``LatencyBackend(inner, latency=0.005)`` dela
 call. Both forward everything else to ``inner`` and keep its namespace, shard and
 capabilities, so a tier, a prefetch policy or an engine adapter can be tested against
 slow and failing storage without a broken server. They are
-:class:`~hicache_storage.HiCacheStorage` subclasses, so the protocol layer's guarantees
+:class:`~hicache_storage.wrapper.WrapperBackend` subclasses, so the protocol layer's guarantees
 (failure shapes, no exception reaching the engine, stats) hold for them too.
 """
 
@@ -15,90 +15,16 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from hicache_storage.buffers import PageBuffer
 from hicache_storage.errors import BackendUnavailableError, InvalidArgumentError
-from hicache_storage.protocol import Capabilities, HiCacheStorage
+from hicache_storage.protocol import HiCacheStorage
+from hicache_storage.wrapper import WrapperBackend
 
 __all__ = ["FaultyBackend", "LatencyBackend"]
 
 
-class _Wrapper(HiCacheStorage):
-    """Forwards every operation to ``inner``."""
-
-    def __init__(self, inner: HiCacheStorage) -> None:
-        super().__init__(inner.config)
-        self.inner = inner
-        self.name = f"{type(self).__name__}({inner.name or type(inner).__name__})"  # type: ignore[misc]
-
-    @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
-        return self.inner.capabilities
-
-    def _before(self, op: str) -> None:
-        """Hook run before each forwarded operation."""
-
-    def get(self, key: str, target: Any = None) -> Any:
-        # docstring inherited
-        self._before("get")
-        return self.inner.get(key, target)
-
-    def set(self, key: str, value: Any) -> bool:
-        # docstring inherited
-        self._before("set")
-        return self.inner.set(key, value)
-
-    def exists(self, key: str) -> bool:
-        # docstring inherited
-        self._before("exists")
-        return self.inner.exists(key)
-
-    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        # docstring inherited
-        self._before("batch_exists")
-        return self.inner.batch_exists(keys, extra_info)
-
-    def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
-        # docstring inherited
-        self._before("batch_get")
-        return self.inner.batch_get(keys, targets)
-
-    def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
-        # docstring inherited
-        self._before("batch_set")
-        return self.inner.batch_set(keys, values)
-
-    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
-        self._before("batch_get_pages")
-        return self.inner.batch_get_pages(keys, pages)
-
-    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
-        self._before("batch_set_pages")
-        return self.inner.batch_set_pages(keys, pages)
-
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        # docstring inherited
-        self.inner.register_mem_pool_host(mem_pool_host)
-        self.mem_pool_host = mem_pool_host
-
-    def delete(self, key: str) -> bool:
-        # docstring inherited
-        self._before("delete")
-        return self.inner.delete(key)
-
-    def clear(self) -> None:
-        # docstring inherited
-        self.inner.clear()
-
-    def close(self) -> None:
-        # docstring inherited
-        self.inner.close()
-
-
-class LatencyBackend(_Wrapper):
+class LatencyBackend(WrapperBackend):
     """Delays every operation by ``latency`` seconds plus up to ``jitter`` more.
 
     Args:
@@ -129,7 +55,7 @@ class LatencyBackend(_Wrapper):
         time.sleep(self.latency + extra)
 
 
-class FaultyBackend(_Wrapper):
+class FaultyBackend(WrapperBackend):
     """Fails operations at random, like a store that drops connections.
 
     A failed single operation raises ``exception`` (the protocol layer turns it into the

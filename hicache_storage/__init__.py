@@ -4,7 +4,7 @@ Public API (engine- and vendor-facing)::
 
     from hicache_storage import (
         HiCacheStorage, Capabilities, StorageConfig, KVCacheNamespace, page_hashes,
-        create_backend, available_backends, HostKVPool, PageBuffer,
+        create_backend, available_backends, HostKVPool, PageBuffer, WrapperBackend,
     )
 
 ``HostKVPool`` needs torch and is imported lazily, so ``import hicache_storage`` stays
@@ -28,6 +28,7 @@ from hicache_storage.keys import (
 from hicache_storage.protocol import Capabilities, HiCacheStorage
 from hicache_storage.registry import available_backends, create_backend, load_backend_class
 from hicache_storage.stats import StorageStats
+from hicache_storage.wrapper import WrapperBackend
 
 if TYPE_CHECKING:
     from hicache_storage.host_pool import HostKVPool
@@ -44,6 +45,7 @@ __all__ = [
     "Segment",
     "StorageConfig",
     "StorageStats",
+    "WrapperBackend",
     "__version__",
     "available_backends",
     "create_backend",

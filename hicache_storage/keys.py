@@ -31,6 +31,7 @@ from hicache_storage.errors import (
     InvalidArgumentError,
     InvalidKeyError,
     InvalidTypeError,
+    NamespaceMismatchError,
 )
 
 __all__ = [
@@ -293,6 +294,38 @@ class KVCacheNamespace:
                     f"pass {name}=... explicitly"
                 )
         return cls(model_id=model_id, **{**extra, **facts})
+
+    def check_pool(self, pool: Any) -> None:
+        """Raise :class:`NamespaceMismatchError` if host pool ``pool`` contradicts this namespace.
+
+        The inverse of :meth:`for_pool`: the pool's ``page_size``, ``dtype``, ``layout``
+        (unless the namespace's ``object_layout`` is ``opaque``) and MLA flag (``mla`` or
+        ``is_mla``) must match, or pages written through the pool would be filed under a
+        namespace that describes other bytes. A fact the pool does not expose is not
+        checked. ``register_mem_pool_host`` calls this, so a mismatch fails when the pool
+        is attached, not as silent collisions later.
+        """
+        problems = []
+        page_size = getattr(pool, "page_size", None)
+        if page_size is not None and page_size != self.page_size:
+            problems.append(f"page_size {page_size} != namespace page_size {self.page_size}")
+        dtype = getattr(pool, "dtype", None)
+        if dtype is not None and normalize_dtype(dtype) != self.dtype:
+            problems.append(f"dtype {normalize_dtype(dtype)} != namespace dtype {self.dtype}")
+        layout = getattr(pool, "layout", None)
+        if layout is not None and self.object_layout != "opaque" and layout != self.object_layout:
+            problems.append(f"layout {layout} != namespace object_layout {self.object_layout}")
+        is_mla = bool(getattr(pool, "mla", getattr(pool, "is_mla", False)))
+        if is_mla != self.rank_replicated:
+            problems.append(
+                f"MLA pool={is_mla} but namespace rank_replicated={self.rank_replicated}"
+            )
+        if problems:
+            raise NamespaceMismatchError(
+                "host pool does not match the backend's namespace: "
+                + "; ".join(problems)
+                + ". Build the namespace from the pool: KVCacheNamespace.for_pool(pool, model_id=...)"
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheNamespace:

@@ -54,29 +54,42 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from hicache_storage._guard import ENGINE_OPS, InstanceState, active_calls, guard_class
 from hicache_storage._guard import overrides as _overrides
-from hicache_storage.buffers import PageBuffer, copy_into, pages_from_meta, source_views
+from hicache_storage.buffers import (
+    HostIndices,
+    PageBuffer,
+    ReadTarget,
+    WriteValue,
+    copy_into,
+    pages_from_meta,
+    source_views,
+)
 from hicache_storage.config import StorageConfig, scrub, secret_values
 from hicache_storage.errors import (
     BackendError,
     HostIndicesError,
     InvalidArgumentError,
-    NamespaceMismatchError,
     NotSupportedError,
 )
 from hicache_storage.keys import (
     DEFAULT_NAMESPACE,
     ObjectName,
-    normalize_dtype,
     object_name,
 )
 from hicache_storage.layouts import LAYOUTS
 from hicache_storage.stats import StorageStats
 
-__all__ = ["ALL_LAYOUTS", "Capabilities", "HiCacheStorage"]
+__all__ = [
+    "ALL_LAYOUTS",
+    "Capabilities",
+    "EngineHostPool",
+    "HiCacheStorage",
+    "HostPool",
+    "SDKHostPool",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +99,53 @@ _B = TypeVar("_B", bound="HiCacheStorage")
 ALL_LAYOUTS: frozenset[str] = frozenset(LAYOUTS)
 
 
+@runtime_checkable
+class SDKHostPool(Protocol):
+    """A host pool that hands out page buffers itself, as :class:`~hicache_storage.HostKVPool` does.
+
+    ``page_buffers(indices, expected_pages)`` returns one :class:`PageBuffer` per page of
+    ``indices`` (``page_size`` token indices per page, page aligned) and raises
+    :class:`~hicache_storage.errors.HostIndicesError` for indices it cannot map.
+    """
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def layout(self) -> str: ...
+
+    def page_buffers(self, indices: HostIndices, expected_pages: int) -> list[PageBuffer]: ...
+
+
+@runtime_checkable
+class EngineHostPool(Protocol):
+    """A reference-engine host pool (SGLang's ``HostKVCache``).
+
+    ``get_page_buffer_meta(indices)`` returns two equal-length sequences, the address and
+    the byte length of every segment of every page, pages in order; ``kv_buffer`` owns
+    that memory (it is kept alive by the views made over it).
+    """
+
+    @property
+    def page_size(self) -> int: ...
+
+    def get_page_buffer_meta(self, indices: HostIndices) -> tuple[Sequence[int], Sequence[int]]: ...
+
+
+#: What ``register_mem_pool_host`` accepts. Either shape may also expose ``dtype``,
+#: ``layout`` and ``mla``/``is_mla``, which are checked against the namespace.
+HostPool: TypeAlias = "SDKHostPool | EngineHostPool"
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend supports, declared (never guessed from method names).
+
+    A backend class declares its capabilities as a class attribute, which the registry
+    reads without creating an instance. An instance may refine them in ``__init__`` once
+    its options are known (``self.capabilities = dataclasses.replace(...)``, e.g. a size
+    limit that depends on the configured slot size, or a wrapper taking its inner
+    backend's); code holding an instance reads the instance's.
 
     Attributes:
         zero_copy: ``batch_set_pages``/``batch_get_pages`` move bytes between host memory
@@ -101,17 +158,32 @@ class Capabilities:
         mla: MLA (rank-replicated) pools are supported.
     """
 
-    zero_copy: bool = False
-    delete: bool = False
-    persistent: bool = False
-    shared: bool = False
+    zero_copy: bool = field(default=False, metadata={"claim": True})
+    delete: bool = field(default=False, metadata={"claim": True})
+    persistent: bool = field(default=False, metadata={"claim": True})
+    shared: bool = field(default=False, metadata={"claim": True})
     max_object_bytes: int | None = None
     layouts: frozenset[str] = field(default_factory=lambda: ALL_LAYOUTS)
     mla: bool = True
 
     def claimed(self) -> list[str]:
-        """Names of the boolean capabilities this backend claims."""
-        return [n for n in ("zero_copy", "delete", "persistent", "shared") if getattr(self, n)]
+        """Names of the optional features this backend claims (``zero_copy``, ``delete``...).
+
+        These are the capabilities that gate the conformance kit's checks.
+        """
+        return [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.metadata.get("claim") and getattr(self, f.name)
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The capabilities as a JSON-ready dict (layouts sorted)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = sorted(value) if isinstance(value, frozenset) else value
+        return out
 
 
 # --------------------------------------------------------------------------- the ABC
@@ -126,11 +198,12 @@ class HiCacheStorage(abc.ABC):
 
     Class attributes:
         name: registry name (``"file"``, ``"redis"``...).
-        capabilities: what the backend supports.
+        capabilities: what the backend supports (see :class:`Capabilities`); an instance
+            may refine the class's declaration in ``__init__``.
     """
 
-    name: ClassVar[str] = ""
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    name: str = ""
+    capabilities: Capabilities = Capabilities()
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         if options:
@@ -139,7 +212,7 @@ class HiCacheStorage(abc.ABC):
             )
         self.config = config if config is not None else StorageConfig()
         self.namespace = self.config.namespace
-        self.mem_pool_host: Any = None
+        self.mem_pool_host: HostPool | None = None
         self._hicache_state()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -270,7 +343,7 @@ class HiCacheStorage(abc.ABC):
     # ------------------------------------------------------------------ abstract core
 
     @abc.abstractmethod
-    def get(self, key: str, target: Any = None) -> Any:
+    def get(self, key: str, target: ReadTarget | None = None) -> Any:
         """Read ``key``.
 
         Args:
@@ -285,7 +358,7 @@ class HiCacheStorage(abc.ABC):
         """
 
     @abc.abstractmethod
-    def set(self, key: str, value: Any) -> bool:
+    def set(self, key: str, value: WriteValue) -> bool:
         """Store ``value`` under ``key``.
 
         ``value`` is a CPU tensor (its bytes), a bytes-like object or a PageBuffer. If
@@ -311,7 +384,7 @@ class HiCacheStorage(abc.ABC):
         """
         raise NotSupportedError(f"{type(self).__name__} does not support clear")
 
-    def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
+    def batch_get(self, keys: list[str], targets: Sequence[ReadTarget] | None = None) -> list[Any]:
         """``get`` each key; one result per key, in order.
 
         Note for implementers: the default loops over :meth:`get`, one round trip per key.
@@ -322,7 +395,7 @@ class HiCacheStorage(abc.ABC):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(targets)} targets")
         return [self.get(k, t) for k, t in zip(keys, targets, strict=False)]
 
-    def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
+    def batch_set(self, keys: list[str], values: Sequence[WriteValue]) -> list[bool]:
         """``set`` each key; one bool per key, in order.
 
         Note for implementers: the default loops over :meth:`set` and is not atomic as a
@@ -334,7 +407,7 @@ class HiCacheStorage(abc.ABC):
             )
         return [self.set(k, v) for k, v in zip(keys, values, strict=False)]
 
-    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: object = None) -> int:
         """Return the number of consecutive keys present, from the start.
 
         A gap at index ``i`` returns ``i`` even if later keys exist. Note for implementers:
@@ -376,7 +449,7 @@ class HiCacheStorage(abc.ABC):
 
     # ------------------------------------------------------------------ zero-copy v1
 
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+    def register_mem_pool_host(self, mem_pool_host: HostPool) -> None:
         """Attach the host KV pool that v1 host indices refer to.
 
         Raises :class:`NotSupportedError` for a layout the backend does not support and
@@ -394,32 +467,11 @@ class HiCacheStorage(abc.ABC):
         is_mla = bool(getattr(mem_pool_host, "mla", getattr(mem_pool_host, "is_mla", False)))
         if is_mla and not caps.mla:
             raise NotSupportedError(f"{type(self).__name__} does not support MLA host pools")
-        self._check_pool_namespace(mem_pool_host, layout, is_mla)
+        if self.namespace != DEFAULT_NAMESPACE:
+            self.namespace.check_pool(mem_pool_host)
         self.mem_pool_host = mem_pool_host
 
-    def _check_pool_namespace(self, pool: Any, layout: str | None, is_mla: bool) -> None:
-        ns = self.namespace
-        if ns == DEFAULT_NAMESPACE:
-            return
-        problems = []
-        page_size = getattr(pool, "page_size", None)
-        if page_size is not None and page_size != ns.page_size:
-            problems.append(f"page_size {page_size} != namespace page_size {ns.page_size}")
-        dtype = getattr(pool, "dtype", None)
-        if dtype is not None and normalize_dtype(dtype) != ns.dtype:
-            problems.append(f"dtype {normalize_dtype(dtype)} != namespace dtype {ns.dtype}")
-        if layout is not None and ns.object_layout != "opaque" and layout != ns.object_layout:
-            problems.append(f"layout {layout} != namespace object_layout {ns.object_layout}")
-        if is_mla != ns.rank_replicated:
-            problems.append(f"MLA pool={is_mla} but namespace rank_replicated={ns.rank_replicated}")
-        if problems:
-            raise NamespaceMismatchError(
-                "host pool does not match the backend's namespace: "
-                + "; ".join(problems)
-                + ". Build the namespace from the pool: KVCacheNamespace.for_pool(pool, model_id=...)"
-            )
-
-    def _resolve_pages(self, keys: list[str], host_indices: Any) -> list[PageBuffer] | None:
+    def _resolve_pages(self, keys: list[str], host_indices: HostIndices) -> list[PageBuffer] | None:
         pool = self.mem_pool_host
         if pool is None:
             self._hicache_state().log(
@@ -440,7 +492,7 @@ class HiCacheStorage(abc.ABC):
             return None
 
     def batch_set_v1(
-        self, keys: list[str], host_indices: Any, extra_info: Any = None
+        self, keys: list[str], host_indices: HostIndices, extra_info: object = None
     ) -> list[bool]:
         """Store the host-pool pages at ``host_indices`` under ``keys`` (zero-copy).
 
@@ -453,7 +505,7 @@ class HiCacheStorage(abc.ABC):
         return self.batch_set_pages(keys, pages)
 
     def batch_get_v1(
-        self, keys: list[str], host_indices: Any, extra_info: Any = None
+        self, keys: list[str], host_indices: HostIndices, extra_info: object = None
     ) -> list[bool]:
         """Read ``keys`` into the host-pool pages at ``host_indices`` (zero-copy).
 

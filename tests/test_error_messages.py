@@ -158,7 +158,7 @@ def test_for_pool_exists_as_the_mismatch_message_says() -> None:
     from hicache_storage import KVCacheNamespace
 
     assert inspect.ismethod(KVCacheNamespace.for_pool)  # a classmethod, bound to the class
-    src = (REPO / "hicache_storage" / "protocol.py").read_text()
+    src = (REPO / "hicache_storage" / "keys.py").read_text()
     assert "KVCacheNamespace.for_pool(pool, model_id=...)" in src
 
 

@@ -145,17 +145,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
                     "version": i.version,
                     "value": i.value,
                     "load_error": i.load_error,
-                    "capabilities": None
-                    if i.capabilities is None
-                    else {
-                        "zero_copy": i.capabilities.zero_copy,
-                        "delete": i.capabilities.delete,
-                        "persistent": i.capabilities.persistent,
-                        "shared": i.capabilities.shared,
-                        "max_object_bytes": i.capabilities.max_object_bytes,
-                        "layouts": sorted(i.capabilities.layouts),
-                        "mla": i.capabilities.mla,
-                    },
+                    "capabilities": None if i.capabilities is None else i.capabilities.to_dict(),
                 }
                 for i in entries
             ]

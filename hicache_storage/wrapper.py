@@ -1,0 +1,94 @@
+"""The public base of backends that wrap another backend: :class:`WrapperBackend`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hicache_storage.buffers import PageBuffer
+from hicache_storage.protocol import HiCacheStorage
+
+__all__ = ["WrapperBackend"]
+
+
+class WrapperBackend(HiCacheStorage):
+    """A backend that forwards every operation to another one, ``inner``.
+
+    Subclass it to add behaviour around a store without touching the store: latency or
+    faults for tests (:mod:`hicache_storage.conformance.wrappers`), a tier in front of it,
+    logging. Override :meth:`_before` to run code before each forwarded operation, or
+    override single methods (call ``super()`` to forward).
+
+    The wrapper takes ``inner``'s config, namespace and capabilities, and registers a
+    host pool with ``inner`` as well as itself. Being a :class:`HiCacheStorage` subclass,
+    it is guarded like any backend: a failure inside ``inner`` that escapes it, or one
+    raised by the wrapper's own code, becomes the call's failure shape and is counted in
+    the wrapper's stats (``inner`` keeps its own). Closing the wrapper closes ``inner``.
+    """
+
+    def __init__(self, inner: HiCacheStorage) -> None:
+        super().__init__(inner.config)
+        self.inner = inner
+        self.name = f"{type(self).__name__}({inner.name or type(inner).__name__})"
+        self.capabilities = inner.capabilities
+
+    def _before(self, op: str) -> None:
+        """Hook run before each forwarded operation."""
+
+    def get(self, key: str, target: Any = None) -> Any:
+        # docstring inherited
+        self._before("get")
+        return self.inner.get(key, target)
+
+    def set(self, key: str, value: Any) -> bool:
+        # docstring inherited
+        self._before("set")
+        return self.inner.set(key, value)
+
+    def exists(self, key: str) -> bool:
+        # docstring inherited
+        self._before("exists")
+        return self.inner.exists(key)
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        # docstring inherited
+        self._before("batch_exists")
+        return self.inner.batch_exists(keys, extra_info)
+
+    def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
+        # docstring inherited
+        self._before("batch_get")
+        return self.inner.batch_get(keys, targets)
+
+    def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
+        # docstring inherited
+        self._before("batch_set")
+        return self.inner.batch_set(keys, values)
+
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        self._before("batch_get_pages")
+        return self.inner.batch_get_pages(keys, pages)
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        self._before("batch_set_pages")
+        return self.inner.batch_set_pages(keys, pages)
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        # docstring inherited
+        self.inner.register_mem_pool_host(mem_pool_host)
+        self.mem_pool_host = mem_pool_host
+
+    def delete(self, key: str) -> bool:
+        # docstring inherited
+        self._before("delete")
+        return self.inner.delete(key)
+
+    def clear(self) -> None:
+        # docstring inherited
+        self.inner.clear()
+
+    def close(self) -> None:
+        # docstring inherited
+        self.inner.close()
