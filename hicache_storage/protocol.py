@@ -196,6 +196,21 @@ class HiCacheStorage(abc.ABC):
     Subclasses call ``super().__init__(config)`` and parse their options (see
     :func:`hicache_storage.config.parse_options`).
 
+    Helpers for implementers (protected: for subclasses, not for the engine):
+
+    * :meth:`object_name` -- the stored name of a key in this namespace and shard; every
+      backend files a page under it, so stores never disagree on names;
+    * :meth:`_map_pages` -- run a per-item function over a batch (optionally on worker
+      threads), one item's exception failing only that item, counted and logged;
+    * :meth:`_add_item_errors` -- report items that failed inside the current call when
+      the backend catches per-item failures itself;
+    * :meth:`_log_failure` -- log a failure, rate limited, secrets scrubbed;
+    * :meth:`_record` -- add to the scalar counters (``bytes_read``,
+      ``corrupt_objects``...) that :meth:`get_stats` reports.
+
+    Bases that do more of the work live in :mod:`hicache_storage.storekit`
+    (``BlobStore`` for key/value services, ``FileTreeStore`` for file systems).
+
     Class attributes:
         name: registry name (``"file"``, ``"redis"``...).
         capabilities: what the backend supports (see :class:`Capabilities`); an instance
