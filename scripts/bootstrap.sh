@@ -18,8 +18,10 @@ want=$(cat pyproject.toml constraints.txt scripts/bootstrap.sh | sha256sum | cut
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "bootstrap: installing packages into $VENV" >&2
   pip_q=("$VENV/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt)
+  # A pip that reads PEP 735 dependency groups (the dev tools are one).
+  "${pip_q[@]}" pip 2> >(grep -v "is ignored" >&2)
   # torch first, pinned, so pip takes the local CPU wheel and never a CUDA build.
   "${pip_q[@]}" torch==2.13.0 2> >(grep -v "is ignored" >&2)
-  "${pip_q[@]}" -e ".[dev]" 2> >(grep -v "is ignored" >&2)
+  "${pip_q[@]}" -e . --group dev 2> >(grep -v "is ignored" >&2)
   echo "$want" > "$stamp"
 fi
