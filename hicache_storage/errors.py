@@ -27,11 +27,19 @@ raise :class:`BackendError` or any other failure of the store: they return the f
 shape (``None``, ``False``, ``0``, ``[False] * n``) and count the failure in the stats.
 They do raise :class:`InvalidArgumentError` (and its subclasses): a wrong argument is a
 bug in the caller and must be loud.
+
+A backend turns its client library's exceptions into this tree in one place:
+:func:`map_errors` is a context manager that re-raises each exception listed in a mapping
+(``{redis.TimeoutError: BackendTimeoutError, redis.ConnectionError:
+BackendUnavailableError}``) as the mapped :class:`BackendError` type, chained to the
+original; :func:`from_os_error` does the same for ``OSError`` by errno.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator, Mapping
 
 __all__ = [
     "AmbiguousBackendError",
@@ -45,6 +53,7 @@ __all__ = [
     "ConfigError",
     "ContractViolationError",
     "CorruptObjectError",
+    "ErrorMap",
     "HiCacheStorageError",
     "HostIndicesError",
     "InvalidArgumentError",
@@ -54,6 +63,8 @@ __all__ = [
     "NotSupportedError",
     "UnknownBackendError",
     "from_os_error",
+    "map_errors",
+    "mapped_error",
 ]
 
 
@@ -146,3 +157,54 @@ def from_os_error(exc: OSError, what: str) -> BackendError:
     if isinstance(exc, ConnectionError):
         return BackendUnavailableError(f"{what}: {exc}")
     return BackendError(f"{what}: {exc}")
+
+
+#: How :func:`map_errors` translates: client exception class -> our error class.
+ErrorMap = Mapping[type[BaseException], type[BackendError]]
+
+
+def mapped_error(exc: BaseException, mapping: ErrorMap) -> BaseException:
+    """The error ``exc`` becomes under ``mapping``, or ``exc`` itself when nothing maps it.
+
+    The classes of ``exc``'s MRO are looked up in order, so the most specific entry wins
+    (``{OSError: BackendError, TimeoutError: BackendTimeoutError}`` maps a
+    ``TimeoutError`` to :class:`BackendTimeoutError` whatever the dict order). The new
+    error carries ``exc``'s message (its class name when the message is empty) and has
+    ``exc`` as its ``__cause__``. An exception that is already a
+    :class:`HiCacheStorageError` is returned unchanged: our own errors (a
+    :class:`CapacityError`, an :class:`InvalidArgumentError` that must reach the caller)
+    keep their type even under a broad entry such as ``{Exception: BackendError}``.
+    """
+    if isinstance(exc, HiCacheStorageError):
+        return exc
+    for cls in type(exc).__mro__:
+        target = mapping.get(cls)
+        if target is not None:
+            new = target(str(exc) or type(exc).__name__)
+            new.__cause__ = exc
+            return new
+    return exc
+
+
+@contextlib.contextmanager
+def map_errors(mapping: ErrorMap) -> Iterator[None]:
+    """Re-raise exceptions of the block as the :class:`BackendError` types of ``mapping``.
+
+    ::
+
+        with map_errors({redis.TimeoutError: BackendTimeoutError,
+                         redis.RedisError: BackendError}):
+            client.mget(names)
+
+    Matching and chaining are those of :func:`mapped_error` (most specific class first,
+    message kept, ``raise new from original``); an exception that no entry maps, or that
+    is already a :class:`HiCacheStorageError`, propagates unchanged. Also usable as a
+    decorator.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        new = mapped_error(exc, mapping)
+        if new is exc:
+            raise
+        raise new from exc

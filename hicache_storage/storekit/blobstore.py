@@ -1,0 +1,455 @@
+"""A base for stores that hold whole values: :class:`BlobStore`.
+
+Key/value services (Redis, S3, Mooncake used as a KV store, a database, process memory)
+store and return one value per name. For them the engine-facing protocol reduces to three
+batched calls, which is all an implementer writes::
+
+    class AcmeBackend(BlobStore[AcmeOptions]):
+        name = "acme"
+        capabilities = Capabilities(delete=True, shared=True)
+        options_class = AcmeOptions
+        error_map = {acme.Timeout: BackendTimeoutError, acme.Error: BackendError}
+
+        def _get_blobs(self, names):              # one value (or None) per name
+            return self.client.mget([n.path for n in names])
+
+        def _put_blobs_if_absent(self, names, blobs):
+            return self.client.msetnx_each([n.path for n in names], blobs)
+
+        def _exists_blobs(self, names):
+            return self.client.exists_each([n.path for n in names])
+
+The base does the rest, the same way for every such store: the object header of
+:mod:`hicache_storage.storekit.header` in front of every value (length, payload checksum,
+name digest) and its verification on every read, so a truncated, foreign, renamed or
+corrupt value is a miss (counted in ``corrupt_objects``), never wrong bytes; filling the
+caller's target with :func:`~hicache_storage.buffers.copy_into` (all or nothing) or a new
+uint8 tensor; the leading-run count of ``batch_exists``; per-item failures; and the
+translation of the client's exceptions through :attr:`BlobStore.error_map`.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Literal, TypeAlias, TypeVar, cast
+
+from hicache_storage.buffers import (
+    PageBuffer,
+    copy_into,
+    new_target,
+    source_views,
+    target_views,
+    total_nbytes,
+)
+from hicache_storage.config import StorageConfig, parse_options
+from hicache_storage.errors import (
+    BackendError,
+    CapacityError,
+    ContractViolationError,
+    CorruptObjectError,
+    ErrorMap,
+    InvalidArgumentError,
+    NotSupportedError,
+    map_errors,
+    mapped_error,
+)
+from hicache_storage.keys import ObjectName
+from hicache_storage.protocol import HiCacheStorage
+from hicache_storage.ratelimit import RateLimitedLog
+from hicache_storage.storekit.header import (
+    HEADER_SIZE,
+    algorithm_id,
+    checksum,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
+
+__all__ = ["Blob", "BlobOptions", "BlobStore", "Segments"]
+
+logger = logging.getLogger(__name__)
+
+#: A stored value as ``_get_blobs`` returns it: header and payload in one buffer.
+Blob: TypeAlias = bytes | bytearray | memoryview
+#: A value to store as ``_put_blobs_if_absent`` receives it: the 48-byte header, then the
+#: payload's segments (views of the caller's memory), in order. Their concatenation is
+#: the value.
+Segments: TypeAlias = list[bytes | memoryview]
+
+
+@dataclass(frozen=True)
+class BlobOptions:
+    """Options every :class:`BlobStore` backend has (its options class derives from this).
+
+    Attributes:
+        checksum: payload checksum written in each value's header, ``"xxh3"`` or
+            ``"none"`` (lengths and names are checked either way).
+        verify_checksum: verify the payload checksum of every value read.
+    """
+
+    checksum: Literal["xxh3", "none"] = "xxh3"
+    verify_checksum: bool = True
+
+
+O = TypeVar("O", bound=BlobOptions)
+
+
+class BlobStore(HiCacheStorage, Generic[O]):
+    """Base of stores that hold whole values under string names.
+
+    **What the implementer writes**: :meth:`_get_blobs`, :meth:`_put_blobs_if_absent` and
+    :meth:`_exists_blobs`; optionally :meth:`_delete_blobs` and :meth:`_clear_namespace`
+    (claim ``Capabilities(delete=True)`` only with both); class attributes :attr:`name`,
+    :attr:`capabilities`, :attr:`options_class` and :attr:`error_map`. Each method gets
+    the :class:`~hicache_storage.keys.ObjectName` of every item; the store's key for an
+    item is ``name.path`` (ASCII, ``<namespace digest>/<fan-out>/<leaf>``; a store may
+    rewrite it to its own key syntax if the rewriting is one-to-one).
+
+    **What the implementer must guarantee** (the base relies on it, and the conformance
+    kit checks it):
+
+    * *atomic put*: a value becomes visible whole or not at all; no call, from any thread
+      or process, ever returns part of a value being written;
+    * *first writer wins*: :meth:`_put_blobs_if_absent` never replaces a value that is
+      already stored under a name, and two writers racing on one name leave exactly one
+      of their values; it returns True when the name holds a value after the call
+      (stored now or already present);
+    * *read your writes*: once a put returned True, the value is returned by later
+      :meth:`_get_blobs` calls and counted by :meth:`_exists_blobs` (until deleted);
+    * *one result per name, in order*, from every batched method. An exception instance
+      in an item's slot fails that item alone (logged and counted as an item error);
+      an exception raised by the method fails every item of the call;
+    * *thread safety*: every method may run in several threads at once;
+    * *no retained views*: the payload segments passed to a put are views of the
+      caller's memory (a host KV pool), valid only during the call: copy or send them
+      before returning, never keep them; a value returned by :meth:`_get_blobs` must not
+      change afterwards (``bytes`` are ideal);
+    * :meth:`_clear_namespace` removes every value whose name starts with
+      :attr:`namespace_prefix`, and nothing else.
+
+    **What the base guarantees** to the engine, on top of :class:`HiCacheStorage`'s
+    guard: every value is stored as ``header || payload`` with the name it is stored
+    under bound into the header; a value that fails verification (shorter than its
+    header, another program's, stored under another name, wrong length, checksum
+    mismatch when checked) is a miss, counted in ``corrupt_objects``, and removed when
+    the store supports deletion (:attr:`remove_corrupt`), so that the next ``set`` can
+    store a good value; targets are filled completely or not at all (a size mismatch is
+    ``None``/``False``, counted in ``size_mismatches``); every engine-facing call makes
+    one call of the implementer's methods per batch, except ``batch_exists`` (see
+    :attr:`exists_chunk`) and the removal of corrupt values.
+    """
+
+    #: The options dataclass (a :class:`BlobOptions` subclass); parsed by ``__init__``.
+    options_class: ClassVar[type[BlobOptions]] = BlobOptions
+    #: Client exception class -> :class:`~hicache_storage.errors.BackendError` subclass,
+    #: applied with :func:`~hicache_storage.errors.map_errors` around every call of the
+    #: implementer's methods and to the exceptions they put in result slots. The most
+    #: specific class in an exception's MRO wins.
+    error_map: ClassVar[ErrorMap] = {}
+    #: ``batch_exists`` asks :meth:`_exists_blobs` about this many names first, then
+    #: twice as many each time every name of the previous chunk was present, and stops
+    #: at the first miss: a long batch whose leading run is short costs one small call,
+    #: and one whose keys are all present costs about log2(n / exists_chunk) calls.
+    #: 0 asks about the whole batch at once.
+    exists_chunk: ClassVar[int] = 128
+    #: Remove a value that failed verification (when :meth:`_delete_blobs` is
+    #: implemented). Under a rare race (the bad value removed and a good one stored by
+    #: others between this read and its removal) the good value goes too: a later miss,
+    #: never wrong bytes.
+    remove_corrupt: ClassVar[bool] = True
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config)
+        self.options: O = cast(O, parse_options(self.options_class, self.name, options))
+        self._algorithm = algorithm_id(self.options.checksum)
+        self._log = RateLimitedLog(logger)
+
+    @property
+    def namespace_prefix(self) -> str:
+        """What every object name of this namespace starts with (``"<digest>/"``)."""
+        return f"{self.namespace.digest}/"
+
+    # ------------------------------------------------------------------ implementer's part
+
+    @abc.abstractmethod
+    def _get_blobs(self, names: list[ObjectName]) -> Sequence[Blob | Exception | None]:
+        """The stored value of each name, in order; ``None`` where nothing is stored."""
+
+    @abc.abstractmethod
+    def _put_blobs_if_absent(
+        self, names: list[ObjectName], blobs: list[Segments]
+    ) -> Sequence[bool | Exception]:
+        """Store each value (given as its segments) unless its name already holds one.
+
+        One bool per name: True when the name holds a value after the call. Atomic per
+        value, first writer wins (see the class docstring).
+        """
+
+    @abc.abstractmethod
+    def _exists_blobs(self, names: list[ObjectName]) -> Sequence[bool | Exception]:
+        """Whether each name holds a value, in order."""
+
+    def _delete_blobs(self, names: list[ObjectName]) -> Sequence[bool | Exception]:
+        """Remove each name's value; True where one was stored. Default: not supported."""
+        raise NotSupportedError(f"{type(self).__name__} does not support delete")
+
+    def _clear_namespace(self) -> None:
+        """Remove every value whose name starts with :attr:`namespace_prefix`, only those.
+
+        Default: not supported.
+        """
+        raise NotSupportedError(f"{type(self).__name__} does not support clear")
+
+    def _errors(self) -> AbstractContextManager[None]:
+        """The context every call of the implementer's methods runs in (default:
+        :attr:`error_map` applied with :func:`~hicache_storage.errors.map_errors`)."""
+        return map_errors(self.error_map)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _results(self, method: str, got: object, n: int) -> Sequence[Any]:
+        """``got`` if it holds one result per name, else the call fails (counted)."""
+        if (
+            isinstance(got, Sequence)
+            and not isinstance(got, (str, bytes, bytearray))
+            and len(got) == n
+        ):
+            return got
+        what = f"{len(got)} results" if isinstance(got, Sequence) else type(got).__name__
+        message = f"{type(self).__name__}.{method} returned {what} for {n} names"
+        self._record(contract_violations=1)
+        if self.strict_contract:
+            raise ContractViolationError(message)
+        raise BackendError(message + "; one result per name is due")
+
+    def _item_failed(self, op: str, exc: BaseException) -> None:
+        """Log an exception found in a result slot (counted by the caller)."""
+        self._log_failure(op, mapped_error(exc, self.error_map))
+
+    def _fetch(self, op: str, names: list[ObjectName]) -> list[memoryview | None]:
+        """The verified payload of each name, ``None`` for a miss, a failed item or a
+        value that failed verification. One call of :meth:`_get_blobs`."""
+        if not names:
+            return []
+        with self._errors():
+            got = self._get_blobs(names)
+        blobs = self._results("_get_blobs", got, len(names))
+        out: list[memoryview | None] = []
+        failed = 0
+        corrupt: list[ObjectName] = []
+        for name, blob in zip(names, blobs, strict=True):
+            if blob is None:
+                out.append(None)
+            elif isinstance(blob, BaseException):
+                self._item_failed(op, blob)
+                failed += 1
+                out.append(None)
+            else:
+                try:
+                    out.append(self._payload(name, blob))
+                except CorruptObjectError as exc:
+                    self._record(corrupt_objects=1)
+                    self._log(
+                        "corrupt", "corrupt object %s (%s): the read is a miss", name.path, exc
+                    )
+                    corrupt.append(name)
+                    out.append(None)
+                except TypeError:
+                    self._item_failed(
+                        op,
+                        BackendError(
+                            f"{type(self).__name__}._get_blobs returned a "
+                            f"{type(blob).__name__}, not a bytes-like value"
+                        ),
+                    )
+                    failed += 1
+                    out.append(None)
+        self._add_item_errors(failed)
+        if corrupt:
+            self._remove_corrupt(corrupt)
+        return out
+
+    def _payload(self, name: ObjectName, blob: Blob) -> memoryview:
+        """The payload of ``blob`` read under ``name``; CorruptObjectError if it does not
+        verify, TypeError if it is not a bytes-like value."""
+        view = memoryview(blob)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        header = decode_header(view[:HEADER_SIZE], name.path)
+        payload = view[HEADER_SIZE:]
+        if self.options.verify_checksum:
+            verify_payload(header, [payload])
+        elif payload.nbytes != header.payload_len:
+            raise CorruptObjectError(
+                f"payload is {payload.nbytes} bytes, header says {header.payload_len}"
+            )
+        return payload
+
+    def _remove_corrupt(self, names: list[ObjectName]) -> None:
+        """Best effort: remove values that failed verification (not an item failure)."""
+        if not self.remove_corrupt or type(self)._delete_blobs is BlobStore._delete_blobs:
+            return
+        try:
+            with self._errors():
+                self._delete_blobs(names)
+        except Exception as exc:  # noqa: BLE001 - the read already answered a miss
+            self._log("corrupt-remove", "cannot remove %d corrupt objects: %s", len(names), exc)
+
+    def _fill(self, payload: memoryview, target: Any, views: list[memoryview] | None) -> Any:
+        """``target`` filled with ``payload`` (a new tensor when ``views`` is None), or
+        None when the sizes differ (the target untouched)."""
+        if views is None:
+            tensor, views = new_target(payload.nbytes)
+            target = tensor
+        if not copy_into(views, payload):
+            self._record(size_mismatches=1)
+            return None
+        self._record(bytes_read=payload.nbytes)
+        return target
+
+    def _store(
+        self, op: str, names: list[ObjectName], values: list[list[memoryview]]
+    ) -> list[bool]:
+        """Frame and store each value; one call of :meth:`_put_blobs_if_absent`."""
+        limit = self.capabilities.max_object_bytes
+        out = [False] * len(names)
+        todo: list[int] = []
+        blobs: list[Segments] = []
+        failed = 0
+        for i, (name, views) in enumerate(zip(names, values, strict=True)):
+            size = total_nbytes(views)
+            if limit is not None and size > limit:
+                self._item_failed(
+                    op, CapacityError(f"{size}-byte value over max_object_bytes={limit}")
+                )
+                failed += 1
+                continue
+            header = encode_header(
+                size, checksum(views, self._algorithm), self._algorithm, name.path
+            )
+            todo.append(i)
+            blobs.append([header, *views])
+        if todo:
+            with self._errors():
+                got = self._put_blobs_if_absent([names[i] for i in todo], blobs)
+            written = 0
+            for i, ok in zip(
+                todo, self._results("_put_blobs_if_absent", got, len(todo)), strict=True
+            ):
+                if isinstance(ok, BaseException):
+                    self._item_failed(op, ok)
+                    failed += 1
+                elif ok:
+                    out[i] = True
+                    written += total_nbytes(values[i])
+            self._record(bytes_written=written)
+        self._add_item_errors(failed)
+        return out
+
+    def _ask_exists(self, op: str, names: list[ObjectName]) -> list[bool]:
+        """Whether each name holds a value; a failed item is False (counted)."""
+        if not names:
+            return []
+        with self._errors():
+            got = self._exists_blobs(names)
+        out = []
+        failed = 0
+        for present in self._results("_exists_blobs", got, len(names)):
+            if isinstance(present, BaseException):
+                self._item_failed(op, present)
+                failed += 1
+                out.append(False)
+            else:
+                out.append(bool(present))
+        self._add_item_errors(failed)
+        return out
+
+    # ------------------------------------------------------------------ engine-facing
+
+    def get(self, key: str, target: Any = None) -> Any:
+        # docstring inherited
+        name = self.object_name(key)
+        views = None if target is None else target_views(target)
+        (payload,) = self._fetch("get", [name])
+        return None if payload is None else self._fill(payload, target, views)
+
+    def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
+        # docstring inherited
+        if targets is not None and len(targets) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(targets)} targets")
+        slots = list(targets) if targets is not None else [None] * len(keys)
+        views = [None if t is None else target_views(t) for t in slots]
+        payloads = self._fetch("batch_get", [self.object_name(k) for k in keys])
+        return [
+            None if p is None else self._fill(p, t, v)
+            for p, t, v in zip(payloads, slots, views, strict=True)
+        ]
+
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        if len(pages) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
+        payloads = self._fetch("batch_get_pages", [self.object_name(k) for k in keys])
+        return [
+            p is not None and self._fill(p, page, page.views) is not None
+            for p, page in zip(payloads, pages, strict=True)
+        ]
+
+    def set(self, key: str, value: Any) -> bool:
+        # docstring inherited
+        return self._store("set", [self.object_name(key)], [source_views(value)])[0]
+
+    def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
+        # docstring inherited
+        if values is None or len(values) != len(keys):
+            raise InvalidArgumentError(
+                f"{len(keys)} keys but {0 if values is None else len(values)} values"
+            )
+        views = [source_views(v) for v in values]
+        return self._store("batch_set", [self.object_name(k) for k in keys], views)
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        # docstring inherited
+        if len(pages) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
+        return self._store(
+            "batch_set_pages", [self.object_name(k) for k in keys], [p.views for p in pages]
+        )
+
+    def exists(self, key: str) -> bool:
+        """True if ``key`` holds a value. The value is not read: one that is corrupt
+        exists until a read finds it out (and removes it)."""
+        return self._ask_exists("exists", [self.object_name(key)])[0]
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """The number of leading keys present, asked in growing chunks (see
+        :attr:`exists_chunk`); nothing past the first miss is asked about."""
+        names = [self.object_name(k) for k in keys]
+        count = 0
+        chunk = self.exists_chunk if self.exists_chunk > 0 else max(1, len(names))
+        while count < len(names):
+            for present in self._ask_exists("batch_exists", names[count : count + chunk]):
+                if not present:
+                    return count
+                count += 1
+            chunk *= 2
+        return count
+
+    def delete(self, key: str) -> bool:
+        # docstring inherited
+        name = self.object_name(key)
+        with self._errors():
+            got = self._delete_blobs([name])
+        (done,) = self._results("_delete_blobs", got, 1)
+        if isinstance(done, BaseException):
+            raise mapped_error(done, self.error_map)
+        return bool(done)
+
+    def clear(self) -> None:
+        # docstring inherited
+        with self._errors():
+            self._clear_namespace()
