@@ -10,11 +10,22 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["FileBackend", "MmapBackend", "ShmBackend"]
+__all__ = [
+    "FileBackend",
+    "FileOptions",
+    "MemoryBackend",
+    "MemoryOptions",
+    "MmapBackend",
+    "MmapOptions",
+    "ShmBackend",
+    "ShmOptions",
+]
 
 _LAZY = {
     "FileBackend": "hicache_storage.backends._file",
     "FileOptions": "hicache_storage.backends._file",
+    "MemoryBackend": "hicache_storage.backends._memory",
+    "MemoryOptions": "hicache_storage.backends._memory",
     "ShmBackend": "hicache_storage.backends._shm",
     "MmapBackend": "hicache_storage.backends._mmap",
     "MmapOptions": "hicache_storage.backends._mmap",
