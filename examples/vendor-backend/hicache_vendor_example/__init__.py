@@ -1,36 +1,38 @@
-"""An example vendor backend: KV pages stored as rows of one SQLite database."""
+"""An example vendor backend: KV pages stored as rows of one SQLite database.
+
+Built on the SDK's :class:`~hicache_storage.storekit.blobstore.BlobStore`, so all it
+writes is SQL: read many rows, insert many rows unless present, test many rows, delete
+rows, delete a namespace's rows. The base frames every value with the checksummed object
+header, verifies reads, fills the engine's targets and counts failures.
+"""
 
 from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_storage import Capabilities, HiCacheStorage, StorageConfig
-from hicache_storage.buffers import source_views, target_views, total_nbytes
-from hicache_storage.config import parse_options
-from hicache_storage.errors import BackendError, ConfigError, CorruptObjectError
-from hicache_storage.storekit.header import (
-    HEADER_SIZE,
-    checksum,
-    decode_header,
-    encode_header,
-    verify_payload,
-)
+from hicache_storage import Capabilities, ObjectName, StorageConfig
+from hicache_storage.errors import BackendError, BackendUnavailableError, ConfigError
+from hicache_storage.storekit.blobstore import BlobOptions, BlobStore, Segments
 
 __all__ = ["SQLiteBackend", "SQLiteOptions"]
 
 _SCHEMA = "CREATE TABLE IF NOT EXISTS pages (ns TEXT NOT NULL, name TEXT NOT NULL, data BLOB NOT NULL, PRIMARY KEY (ns, name)) WITHOUT ROWID"
+#: Names per statement (SQLite's default limit on ``?`` parameters is 999 before 3.32).
+_CHUNK = 500
 
 
 @dataclass(frozen=True)
-class SQLiteOptions:
+class SQLiteOptions(BlobOptions):
     """Options (environment: ``HICACHE_STORAGE_SQLITE_KV_<NAME>``).
 
     Attributes:
         path: the database file; every process using the same file shares the pages.
         timeout: seconds to wait for another process's write lock.
+        (and ``checksum`` / ``verify_checksum`` of :class:`BlobOptions`.)
     """
 
     path: str = "/tmp/hicache-sqlite-kv.db"
@@ -41,125 +43,95 @@ class SQLiteOptions:
             raise ConfigError("path must not be empty")
 
 
-class SQLiteBackend(HiCacheStorage):
-    """Pages as rows; every write is one transaction, so a page appears whole or not at all."""
+def _chunks(names: list[ObjectName]) -> Iterator[list[str]]:
+    for i in range(0, len(names), _CHUNK):
+        yield [n.path for n in names[i : i + _CHUNK]]
+
+
+class SQLiteBackend(BlobStore[SQLiteOptions]):
+    """Pages as rows; each insert is atomic, so a page appears whole or not at all."""
 
     name = "sqlite-kv"
     capabilities = Capabilities(delete=True, persistent=True, shared=True)
+    options_class = SQLiteOptions
+    # "database is locked", "unable to open", disk I/O errors: the store is unavailable.
+    error_map = {sqlite3.OperationalError: BackendUnavailableError, sqlite3.Error: BackendError}
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
-        super().__init__(config)
-        self.options = parse_options(SQLiteOptions, "sqlite-kv", options)
+        super().__init__(config, **options)
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
-        self._db().execute(_SCHEMA)
+        with self._errors():
+            self._db().execute(_SCHEMA)
 
     def _db(self) -> sqlite3.Connection:
         """One connection per thread (sqlite3 connections are not shared across threads)."""
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
-            try:
-                conn = sqlite3.connect(
-                    self.options.path,
-                    timeout=self.options.timeout,
-                    isolation_level=None,
-                    check_same_thread=False,
-                )
-                conn.execute("PRAGMA journal_mode=WAL")
-            except sqlite3.Error as exc:
-                raise BackendError(f"cannot open {self.options.path}: {exc}") from exc
+            conn = sqlite3.connect(
+                self.options.path,
+                timeout=self.options.timeout,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
             self._local.conn = conn
             with self._lock:
                 self._all.append(conn)
         return conn
 
-    def _name(self, key: str) -> str:
-        return self.object_name(key).path
-
-    def get(self, key: str, target: Any = None) -> Any:
-        row = (
-            self._db()
-            .execute(
-                "SELECT data FROM pages WHERE ns = ? AND name = ?",
-                (self.namespace.digest, self._name(key)),
+    def _select(self, what: str, names: list[ObjectName]) -> dict[str, Any]:
+        """``{name: what}`` for the stored rows among ``names``."""
+        found: dict[str, Any] = {}
+        for part in _chunks(names):
+            marks = ",".join("?" * len(part))
+            found.update(
+                self._db().execute(
+                    f"SELECT name, {what} FROM pages WHERE ns = ? AND name IN ({marks})",
+                    (self.namespace.digest, *part),
+                )
             )
-            .fetchone()
-        )
-        if row is None:
-            return None
-        blob = memoryview(row[0])
+        return found
+
+    def _get_blobs(self, names: list[ObjectName]) -> list[bytes | None]:
+        rows = self._select("data", names)
+        return [rows.get(n.path) for n in names]
+
+    def _put_blobs_if_absent(self, names: list[ObjectName], blobs: list[Segments]) -> list[bool]:
+        db = self._db()
+        db.execute("BEGIN")
         try:
-            header = decode_header(blob[:HEADER_SIZE], self._name(key))
-            payload = blob[HEADER_SIZE:]
-            verify_payload(header, [payload])
-        except CorruptObjectError:
-            return None
-        if target is None:
-            import torch
-
-            if not payload.nbytes:
-                return torch.empty(0, dtype=torch.uint8)
-            return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        views = target_views(target)
-        if total_nbytes(views) != payload.nbytes:
-            return None  # never a partial fill
-        offset = 0
-        for view in views:
-            view[:] = payload[offset : offset + view.nbytes]
-            offset += view.nbytes
-        return target
-
-    def set(self, key: str, value: Any) -> bool:
-        views = source_views(value)
-        header = encode_header(total_nbytes(views), checksum(views, 1), 1, self._name(key))
-        blob = b"".join([header, *views])
-        # INSERT OR IGNORE: the first writer wins, an existing page is never replaced.
-        self._db().execute(
-            "INSERT OR IGNORE INTO pages (ns, name, data) VALUES (?, ?, ?)",
-            (self.namespace.digest, self._name(key), blob),
-        )
-        return True
-
-    def exists(self, key: str) -> bool:
-        row = (
-            self._db()
-            .execute(
-                "SELECT 1 FROM pages WHERE ns = ? AND name = ?",
-                (self.namespace.digest, self._name(key)),
+            # INSERT OR IGNORE: the first writer wins, an existing page is never replaced.
+            db.executemany(
+                "INSERT OR IGNORE INTO pages (ns, name, data) VALUES (?, ?, ?)",
+                (
+                    (self.namespace.digest, n.path, b"".join(b))
+                    for n, b in zip(names, blobs, strict=True)
+                ),
             )
-            .fetchone()
-        )
-        return row is not None
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return [True] * len(names)
 
-    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        if not keys:
-            return 0
-        names = [self._name(k) for k in keys]
-        marks = ",".join("?" * len(names))
-        rows = (
-            self._db()
-            .execute(
-                f"SELECT name FROM pages WHERE ns = ? AND name IN ({marks})",
-                (self.namespace.digest, *names),
-            )
-            .fetchall()
-        )
-        present = {r[0] for r in rows}
-        count = 0
-        for name in names:
-            if name not in present:
-                break
-            count += 1
-        return count
+    def _exists_blobs(self, names: list[ObjectName]) -> list[bool]:
+        rows = self._select("1", names)
+        return [n.path in rows for n in names]
 
-    def delete(self, key: str) -> bool:
-        cur = self._db().execute(
-            "DELETE FROM pages WHERE ns = ? AND name = ?", (self.namespace.digest, self._name(key))
-        )
-        return cur.rowcount > 0
+    def _delete_blobs(self, names: list[ObjectName]) -> list[bool]:
+        db = self._db()
+        return [
+            db.execute(
+                "DELETE FROM pages WHERE ns = ? AND name = ?", (self.namespace.digest, n.path)
+            ).rowcount
+            > 0
+            for n in names
+        ]
 
-    def clear(self) -> None:
+    def _clear_namespace(self) -> None:
+        # Every name of the namespace starts with namespace_prefix; its rows carry its ns.
         self._db().execute("DELETE FROM pages WHERE ns = ?", (self.namespace.digest,))
 
     def close(self) -> None:
