@@ -64,7 +64,7 @@ EXPECTED = [
     ("Int64Ids", "engine_key_forms", "key-forms"),
 ]
 FILE_BASED = {"InPlaceFile", "SwallowsStoreErrors"}
-CONTROLS = {"ControlMem": "broken_backends:MemStore", "ControlFile": "file"}
+CONTROLS = {"ControlMem": "memory", "ControlFile": "file"}
 
 
 def suite_module() -> str:
