@@ -4,6 +4,10 @@ Statuses: ``passed``, ``failed``, ``not-claimed`` (the backend does not claim th
 capability the check needs) and ``skipped`` (any other skip). A run whose claimed checks
 all pass exits 0.
 
+A failed check's record names the rule its message names (``rule``) and states it
+(``statement``, from :data:`hicache_storage.conformance.rules.RULES`); the Markdown
+summary shows the statement under each failed check.
+
 Backend options are shown redacted (``redact_options`` with the backend's options class)
 and every message is scrubbed of the run's secrets, so a report can be shared.
 """
@@ -21,6 +25,7 @@ import pytest
 
 from hicache_storage.config import redact_options
 from hicache_storage.conformance import _secrets
+from hicache_storage.conformance.rules import RULES, find_rule
 
 if TYPE_CHECKING:
     from hicache_storage.conformance._kit import BackendSpec
@@ -31,7 +36,11 @@ __all__ = ["CheckRecord", "ReportCollector", "render_markdown"]
 
 @dataclass
 class CheckRecord:
-    """The outcome of one check."""
+    """The outcome of one check.
+
+    ``rule`` and ``statement``: for a failed check, the rule its message names and what
+    that rule asks of a backend (empty when the message names none).
+    """
 
     id: str
     suite: str
@@ -40,6 +49,8 @@ class CheckRecord:
     message: str = ""
     duration: float = 0.0
     metrics: dict[str, Any] = field(default_factory=dict)
+    rule: str = ""
+    statement: str = ""
 
 
 def _check_id(item_name: str) -> str:
@@ -120,6 +131,8 @@ class ReportCollector:
             rec.message = (f"{report.when}: " if report.when != "call" else "") + _short_message(
                 report
             )
+            rec.rule = find_rule(rec.message) or ""
+            rec.statement = RULES.get(rec.rule, "")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if not self.records:
@@ -185,6 +198,8 @@ def render_markdown(data: dict[str, Any]) -> str:
             lines.append(
                 f"- **{c['suite']} / {c['id']}**: {c['message'].splitlines()[0] if c['message'] else ''}"
             )
+            if c.get("statement"):
+                lines.append(f"  - rule `{c['rule']}`: {c['statement']}")
     perf = [c for c in data["checks"] if c["metrics"]]
     if perf:
         lines += ["", "## Performance qualification", ""]

@@ -16,7 +16,9 @@ it must be JSON-serializable. Override ``backend_factory`` instead if a backend 
 built from a spec (multi-process checks are then reported as not claimed), and
 ``break_store`` to let the suite check behaviour when the store itself fails.
 
-Every check states the rule it enforces in its failure message, as ``[rule-id] ...``.
+Every check states the rule it enforces in its failure message, as ``[rule-id] ...``
+followed by the rule's statement; the ids and statements are listed in
+:mod:`hicache_storage.conformance.rules`.
 Checks that need a capability (``zero_copy``, ``delete``, ``persistent``, ``shared``) run
 only when the backend claims it, and are reported as *not claimed* otherwise. Every
 backend the suite builds lives in a namespace with a random tenant of this run, is put
@@ -62,6 +64,7 @@ from hicache_storage.conformance._kit import (
     unique_keys,
     worker_output,
 )
+from hicache_storage.conformance.rules import statement
 from hicache_storage.conformance.wrappers import FaultyBackend, LatencyBackend
 from hicache_storage.errors import (
     ContractViolationError,
@@ -94,8 +97,12 @@ BreakStore = Callable[[HiCacheStorage], contextlib.AbstractContextManager[Any]]
 
 
 def rule(rule_id: str, text: str) -> str:
-    """A failure message naming the rule it enforces."""
-    return f"[{rule_id}] {text}"
+    """A failure message naming the rule it enforces, with the rule's statement.
+
+    ``rule_id`` must be listed in :data:`hicache_storage.conformance.rules.RULES`
+    (:class:`~hicache_storage.conformance.rules.UnknownRuleError` otherwise).
+    """
+    return f"[{rule_id}] {text}\n  rule {rule_id}: {statement(rule_id)}"
 
 
 def as_bytes(value: Any) -> bytes:
@@ -111,10 +118,24 @@ def as_bytes(value: Any) -> bytes:
 @contextlib.contextmanager
 def shape_rule(rule_id: str) -> Iterator[None]:
     """Turn a contract violation (strict mode) into a failure naming ``rule_id``."""
+    statement(rule_id)  # an unknown id fails now, not only when a violation happens
     try:
         yield
     except ContractViolationError as exc:
         pytest.fail(rule(rule_id, f"result of the wrong shape: {exc}"))
+
+
+@contextlib.contextmanager
+def raises_rule(rule_id: str, error: type[Exception], what: str) -> Iterator[None]:
+    """Like ``pytest.raises(error)``, failing with a message naming ``rule_id``."""
+    statement(rule_id)
+    try:
+        yield
+    except error:
+        return
+    except Exception as exc:  # noqa: BLE001 - reported, naming the rule
+        pytest.fail(rule(rule_id, f"{what} raised {exc!r}, not {error.__name__}"))
+    pytest.fail(rule(rule_id, f"{what} was accepted: it must raise {error.__name__}"))
 
 
 class Kit:
@@ -962,10 +983,10 @@ class BackendConformance:
         ]
         for key in HOSTILE_KEYS:
             for call in calls:
-                with pytest.raises(InvalidKeyError):
+                with raises_rule("hostile-keys", InvalidKeyError, f"key {key!r}"):
                     call(key)
         for bad in (None, 42, b"bytes-key"):
-            with pytest.raises(InvalidArgumentError):
+            with raises_rule("hostile-keys", InvalidArgumentError, f"key {bad!r}"):
                 b.set(bad, b"v")  # type: ignore[arg-type]
 
     def test_zero_length_value(self, kit: Kit) -> None:
@@ -1014,6 +1035,7 @@ class BackendConformance:
         ps = pool.page_size
         keys = unique_keys(4)
         down = FaultyBackend(b, failure_rate=1.0, partial=False, seed=1)
+        down.register_mem_pool_host(pool)  # else every v1 page fails for want of a pool
         down.strict_contract = True
         assert (
             down.get(keys[0]) is None
@@ -1036,12 +1058,14 @@ class BackendConformance:
                 "failure-shapes", f"a failed get must return None and leave the {kind} target alone"
             )
         flaky = FaultyBackend(b, failure_rate=0.5, partial=True, seed=7)
+        flaky.register_mem_pool_host(pool)
         for page, k in zip(pool.page_buffers(torch.arange(4 * ps)), keys, strict=True):
             fill_page(page, k)
         r = flaky.batch_set_v1(keys, torch.arange(4 * ps))
         for k, ok in zip(keys, r, strict=True):
             if ok:
-                assert as_bytes(b.get(k)) == content(k, pool.page_bytes), rule(
+                got = b.get(k)
+                assert got is not None and as_bytes(got) == content(k, pool.page_bytes), rule(
                     "no-false-success", f"page {k[:12]} reported stored but reads back wrong"
                 )
 

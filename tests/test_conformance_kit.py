@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hicache_storage.conformance.rules import RULES
+
 ROOT = Path(__file__).resolve().parents[1]
 VENDOR = ROOT / "examples" / "vendor-backend"
 EXE = Path(sys.executable).parent / "hicache-storage"
@@ -58,6 +60,7 @@ def test_assertion_messages_are_rewritten_for_vendors(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 1
     assert "[set-existing]" in r.stdout
+    assert f"rule set-existing: {RULES['set-existing']}" in r.stdout  # the rule, stated
     assert "assert b'" in r.stdout or "assert tensor" in r.stdout or "==" in r.stdout
 
 
@@ -134,13 +137,20 @@ def test_zero_code_pytest_with_environment_variables(vendor_site: Path, tmp_path
 
 def test_cli_exit_code_on_failures_and_usage_errors(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": pythonpath(ROOT / "tests" / "teeth")}
+    report, markdown = tmp_path / "report.json", tmp_path / "report.md"
     r = subprocess.run(
-        [str(EXE), "conformance", "--hicache-storage-backend", "broken_backends:AllHitsBatchExists", "-k", "leading_run"],
+        [str(EXE), "conformance", "--hicache-storage-backend", "broken_backends:AllHitsBatchExists", "-k", "leading_run",
+         "--report", str(report), "--markdown", str(markdown)],
         env=env, capture_output=True, text=True, cwd=tmp_path, check=False, timeout=300,
     )  # fmt: skip
     assert r.returncode == 1
     assert "[batch-exists-leading-run]" in r.stdout
     assert "1 failed" in r.stdout
+    stated = RULES["batch-exists-leading-run"]
+    assert f"rule batch-exists-leading-run: {stated}" in r.stdout
+    (failed,) = [c for c in json.loads(report.read_text())["checks"] if c["status"] == "failed"]
+    assert (failed["rule"], failed["statement"]) == ("batch-exists-leading-run", stated)
+    assert f"  - rule `batch-exists-leading-run`: {stated}" in markdown.read_text()
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "--pyargs", "hicache_storage.conformance", "-p", "no:cacheprovider", "-q",
          "-k", "read_your_writes"],

@@ -486,3 +486,73 @@ __all__ = [
     for name, obj in globals().items()
     if isinstance(obj, type) and issubclass(obj, HiCacheStorage)
 ]
+
+
+class SetReportsExisted(MemStore):
+    """Answers ``set`` with whether the key was there before (a SETNX-style reply read
+    backwards): a new key is stored, and reported False."""
+
+    def set(self, key: str, value: Any) -> bool:
+        existed = self.exists(key)
+        super().set(key, value)
+        return existed
+
+
+class BatchSetReportsFalse(MemStore):
+    """Stores a batch, then reports each key by comparing its client's reply (``b"OK"``)
+    with True: every key of the batch reads as not stored."""
+
+    def batch_set(self, keys: list[str], values: Any) -> list[bool]:
+        replies: list[Any] = []
+        for k, v in zip(keys, values, strict=True):
+            replies.append(b"OK" if self.set(k, v) else b"ERR")
+        return [reply is True for reply in replies]
+
+
+class ExistsStopsShort(MemStore):
+    """Counts the leading run of ``batch_exists`` with a loop that never reaches the last
+    key: one short whenever the whole batch is present."""
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        count = 0
+        for k in keys[:-1]:
+            if not self.exists(k):
+                break
+            count += 1
+        return count
+
+
+class DropsPastBatchBudget(MemStore):
+    """Buffers a batch's pages in an 8 MiB client-side pipeline and drops what does not
+    fit, still reporting True: right for small batches, loses the tail of a big one."""
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        budget = 8 * 2**20
+        for key, page in zip(keys, pages, strict=True):
+            budget -= page.nbytes
+            if budget >= 0:
+                self.set(key, page)
+        return [True] * len(keys)
+
+
+class DropsFirstWrite(FileBackend):
+    """Connects lazily and drops the request that opened the connection: the first write
+    of each process reports failure. Nothing is wrong in a process that starts by
+    reading; a fresh writer process (the kit's workers) fails at once."""
+
+    _connected = False
+    _connect_lock = threading.Lock()
+
+    def _write(self, name: ObjectName, views: list[memoryview]) -> bool:
+        with self._connect_lock:
+            first, DropsFirstWrite._connected = not DropsFirstWrite._connected, True
+        return False if first else super()._write(name, views)
+
+
+__all__ += [
+    "BatchSetReportsFalse",
+    "DropsFirstWrite",
+    "DropsPastBatchBudget",
+    "ExistsStopsShort",
+    "SetReportsExisted",
+]
