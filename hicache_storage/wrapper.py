@@ -19,8 +19,8 @@ class WrapperBackend(HiCacheStorage):
     logging. Override :meth:`_before` to run code before each forwarded operation, or
     override single methods (call ``super()`` to forward).
 
-    The wrapper takes ``inner``'s config, namespace and capabilities, and registers a
-    host pool with ``inner`` as well as itself. Being a :class:`HiCacheStorage` subclass,
+    The wrapper takes ``inner``'s config, namespace, capabilities and registered host
+    pool, and registers a later host pool with ``inner`` as well as itself. Being a :class:`HiCacheStorage` subclass,
     it is guarded like any backend: a failure inside ``inner`` that escapes it, or one
     raised by the wrapper's own code, becomes the call's failure shape and is counted in
     the wrapper's stats (``inner`` keeps its own). Closing the wrapper closes ``inner``.
@@ -31,6 +31,8 @@ class WrapperBackend(HiCacheStorage):
         self.inner = inner
         self.name = f"{type(self).__name__}({inner.name or type(inner).__name__})"
         self.capabilities = inner.capabilities
+        # A pool already attached to ``inner`` serves the wrapper's v1 calls too.
+        self.mem_pool_host = inner.mem_pool_host
 
     def _before(self, op: str) -> None:
         """Hook run before each forwarded operation."""

@@ -162,6 +162,24 @@ def test_wrapper_forwards_and_takes_the_inner_capabilities_and_namespace() -> No
     assert "Counting(dict)" in w.name
 
 
+def test_a_wrapper_serves_v1_through_the_pool_already_on_its_inner_backend() -> None:
+    from hicache_storage.host_pool import HostKVPool
+
+    pool = HostKVPool(
+        num_pages=2, page_size=4, layer_num=1, kv_heads=1, head_dim=8, dtype=torch.float16
+    )
+    pool.kv_buffer.view(-1).view(torch.uint8).copy_(
+        torch.arange(pool.kv_buffer.nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    )
+    inner = Dict()
+    inner.register_mem_pool_host(pool)
+    w = Counting(inner)
+    assert w.batch_set_v1(["a"], torch.arange(4)) == [True]
+    assert inner.data["a"] == b"".join(
+        bytes(v) for v in pool.page_buffers(torch.arange(4), 1)[0].views
+    )
+
+
 def test_a_failing_inner_store_gives_the_wrappers_failure_shape() -> None:
     class Broken(Dict):
         def get(self, key: str, target: Any = None) -> Any:
