@@ -270,7 +270,7 @@ def test_a_failed_copy_never_frees_a_slot_still_being_written(
     """One copy of a batch fails while another is still copying: no later key may read
     the straggler's bytes. (The I/O error is injected: the thing under test is the
     backend's clean-up.)"""
-    import hicache_storage.backends._mmap as impl
+    import hicache_storage.backends._mmap.backend as impl  # where _copy_in is looked up
 
     real = impl._copy_in
 
@@ -297,7 +297,7 @@ def test_a_failed_copy_never_frees_a_slot_still_being_written(
 
 SLOW_WRITER = """
 import sys, time
-import hicache_storage.backends._mmap as impl
+import hicache_storage.backends._mmap.backend as impl  # where _copy_in is looked up
 from hicache_storage import PageBuffer, Segment, StorageConfig
 from hicache_storage.buffers import memoryview_at
 real = impl._copy_in
@@ -441,22 +441,48 @@ def test_readers_do_not_wait_for_another_processs_writer_lock(
 def test_an_error_while_reserving_leaks_no_slot(
     arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hicache_storage.backends._mmap as impl
+    from hicache_storage.backends._mmap.arena import SlotState
+    from hicache_storage.backends._mmap.index_log import IndexLog, RecordKind
 
     b = arena(capacity="64KiB", slot_size="4KiB", reuse_delay=0, io_threads=1)
     n = b.usage()["slots"]
     for i in range(n - 1):
         b.set(f"old{i}", b"o")
-    real = impl.MmapBackend._append
+    real = IndexLog.append
+    evictions = []
 
-    def full_disk(self: MmapBackend, records: list) -> None:
-        if records and records[0][0] == impl.DEL:
+    def full_disk(self: IndexLog, records: list) -> None:
+        if records and records[0][0] == RecordKind.DEL:
+            evictions.append(len(records))
             raise OSError(28, "No space left on device")
         real(self, records)
 
-    monkeypatch.setattr(impl.MmapBackend, "_append", full_disk)
+    monkeypatch.setattr(IndexLog, "append", full_disk)
     assert b.batch_set_pages(["k0", "k1"], page_buffers(b"a" * 100, b"b" * 100)) == [False, False]
-    monkeypatch.setattr(impl.MmapBackend, "_append", real)
+    monkeypatch.setattr(IndexLog, "append", real)
+    assert evictions, "the injected failure never ran"
     assert b._arena is not None
-    assert int((b._arena.slots["state"] == impl.WRITING).sum()) == 0
+    assert int((b._arena.slots["state"] == SlotState.WRITING).sum()) == 0
     assert b.set("x", b"z")
+
+
+def test_the_on_disk_layout_is_the_one_the_docstrings_table() -> None:
+    """Superblock, slot-table row, log header and record: sizes, offsets and enum values
+    as tabled in arena.py and index_log.py (a change here is a new format version)."""
+    import numpy as np
+
+    from hicache_storage.backends._mmap import arena as A
+    from hicache_storage.backends._mmap import index_log as L
+
+    assert A._SUPER.size + A._CRC.size == 60
+    row = np.dtype(A._SLOT_DTYPE)
+    assert row.itemsize == 64
+    assert row.fields is not None
+    offsets = {name: row.fields[name][1] for name in row.names or ()}
+    assert offsets == {"generation": 0, "state": 8, "pid": 12, "length": 16, "checksum": 24,
+                       "last_access": 32, "since": 40, "token": 48, "pad": 56}  # fmt: skip
+    assert {s.name: int(s) for s in A.SlotState} == {
+        "FREE": 0, "WRITING": 1, "COMMITTED": 2, "RETIRED": 3}  # fmt: skip
+    assert L._LOG_HEAD.size + A._CRC.size == 28
+    assert L._REC.size == 36
+    assert {k.name: int(k) for k in L.RecordKind} == {"PUT": 1, "DEL": 2}

@@ -464,7 +464,7 @@ def test_writers_opened_before_and_after_a_lock_file_removal_share_one_lock(
     earlier releases, removed by a /tmp cleaner) can never give two instances two lock
     domains, in which one took the other's in-flight slot as a dead writer's and the
     late copy landed in its page."""
-    import hicache_storage.backends._mmap as mm
+    import hicache_storage.backends._mmap.backend as mm  # where _copy_in is looked up
 
     a = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
     n = a.usage()["slots"]
@@ -537,7 +537,7 @@ def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
 
     import torch
 
-    import hicache_storage.backends._mmap as mm
+    import hicache_storage.backends._mmap.backend as mm  # where _copy_in is looked up
 
     pool = make_pool(num_pages=32, page_size=4)
     a = arena(StorageConfig(namespace=pool_namespace(pool)), capacity="1MiB", slot_size="64KiB",
@@ -604,7 +604,7 @@ def test_a_dead_writer_holding_every_slot_does_not_stop_all_writes(
         from tests.conftest import make_pool, pool_namespace
         from hicache_storage import StorageConfig
         from hicache_storage.backends import MmapBackend
-        import hicache_storage.backends._mmap as M
+        import hicache_storage.backends._mmap.backend as M  # where _copy_in is looked up
         pool = make_pool(num_pages=64, page_size=4)
         b = MmapBackend(StorageConfig(namespace=pool_namespace(pool)),
                         path={str(tmp_path / "arena")!r}, capacity="1MiB", slot_size="64KiB",
@@ -621,7 +621,8 @@ def test_a_dead_writer_holding_every_slot_does_not_stop_all_writes(
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "copying"
+        # Two I/O threads print at once: their lines may interleave ("copyingcopying").
+        assert proc.stdout.readline().startswith("copying")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
