@@ -15,7 +15,6 @@ import math
 import operator
 import os
 import re
-import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -308,8 +307,6 @@ def load_extra_config(text: str | None) -> dict[str, Any]:
         except OSError as exc:
             raise ConfigError(f"cannot read extra config file {path}: {exc}") from exc
         if path.suffix == ".toml":
-            if sys.version_info < (3, 11):
-                raise ConfigError("TOML extra-config files need Python 3.11 or newer; use JSON")
             import tomllib
 
             try:

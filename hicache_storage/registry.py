@@ -44,6 +44,7 @@ INSTALL_HINTS: dict[str, str] = {
     "file": "pip install hicache-storage",
     "shm": "pip install hicache-storage",
     "mmap": "pip install hicache-storage",
+    "memory": "pip install hicache-storage",
     "redis": "pip install 'hicache-storage[redis]' (and a redis-server to talk to)",
     "s3": "pip install 'hicache-storage[s3]'",
     "mooncake": "pip install 'hicache-storage[mooncake]' (and apt-get install libibverbs1)",
