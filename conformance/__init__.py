@@ -24,7 +24,7 @@ __all__ = ["BackendConformance", "BackendSpec", "FaultyBackend", "LatencyBackend
 _LAZY = {
     "BackendConformance": "hicache_storage.conformance.suite",
     "requires": "hicache_storage.conformance.suite",
-    "BackendSpec": "hicache_storage.conformance._kit",
+    "BackendSpec": "hicache_storage.conformance.data",
     "FaultyBackend": "hicache_storage.conformance.wrappers",
     "LatencyBackend": "hicache_storage.conformance.wrappers",
 }

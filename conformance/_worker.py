@@ -5,7 +5,7 @@
 in a file) with ``name``, ``options``, ``namespace`` and ``task``. Tasks:
 
 * ``{"op": "write", "keys": [...], "nbytes": N, "loop": bool, "via": "set" | "v1"}``:
-  store each key's derived content (see ``_kit.content``); print ``ready`` after the
+  store each key's derived content (see ``data.content``); print ``ready`` after the
   first round; with ``loop``, repeat in random order until killed. Exit status 3 if a
   write reports failure.
 * ``{"op": "stream", "salt": S, "nbytes": N}``: write new keys forever (until killed),
@@ -28,7 +28,7 @@ from typing import Any
 
 from hicache_storage import HiCacheStorage, KVCacheNamespace, StorageConfig
 from hicache_storage.conformance import _secrets
-from hicache_storage.conformance._kit import BackendSpec, content, fill_page, make_pool
+from hicache_storage.conformance.data import BackendSpec, content, fill_page, make_pool
 
 
 def main(argv: list[str]) -> int:

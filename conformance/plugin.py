@@ -32,7 +32,7 @@ import pytest
 # this module's parent; it holds no assertions.)
 pytest.register_assert_rewrite(
     "hicache_storage.conformance.suite",
-    "hicache_storage.conformance._kit",
+    "hicache_storage.conformance.data",
     "hicache_storage.conformance.wrappers",
 )
 
@@ -40,7 +40,7 @@ from hicache_storage.conformance import _secrets
 from hicache_storage.conformance.report import ReportCollector
 
 if TYPE_CHECKING:
-    from hicache_storage.conformance._kit import BackendSpec
+    from hicache_storage.conformance.data import BackendSpec
 
 __all__ = ["spec_from_config"]
 
@@ -131,7 +131,7 @@ def pytest_runtest_makereport(
 def spec_from_config(config: pytest.Config) -> BackendSpec | None:
     """The backend selected on the command line or in the environment, if any."""
     from hicache_storage.config import load_extra_config
-    from hicache_storage.conformance._kit import BackendSpec
+    from hicache_storage.conformance.data import BackendSpec
 
     name = config.getoption("hicache_storage_backend") or os.environ.get(_ENV_BACKEND)
     if not name:

@@ -28,7 +28,7 @@ from hicache_storage.conformance import _secrets
 from hicache_storage.conformance.rules import RULES, find_rule
 
 if TYPE_CHECKING:
-    from hicache_storage.conformance._kit import BackendSpec
+    from hicache_storage.conformance.data import BackendSpec
     from hicache_storage.protocol import HiCacheStorage
 
 __all__ = ["CheckRecord", "ReportCollector", "render_markdown"]

@@ -46,7 +46,7 @@ from hicache_storage import (
     StorageConfig,
     StorageStats,
 )
-from hicache_storage.conformance._kit import (
+from hicache_storage.conformance.data import (
     POOL_SHAPE,
     RUN_ID,
     TARGET_KINDS,

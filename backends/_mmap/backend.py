@@ -158,20 +158,13 @@ DEFAULT_SLOT = 4 * 2**20
 _CAPS = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
 
 
-class _MmapCapabilities:
-    """Capabilities on the class; on an instance, with the arena's slot size as the limit."""
-
-    def __get__(self, obj: MmapBackend | None, owner: type) -> Capabilities:
-        if obj is None:
-            return _CAPS
-        return replace(_CAPS, max_object_bytes=obj._slot_limit())
-
-
 class MmapBackend(HiCacheStorage):
     """A fixed-capacity slab of page slots in one memory-mapped file, with a crash-safe index."""
 
     name = "mmap"
-    capabilities = _MmapCapabilities()
+    # The class's declaration (what the registry reads); an instance adds the arena's
+    # slot size as max_object_bytes once it is known (_refine_capabilities).
+    capabilities = _CAPS
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config)
@@ -204,8 +197,13 @@ class MmapBackend(HiCacheStorage):
         else:
             _check_directory(directory)
         self._remove_stale_creations(directory)
+        self._refine_capabilities()
         if self.options.slot_size is not None or os.path.exists(self.path):
             self._open_arena(self.options.slot_size or DEFAULT_SLOT)
+
+    def _refine_capabilities(self) -> None:
+        """This instance's capabilities: the class's, limited to the slot size once known."""
+        self.capabilities = replace(type(self).capabilities, max_object_bytes=self._slot_limit())
 
     def _slot_limit(self) -> int | None:
         """The largest storable object: the slot size, once known."""
@@ -283,6 +281,7 @@ class MmapBackend(HiCacheStorage):
                         self._arena = arena
                         self._log.open(arena)
                         self._repair_rows(arena)
+                    self._refine_capabilities()
                 except BaseException:
                     with self._log.lock:
                         self._arena = None

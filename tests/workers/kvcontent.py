@@ -1,32 +1,27 @@
-"""Deterministic page content derived from the key, shared by tests and worker processes."""
+"""The worker pages: a fixed namespace and pool shape that tests and worker processes agree on.
+
+Content comes from :mod:`hicache_storage.conformance.data` (derived from the key, so any
+reader can verify any page). The namespace is fixed, not the kit's per-run one, because a
+worker is another process with another run id.
+"""
 
 from __future__ import annotations
-
-import hashlib
 
 import torch
 
 from hicache_storage import HostKVPool, KVCacheNamespace, page_hashes
 from hicache_storage.buffers import PageBuffer
+from hicache_storage.conformance.data import content
+from hicache_storage.conformance.data import fill_page as _fill_page
+
+__all__ = ["KEY_UNIVERSE", "content", "fill_page", "namespace", "page_pool"]
 
 KEY_UNIVERSE = page_hashes(list(range(64 * 4)), 4)  # 64 chained page hashes
 
 
-def content(key: str, nbytes: int) -> bytes:
-    """``nbytes`` bytes that only ``key`` produces."""
-    seed = hashlib.sha256(key.encode()).digest()
-    return (seed * (nbytes // len(seed) + 1))[:nbytes]
-
-
 def fill_page(page: PageBuffer | None, key: str, nbytes: int = 0) -> bytes:
     """Fill ``page`` with the key's content (or return it as bytes when page is None)."""
-    data = content(key, page.nbytes if page is not None else nbytes)
-    if page is not None:
-        off = 0
-        for seg in page.segments:
-            seg.memoryview[:] = data[off : off + seg.nbytes]
-            off += seg.nbytes
-    return data
+    return content(key, nbytes) if page is None else _fill_page(page, key)
 
 
 def page_pool(num_pages: int) -> HostKVPool:
@@ -38,6 +33,4 @@ def page_pool(num_pages: int) -> HostKVPool:
 
 def namespace(pool: HostKVPool) -> KVCacheNamespace:
     """The namespace of the worker pages."""
-    return KVCacheNamespace(
-        model_id="crash-test", dtype="bfloat16", page_size=pool.page_size, object_layout=pool.layout
-    )
+    return KVCacheNamespace.for_pool(pool, model_id="crash-test")

@@ -26,7 +26,7 @@ from hicache_storage.conformance.rules import (
     statement,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "conformance"
 VENDOR_GUIDE = ROOT / "docs" / "vendors.md"
 

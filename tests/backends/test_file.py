@@ -18,14 +18,13 @@ import torch
 
 from hicache_storage import KVCacheNamespace, StorageConfig, page_hashes
 from hicache_storage.backends import FileBackend
+from hicache_storage.conformance.data import make_pool, pool_namespace, tree_files
 from hicache_storage.errors import ConfigError, InvalidKeyError
 from hicache_storage.layouts import LAYOUTS
 from hicache_storage.storekit.atomic import TEMP_PREFIX
 from hicache_storage.storekit.header import HEADER_SIZE
 
-from .conftest import make_pool, pool_namespace, tree_files
-
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = Path(__file__).parents[1] / "workers"
 sys.path.insert(0, str(WORKERS))
 
 from kvcontent import KEY_UNIVERSE, content, namespace, page_pool

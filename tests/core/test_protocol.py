@@ -14,6 +14,7 @@ import torch
 
 from hicache_storage import Capabilities, HiCacheStorage, KVCacheNamespace, StorageConfig
 from hicache_storage.buffers import source_views, target_views
+from hicache_storage.conformance.data import make_pool, pool_namespace
 from hicache_storage.errors import (
     ContractViolationError,
     InvalidArgumentError,
@@ -23,8 +24,6 @@ from hicache_storage.errors import (
     NotSupportedError,
 )
 from hicache_storage.layouts import LAYOUTS
-
-from .conftest import make_pool, pool_namespace
 
 
 class DictBackend(HiCacheStorage):

@@ -16,15 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_storage import HiCacheStorage, StorageConfig, page_hashes
+from hicache_storage import HiCacheStorage, KVCacheNamespace, StorageConfig, page_hashes
 from hicache_storage.backends import ShmBackend
 from hicache_storage.conformance import BackendConformance, BackendSpec
+from hicache_storage.conformance.data import make_pool, pool_namespace, tree_files
 from hicache_storage.errors import ConfigError
 from hicache_storage.storekit.header import HEADER_SIZE
 
-from .conftest import broken_directory, make_pool, pool_namespace, tree_files
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -41,7 +40,9 @@ class TestShmConformance(BackendConformance):
         return BackendSpec("shm", {"directory": shm_dir})
 
     @pytest.fixture
-    def break_store(self) -> Callable[[HiCacheStorage], Any]:
+    def break_store(
+        self, broken_directory: Callable[[HiCacheStorage], Any]
+    ) -> Callable[[HiCacheStorage], Any]:
         return broken_directory
 
 
@@ -197,9 +198,10 @@ def test_another_process_reads_what_one_wrote(shm_dir: str) -> None:
         [sys.executable, "-c", WRITER, shm_dir], capture_output=True, text=True, check=True
     )
     assert r.stdout.strip() == "[True, True, True, True]"
-    pool = make_pool(num_pages=8)
+    pool = make_pool(num_pages=8, head_dim=8)  # the writer's page shape
     pool.kv_buffer.zero_()
-    b = ShmBackend(StorageConfig(namespace=pool_namespace(pool)), directory=shm_dir)
+    ns = KVCacheNamespace.for_pool(pool, model_id="test-model")  # the writer's namespace
+    b = ShmBackend(StorageConfig(namespace=ns), directory=shm_dir)
     b.register_mem_pool_host(pool)
     keys = page_hashes(list(range(16)), 4)
     assert b.batch_exists(keys) == 4
@@ -232,7 +234,9 @@ def full_store(shm_dir: str, objects: int, **opts: Any) -> ShmBackend:
     return b
 
 
-NS = pool_namespace(make_pool(num_pages=1))
+NS = pool_namespace(
+    make_pool(num_pages=1), tenant="shm-tests"
+)  # subprocesses import it: no per-run tenant
 
 
 def inode(b: ShmBackend, key: str) -> int:
@@ -329,7 +333,7 @@ def test_a_reader_that_opened_the_file_before_it_was_recycled_misses(
 RECYCLER = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, sys.argv[2])
-    from tests.test_shm_backend import NS, SIZE, HEAD, value_of
+    from tests.backends.test_shm import NS, SIZE, HEAD, value_of
     from hicache_storage import StorageConfig
     from hicache_storage.backends import ShmBackend
     b = ShmBackend(StorageConfig(namespace=NS), directory=sys.argv[1], max_size=4 * (HEAD + SIZE))

@@ -1,4 +1,12 @@
-"""Shared pieces of the conformance suite: specs, namespaces, data, host pools, subprocesses.
+"""Test data and helpers of the conformance kit, public for anyone testing a backend.
+
+The suite's own pieces, usable in a vendor's tests as in this project's: the
+:class:`BackendSpec` of a backend under test, namespaces of this run (:data:`RUN_ID`, a
+random tenant, so a run never touches another's data), small random host pools
+(:func:`make_pool`, :func:`pool_namespace`), keys no other test uses
+(:func:`unique_keys`), content every reader can verify (:func:`content`,
+:func:`fill_page`), read targets of every kind (:func:`make_target`), and writer
+subprocesses (:func:`run_worker`).
 
 Black-box: only the public API of ``hicache_storage`` is used.
 """
@@ -13,7 +21,7 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,8 +51,10 @@ __all__ = [
     "make_namespace",
     "make_pool",
     "make_target",
+    "pool_namespace",
     "run_worker",
     "sentinel",
+    "tree_files",
     "unique_keys",
     "worker_output",
 ]
@@ -151,18 +161,27 @@ def make_namespace(tenant_suffix: str = "", **overrides: Any) -> KVCacheNamespac
     return KVCacheNamespace(**fields)
 
 
-def make_pool(layout: str = "page_first", mla: bool = False, num_pages: int = 16) -> HostKVPool:
-    """A small host pool of the kit's page shape, filled with random bytes."""
+def make_pool(
+    layout: str = "page_first",
+    mla: bool = False,
+    num_pages: int = 16,
+    *,
+    page_size: int = POOL_SHAPE["page_size"],
+    layer_num: int = POOL_SHAPE["layer_num"],
+    kv_heads: int = POOL_SHAPE["kv_heads"],
+    head_dim: int = POOL_SHAPE["head_dim"],
+) -> HostKVPool:
+    """A small bfloat16 host pool (the kit's page shape by default), filled with random bytes."""
     import torch
 
     from hicache_storage import HostKVPool
 
     pool = HostKVPool(
         num_pages=num_pages,
-        page_size=POOL_SHAPE["page_size"],
-        layer_num=POOL_SHAPE["layer_num"],
-        kv_heads=POOL_SHAPE["kv_heads"],
-        head_dim=POOL_SHAPE["head_dim"],
+        page_size=page_size,
+        layer_num=layer_num,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         dtype=torch.bfloat16,
         layout=layout,
         mla=mla,
@@ -173,8 +192,22 @@ def make_pool(layout: str = "page_first", mla: bool = False, num_pages: int = 16
 
 
 def pool_namespace(pool: HostKVPool, **overrides: Any) -> KVCacheNamespace:
-    """The run's namespace for ``pool``'s layout and MLA-ness."""
-    return make_namespace(object_layout=pool.layout, rank_replicated=pool.mla, **overrides)
+    """The run's namespace for ``pool``: its page size, dtype, layout and MLA-ness."""
+    facts: dict[str, Any] = {
+        "page_size": pool.page_size,
+        "dtype": str(pool.dtype),
+        "object_layout": pool.layout,
+        "rank_replicated": pool.mla,
+    }
+    return make_namespace(**{**facts, **overrides})
+
+
+def tree_files(path: str) -> list[str]:
+    """Every regular file under ``path`` (to check what a backend left on disk)."""
+    out: list[str] = []
+    for dirpath, _dirs, files in os.walk(path):
+        out.extend(os.path.join(dirpath, f) for f in files)
+    return out
 
 
 def unique_keys(n: int, salt: str = "") -> list[str]:
@@ -318,12 +351,6 @@ def engine_key_forms(page_hash: str) -> list[str]:
         f"{h}_ukv1-0123456789abcdef_L0-39_H1_k",
         f"hicache-conformance_{h}_0_k",
     ]
-
-
-def iter_pages(pool: HostKVPool, count: int, first_page: int = 0) -> Iterator[PageBuffer]:
-    """Page buffers of ``count`` consecutive pages from ``first_page``."""
-    ps = pool.page_size
-    yield from pool.page_buffers(range(first_page * ps, (first_page + count) * ps))
 
 
 Factory = Callable[[StorageConfig], HiCacheStorage]

@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from hicache_storage import HostKVPool
+from hicache_storage.conformance.data import make_pool
 from hicache_storage.errors import ConfigError, HostIndicesError, InvalidTypeError
 from hicache_storage.layouts import LAYOUTS
 
-from .conftest import make_pool
-
-L, H, D, PS, P = 3, 2, 8, 4, 16
+L, H, D, PS, P = 3, 2, 16, 4, 16  # the kit's pool shape (conformance.data.POOL_SHAPE)
 ITEM = 2  # bfloat16
 
 

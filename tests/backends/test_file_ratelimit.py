@@ -13,9 +13,8 @@ import pytest
 
 from hicache_storage import StorageConfig
 from hicache_storage.backends import FileBackend, ShmBackend
+from hicache_storage.conformance.data import tree_files
 from hicache_storage.storekit.capacity import CapacityTracker
-
-from .conftest import tree_files
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

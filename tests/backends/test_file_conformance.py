@@ -11,8 +11,6 @@ import pytest
 from hicache_storage import HiCacheStorage
 from hicache_storage.conformance import BackendConformance, BackendSpec
 
-from .conftest import broken_directory
-
 pytestmark = pytest.mark.file
 
 
@@ -22,7 +20,9 @@ class TestFileConformance(BackendConformance):
         return BackendSpec("file", {"root": str(tmp_path / "store")})
 
     @pytest.fixture
-    def break_store(self) -> Callable[[HiCacheStorage], Any]:
+    def break_store(
+        self, broken_directory: Callable[[HiCacheStorage], Any]
+    ) -> Callable[[HiCacheStorage], Any]:
         return broken_directory
 
 

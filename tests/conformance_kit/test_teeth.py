@@ -1,7 +1,7 @@
 """The kit has teeth: it fails every deliberately broken backend, naming the broken rule.
 
 One inner pytest session runs the relevant checks of the kit on each broken backend of
-tests/teeth/broken_backends.py, plus two controls (a correct in-memory store and the
+tests/conformance_kit/teeth/broken_backends.py, plus two controls (a correct in-memory store and the
 file backend) that must pass the very same checks. The inner run's JSON report is then
 read back, which also tests the report.
 """

@@ -19,7 +19,7 @@ import pytest
 
 from hicache_storage.storekit.header import HEADER_SIZE
 
-WORKER = Path(__file__).parent / "workers" / "shm_writer.py"
+WORKER = Path(__file__).parents[1] / "workers" / "shm_writer.py"
 OBJ = 64 * 1024  # header included: whole tmpfs pages
 PAYLOAD = OBJ - HEADER_SIZE
 

@@ -12,6 +12,7 @@ import torch
 
 from hicache_storage import Capabilities, KVCacheNamespace, PageBuffer, Segment, StorageConfig
 from hicache_storage.buffers import memoryview_at
+from hicache_storage.conformance.data import make_pool, pool_namespace
 from hicache_storage.errors import (
     BackendError,
     BackendTimeoutError,
@@ -22,8 +23,6 @@ from hicache_storage.errors import (
 from hicache_storage.keys import ObjectName
 from hicache_storage.storekit.blobstore import BlobOptions, BlobStore, Segments
 from hicache_storage.storekit.header import HEADER_SIZE, decode_header
-
-from .conftest import make_pool, pool_namespace
 
 
 class ClientError(Exception):

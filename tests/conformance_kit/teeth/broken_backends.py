@@ -2,7 +2,7 @@
 
 ``MemStore`` is a correct, minimal, process-local store (the control); every other class
 breaks exactly one rule, the way real backends in the field have. The kit must fail each
-with a message naming that rule (tests/test_conformance_teeth.py).
+with a message naming that rule (tests/conformance_kit/test_teeth.py).
 """
 
 from __future__ import annotations

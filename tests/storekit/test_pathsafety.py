@@ -272,7 +272,7 @@ def test_a_directory_swapped_for_a_symlink_while_being_adopted_is_never_chmodded
 def test_group_mode_trusts_only_current_members(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Second attack D3 (the rule; tests/test_file_safety.py has it with real users and a
+    """Second attack D3 (the rule; tests/backends/test_file_safety.py has it with real users and a
     real group database): a file of the sharing group is trusted only if its owner is a
     member now, by primary group or member list; root always; a group the database does
     not know cannot be checked, and then the group alone decides (as before)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCANNED = ("hicache_storage", "backends", "conformance")
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"

@@ -12,7 +12,7 @@ import pytest
 
 from hicache_storage.conformance.rules import RULES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VENDOR = ROOT / "examples" / "vendor-backend"
 EXE = Path(sys.executable).parent / "hicache-storage"
 
@@ -55,7 +55,7 @@ def test_assertion_messages_are_rewritten_for_vendors(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "pytest", str(tmp_path / "test_v.py"), "-c", str(tmp_path / "pytest.ini"),
          "--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-k", "set_existing"],
-        env={**os.environ, "PYTHONPATH": pythonpath(ROOT / "tests" / "teeth")},
+        env={**os.environ, "PYTHONPATH": pythonpath(ROOT / "tests" / "conformance_kit" / "teeth")},
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert r.returncode == 1
@@ -136,7 +136,7 @@ def test_zero_code_pytest_with_environment_variables(vendor_site: Path, tmp_path
 
 
 def test_cli_exit_code_on_failures_and_usage_errors(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT / "tests" / "teeth")}
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT / "tests" / "conformance_kit" / "teeth")}
     report, markdown = tmp_path / "report.json", tmp_path / "report.md"
     r = subprocess.run(
         [str(EXE), "conformance", "--hicache-storage-backend", "broken_backends:AllHitsBatchExists", "-k", "leading_run",

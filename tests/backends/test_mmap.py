@@ -20,7 +20,7 @@ from hicache_storage.buffers import memoryview_at
 from hicache_storage.conformance import BackendConformance, BackendSpec
 from hicache_storage.errors import ConfigError, NotSupportedError
 
-WORKER = Path(__file__).parent / "workers" / "mmap_writer.py"
+WORKER = Path(__file__).parents[1] / "workers" / "mmap_writer.py"
 MiB = 2**20
 
 
@@ -61,6 +61,26 @@ def arena(tmp_path: Path) -> Iterator[Callable[..., MmapBackend]]:
         b.close()
 
 
+def test_an_instance_learns_its_object_limit_when_the_arena_opens(tmp_path: Path) -> None:
+    from hicache_storage.conformance.data import make_pool, pool_namespace
+
+    pool = make_pool()
+    b = MmapBackend(
+        StorageConfig(namespace=pool_namespace(pool)),
+        path=str(tmp_path / "lazy"),
+        capacity="16MiB",
+        prefault=False,
+    )
+    try:
+        assert b.capabilities.max_object_bytes is None  # no arena yet: no slot size
+        b.register_mem_pool_host(pool)  # creates the arena with the pool's page size
+        assert b.capabilities.max_object_bytes == b.usage()["slot_size"] > 0
+        assert MmapBackend.capabilities.max_object_bytes is None  # the class is untouched
+        assert b.capabilities.zero_copy and b.capabilities.persistent
+    finally:
+        b.close()
+
+
 def value(i: int, n: int = 1000) -> bytes:
     return bytes([i % 256]) * n
 
@@ -80,7 +100,7 @@ def test_geometry_is_fixed_at_creation(arena: Callable[..., MmapBackend], tmp_pa
 
 
 def test_slot_size_follows_the_registered_pool(arena: Callable[..., MmapBackend]) -> None:
-    from .conftest import make_pool
+    from hicache_storage.conformance.data import make_pool
 
     pool = make_pool()
     b = arena(capacity="8MiB")

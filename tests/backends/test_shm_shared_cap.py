@@ -24,7 +24,7 @@ import pytest
 
 from hicache_storage.storekit.header import HEADER_SIZE
 
-WORKER = Path(__file__).parent / "workers" / "shm_cap_writer.py"
+WORKER = Path(__file__).parents[1] / "workers" / "shm_cap_writer.py"
 CAP = 4 << 20
 PAYLOAD = 32 * 1024 - HEADER_SIZE
 

@@ -23,9 +23,8 @@ import pytest
 
 from hicache_storage import KVCacheNamespace, StorageConfig
 from hicache_storage.backends import MmapBackend
+from hicache_storage.conformance.data import make_pool, pool_namespace
 from hicache_storage.errors import ConfigError
-
-from .conftest import make_pool, pool_namespace
 
 MiB = 2**20
 NOBODY = 65534
@@ -600,8 +599,8 @@ def test_a_dead_writer_holding_every_slot_does_not_stop_all_writes(
     child = textwrap.dedent(
         f"""
         import sys, time, torch
-        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
-        from tests.conftest import make_pool, pool_namespace
+        sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+        from hicache_storage.conformance.data import make_pool, pool_namespace
         from hicache_storage import StorageConfig
         from hicache_storage.backends import MmapBackend
         import hicache_storage.backends._mmap.backend as M  # where _copy_in is looked up

@@ -87,7 +87,7 @@ def test_an_options_class_error_never_quotes_the_secret(tmp_path: Path) -> None:
 
 
 def test_failure_logs_are_scrubbed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from .conftest import make_pool
+    from hicache_storage.conformance.data import make_pool
 
     b = canary(tmp_path, fail=True)
     try:

@@ -25,10 +25,9 @@ import pytest
 
 from hicache_storage import KVCacheNamespace, StorageConfig
 from hicache_storage.backends import ShmBackend
+from hicache_storage.conformance.data import tree_files
 from hicache_storage.storekit.atomic import temp_path
 from hicache_storage.storekit.header import HEADER_SIZE
-
-from .conftest import tree_files
 
 SIZE = 64 * 1024 - HEADER_SIZE
 

@@ -25,14 +25,13 @@ import torch
 
 from hicache_storage import HiCacheStorage, StorageConfig, page_hashes
 from hicache_storage.backends import FileBackend, ShmBackend
+from hicache_storage.conformance.data import make_pool, pool_namespace
 from hicache_storage.errors import ConfigError
 from hicache_storage.storekit.header import algorithm_id, checksum, encode_header
 
-from .conftest import make_pool, pool_namespace
-
 KINDS = ["file", "shm"]
 POOL = make_pool(num_pages=8)
-NS = pool_namespace(POOL)
+NS = pool_namespace(POOL, tenant="file-safety")  # subprocesses import it: no per-run tenant
 NOBODY = 65534
 MEMBER = 4243  # a second unprivileged user, member of GROUP
 GROUP = 4242
@@ -265,7 +264,7 @@ DEFAULT_VICTIM = textwrap.dedent("""
     from hicache_storage.backends import FileBackend, ShmBackend
     from hicache_storage.errors import ConfigError
     sys.path.insert(0, args[1])
-    from tests.test_file_safety import NS
+    from tests.backends.test_file_safety import NS
     drop()
     cls = FileBackend if args[0] == "file" else ShmBackend
     try:
@@ -289,7 +288,7 @@ def test_another_user_cannot_pre_create_a_users_default_location(kind: str, tmp_
         dst = object_path(kind, victim_root, "victim-key")
         planted = plant(NOBODY, dst, page_file_bytes(b"\x66" * 64, "none"), tmp_path, dirmode="777")
         assert planted.returncode == 0, planted.stderr
-        r = run_as(MEMBER, MEMBER, [], DEFAULT_VICTIM, kind, str(Path(__file__).parents[1]))
+        r = run_as(MEMBER, MEMBER, [], DEFAULT_VICTIM, kind, str(Path(__file__).parents[2]))
         assert r.returncode == 0, r.stderr
         assert r.stdout.startswith("ConfigError"), r.stdout
         assert victim_root in r.stdout and f"uid {NOBODY}" in r.stdout
@@ -359,7 +358,7 @@ MEMBER_WRITER = textwrap.dedent("""
     from hicache_storage import StorageConfig
     from hicache_storage.backends import ShmBackend
     sys.path.insert(0, args[1])
-    from tests.test_file_safety import NS
+    from tests.backends.test_file_safety import NS
     drop()
     b = ShmBackend(StorageConfig(namespace=NS), directory=args[0], group=4242)
     print(b.set("shared", b"\\x44" * 64), b.get("mine") is not None)
@@ -373,7 +372,7 @@ def test_group_mode_trusts_members_and_nobody_else(shm_dir: str, tmp_path: Path)
     nobody cannot add anything at all."""
     b = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, group=GROUP)
     assert b.set("mine", b"\x01" * 64)
-    repo = str(Path(__file__).parents[1])
+    repo = str(Path(__file__).parents[2])
     member = run_as(MEMBER, MEMBER, [GROUP], MEMBER_WRITER, shm_dir, repo)
     assert member.returncode == 0, member.stderr
     assert member.stdout.split() == ["True", "True"]  # the member writes and reads ours
@@ -432,7 +431,7 @@ FORMER_PREPARES = textwrap.dedent("""
     from hicache_storage.backends import ShmBackend
     from hicache_storage.keys import object_name
     sys.path.insert(0, args[2])
-    from tests.test_file_safety import NS, page_file_bytes
+    from tests.backends.test_file_safety import NS, page_file_bytes
     root, step = args[0], args[1]
     name = object_name(NS.digest, "victim-key", None)
     fan = os.path.join(root, name.namespace, name.fanout)
@@ -459,7 +458,7 @@ LISTED_READS = textwrap.dedent("""
     from hicache_storage.backends import ShmBackend
     from hicache_storage.errors import ConfigError
     sys.path.insert(0, args[1])
-    from tests.test_file_safety import NS
+    from tests.backends.test_file_safety import NS
     drop()
     try:
         b = ShmBackend(StorageConfig(namespace=NS), directory=args[0], group=4242)
@@ -481,7 +480,7 @@ def test_a_former_member_cannot_plant_pages_members_serve(
     group 4242) and a page; removed from the group, it can still create files there, which
     get group 4242. A current member must miss them all: the owner is no longer a member.
     A store root a former member owns is refused outright."""
-    repo = str(Path(__file__).parents[1])
+    repo = str(Path(__file__).parents[2])
     owner = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, group=GROUP)
     assert owner.set("from-root", b"ROOT" * 16)
     r = run_as(FORMER, FORMER, [GROUP], FORMER_PREPARES, shm_dir, "member", repo, wrap=with_user_db)
