@@ -1,4 +1,5 @@
-"""The ``file`` backend against a real filesystem: semantics, zero-copy, faults, capacity."""
+"""The ``file`` backend against a real filesystem: the conformance kit first (the same
+checks vendors run), then semantics, zero-copy, faults and capacity."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from hicache_storage import KVCacheNamespace, StorageConfig, page_hashes
+from hicache_storage import HiCacheStorage, KVCacheNamespace, StorageConfig, page_hashes
 from hicache_storage.backends import FileBackend
+from hicache_storage.conformance import BackendConformance, BackendSpec
 from hicache_storage.conformance.data import make_pool, pool_namespace, tree_files
 from hicache_storage.errors import ConfigError, InvalidKeyError
 from hicache_storage.layouts import LAYOUTS
@@ -32,6 +35,27 @@ from kvcontent import KEY_UNIVERSE, content, namespace, page_pool
 pytestmark = pytest.mark.file
 
 Factory = Callable[..., FileBackend]
+
+
+class TestFileConformance(BackendConformance):
+    @pytest.fixture
+    def backend_spec(self, tmp_path: Path) -> BackendSpec:
+        return BackendSpec("file", {"root": str(tmp_path / "store")})
+
+    @pytest.fixture
+    def break_store(
+        self, broken_directory: Callable[[HiCacheStorage], Any]
+    ) -> Callable[[HiCacheStorage], Any]:
+        return broken_directory
+
+
+class TestFileConformanceFsyncOneThread(TestFileConformance):
+    """The same checks with fsync on, a single I/O thread and a capacity limit."""
+
+    @pytest.fixture
+    def backend_spec(self, tmp_path: Path) -> BackendSpec:
+        opts = {"root": str(tmp_path / "store"), "fsync": True, "io_threads": 1, "max_size": "1GiB"}
+        return BackendSpec("file", opts)
 
 
 def stored_files(b: FileBackend) -> list[str]:

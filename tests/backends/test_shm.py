@@ -19,9 +19,13 @@ import torch
 from hicache_storage import HiCacheStorage, KVCacheNamespace, StorageConfig, page_hashes
 from hicache_storage.backends import ShmBackend
 from hicache_storage.conformance import BackendConformance, BackendSpec
-from hicache_storage.conformance.data import make_pool, pool_namespace, tree_files
+from hicache_storage.conformance.data import make_pool, tree_files
 from hicache_storage.errors import ConfigError
 from hicache_storage.storekit.header import HEADER_SIZE
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+
+from recycled_pages import HEAD, NS, SIZE, value_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -213,16 +217,6 @@ def test_another_process_reads_what_one_wrote(shm_dir: str) -> None:
 
 # ---------------------------------------------------------------- recycling when full
 
-HEAD = HEADER_SIZE  # the object header
-SIZE = 64 * 1024
-
-
-def value_of(i: int, size: int = SIZE) -> torch.Tensor:
-    """A value that names its key: the index in the first 8 bytes, then a fill byte."""
-    v = torch.full((size,), i % 251, dtype=torch.uint8)
-    v[:8] = torch.tensor([i], dtype=torch.int64).view(torch.uint8)
-    return v
-
 
 def full_store(shm_dir: str, objects: int, **opts: Any) -> ShmBackend:
     """A store capped at exactly ``objects`` values of SIZE, filled with keys k0.."""
@@ -232,11 +226,6 @@ def full_store(shm_dir: str, objects: int, **opts: Any) -> ShmBackend:
     for i in range(objects):
         assert b.set(f"k{i}", value_of(i))
     return b
-
-
-NS = pool_namespace(
-    make_pool(num_pages=1), tenant="shm-tests"
-)  # subprocesses import it: no per-run tenant
 
 
 def inode(b: ShmBackend, key: str) -> int:
@@ -330,19 +319,7 @@ def test_a_reader_that_opened_the_file_before_it_was_recycled_misses(
     reader.close()
 
 
-RECYCLER = textwrap.dedent("""
-    import sys, time, torch
-    sys.path.insert(0, sys.argv[2])
-    from tests.backends.test_shm import NS, SIZE, HEAD, value_of
-    from hicache_storage import StorageConfig
-    from hicache_storage.backends import ShmBackend
-    b = ShmBackend(StorageConfig(namespace=NS), directory=sys.argv[1], max_size=4 * (HEAD + SIZE))
-    i, end = 0, time.monotonic() + float(sys.argv[3])
-    while time.monotonic() < end:
-        assert b.set(f"k{i % 64}", value_of(i % 64)) or True
-        i += 1
-    print(i, b.get_stats().evictions)
-""")
+RECYCLER = Path(__file__).parents[1] / "workers" / "shm_recycler.py"
 
 
 def test_readers_never_see_another_keys_bytes_while_another_process_recycles(
@@ -354,7 +331,7 @@ def test_readers_never_see_another_keys_bytes_while_another_process_recycles(
     import threading
 
     proc = subprocess.Popen(
-        [sys.executable, "-c", RECYCLER, shm_dir, str(ROOT), "3"],
+        [sys.executable, str(RECYCLER), shm_dir, "3"],
         stdout=subprocess.PIPE,
         text=True,
     )
