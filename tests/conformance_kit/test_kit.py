@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,9 +69,12 @@ def test_assertion_messages_are_rewritten_for_vendors(tmp_path: Path) -> None:
 def vendor_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The vendor distribution, built and installed (as a wheel) into a private site dir."""
     site = tmp_path_factory.mktemp("vendor-site")
+    # Built from a copy: a build in the source tree leaves build/ and *.egg-info there.
+    src = tmp_path_factory.mktemp("vendor-src") / "vendor-backend"
+    shutil.copytree(VENDOR, src, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-         "--target", str(site), str(VENDOR)],
+         "--target", str(site), str(src)],
         check=True, capture_output=True,
     )  # fmt: skip
     return site
