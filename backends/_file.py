@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from typing_extensions import override
+
 from hicache_storage.errors import ConfigError
 from hicache_storage.protocol import Capabilities
 from hicache_storage.storekit.filestore import FileTreeOptions, FileTreeStore
@@ -30,6 +32,7 @@ class FileOptions(FileTreeOptions):
 
     root: str | None = None
 
+    @override
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.root is not None and not self.root:
@@ -43,6 +46,7 @@ class FileBackend(FileTreeStore):
     capabilities = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
     options_class = FileOptions
 
+    @override
     def _location(self, opts: Any) -> str:
         root: str | None = opts.root
         return root if root is not None else user_dir("/tmp", "hicache-storage")

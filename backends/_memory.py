@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from typing_extensions import override
+
 from hicache_storage.config import StorageConfig
 from hicache_storage.errors import ConfigError
 from hicache_storage.keys import ObjectName
@@ -60,10 +62,12 @@ class MemoryBackend(BlobStore[MemoryOptions]):
             self._lock, spaces = _STORES.setdefault(self.options.store, (threading.Lock(), {}))
             self._pages = spaces.setdefault(self.namespace.digest, {})
 
+    @override
     def _get_blobs(self, names: list[ObjectName]) -> Sequence[bytes | None]:
         with self._lock:
             return [self._pages.get(n.path) for n in names]
 
+    @override
     def _put_blobs_if_absent(self, names: list[ObjectName], blobs: list[Segments]) -> list[bool]:
         values = [b"".join(segments) for segments in blobs]  # the copy, outside the lock
         with self._lock:
@@ -71,14 +75,17 @@ class MemoryBackend(BlobStore[MemoryOptions]):
                 self._pages.setdefault(n.path, value)
         return [True] * len(names)
 
+    @override
     def _exists_blobs(self, names: list[ObjectName]) -> list[bool]:
         with self._lock:
             return [n.path in self._pages for n in names]
 
+    @override
     def _delete_blobs(self, names: list[ObjectName]) -> list[bool]:
         with self._lock:
             return [self._pages.pop(n.path, None) is not None for n in names]
 
+    @override
     def _clear_namespace(self) -> None:
         with self._lock:
             self._pages.clear()  # this namespace's pages: every name in it has the prefix

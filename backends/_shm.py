@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from typing_extensions import override
+
 from hicache_storage.config import StorageConfig
 from hicache_storage.errors import ConfigError
 from hicache_storage.protocol import Capabilities
@@ -62,6 +64,7 @@ class ShmOptions(FileTreeOptions):
     recycle: bool = True
     checksum: Literal["xxh3", "none"] = "none"
 
+    @override
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.directory is not None and not self.directory:
@@ -139,6 +142,7 @@ class ShmBackend(FileTreeStore):
             fstype,
         )
 
+    @override
     def _location(self, opts: Any) -> str:
         directory: str | None = opts.directory
         if directory is not None:
@@ -147,6 +151,7 @@ class ShmBackend(FileTreeStore):
             return f"/dev/shm/hicache-storage-g{self.group_id}"
         return user_dir("/dev/shm", "hicache-storage")
 
+    @override
     def _configure(self, opts: Any) -> None:
         self.recycle = bool(opts.recycle)
         if opts.group is not None:
@@ -154,6 +159,7 @@ class ShmBackend(FileTreeStore):
             self.file_mode = 0o640
             self.dir_mode = 0o2770
 
+    @override
     def _limits(self, opts: FileTreeOptions) -> tuple[int | None, int]:
         st = os.statvfs(self.root)
         total = st.f_blocks * st.f_frsize

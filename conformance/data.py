@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from hicache_storage import (
     HiCacheStorage,
     KVCacheNamespace,
@@ -106,6 +108,7 @@ class BackendSpec:
     def __post_init__(self) -> None:
         _secrets.register(self.options)
 
+    @override
     def __repr__(self) -> str:
         return (
             f"BackendSpec(name={self.name!r}, options={self.redacted_options()!r}, "

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from typing_extensions import override
 
 # Before the suite is imported anywhere: full assertion messages for vendors, with an
 # editable install as well as a wheel. (The package itself is already imported, being
@@ -103,6 +104,7 @@ class _ScrubbedRepr:
         for line in self._text.splitlines():
             tw.line(line)
 
+    @override
     def __str__(self) -> str:
         return self._text
 

@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from typing_extensions import override
+
 from hicache_storage.buffers import PageBuffer
 from hicache_storage.errors import BackendUnavailableError, InvalidArgumentError
 from hicache_storage.protocol import HiCacheStorage
@@ -49,6 +51,7 @@ class LatencyBackend(WrapperBackend):
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
 
+    @override
     def _before(self, op: str) -> None:
         with self._lock:
             extra = self._rng.uniform(0, self.jitter) if self.jitter else 0.0
@@ -102,6 +105,7 @@ class FaultyBackend(WrapperBackend):
     def _applies(self, op: str) -> bool:
         return self.ops is None or op in self.ops
 
+    @override
     def _before(self, op: str) -> None:
         if (
             self._applies(op)
@@ -128,10 +132,10 @@ class FaultyBackend(WrapperBackend):
                 results[i] = ok
         return results
 
+    @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
         return self._pages("batch_get_pages", keys, pages)
 
+    @override
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
         return self._pages("batch_set_pages", keys, pages)

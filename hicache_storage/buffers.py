@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from typing_extensions import override
+
 from hicache_storage.errors import HostIndicesError, InvalidTypeError
 
 if TYPE_CHECKING:
@@ -91,6 +93,7 @@ class PageBuffer:
         """Copy the page's bytes (for tests and debugging; not for the hot path)."""
         return b"".join(s.memoryview for s in self.segments)
 
+    @override
     def __repr__(self) -> str:
         return f"PageBuffer(segments={len(self.segments)}, nbytes={self.nbytes})"
 

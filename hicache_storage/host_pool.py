@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from hicache_storage.buffers import PageBuffer, Segment, memoryview_at
 from hicache_storage.errors import ConfigError, HostIndicesError, InvalidTypeError
@@ -293,6 +294,7 @@ class HostKVPool:
             "segments_per_page": self.segments_per_page,
         }
 
+    @override
     def __repr__(self) -> str:
         d = self.describe()
         return "HostKVPool(" + ", ".join(f"{k}={v}" for k, v in d.items()) + ")"

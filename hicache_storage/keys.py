@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from typing_extensions import override
+
 from hicache_storage.errors import (
     ConfigError,
     InvalidArgumentError,
@@ -394,6 +396,7 @@ class ObjectName:
         """The full relative name, ``namespace/fanout/leaf``."""
         return f"{self.namespace}/{self.fanout}/{self.leaf}"
 
+    @override
     def __str__(self) -> str:
         return self.path
 

@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
+from typing_extensions import override
+
 from hicache_storage._guard import ENGINE_OPS, InstanceState, active_calls, guard_class
 from hicache_storage._guard import overrides as _overrides
 from hicache_storage.buffers import (
@@ -230,6 +232,7 @@ class HiCacheStorage(abc.ABC):
         self.mem_pool_host: HostPool | None = None
         self._hicache_state()
 
+    @override
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         guard_class(cls)
@@ -547,6 +550,7 @@ class HiCacheStorage(abc.ABC):
     ) -> None:
         self.close()
 
+    @override
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(namespace={self.namespace.digest}, shard={self.config.shard})"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from typing_extensions import override
+
 from hicache_storage.buffers import PageBuffer
 from hicache_storage.protocol import HiCacheStorage
 
@@ -37,60 +39,60 @@ class WrapperBackend(HiCacheStorage):
     def _before(self, op: str) -> None:
         """Hook run before each forwarded operation."""
 
+    @override
     def get(self, key: str, target: Any = None) -> Any:
-        # docstring inherited
         self._before("get")
         return self.inner.get(key, target)
 
+    @override
     def set(self, key: str, value: Any) -> bool:
-        # docstring inherited
         self._before("set")
         return self.inner.set(key, value)
 
+    @override
     def exists(self, key: str) -> bool:
-        # docstring inherited
         self._before("exists")
         return self.inner.exists(key)
 
+    @override
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        # docstring inherited
         self._before("batch_exists")
         return self.inner.batch_exists(keys, extra_info)
 
+    @override
     def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
-        # docstring inherited
         self._before("batch_get")
         return self.inner.batch_get(keys, targets)
 
+    @override
     def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
-        # docstring inherited
         self._before("batch_set")
         return self.inner.batch_set(keys, values)
 
+    @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
         self._before("batch_get_pages")
         return self.inner.batch_get_pages(keys, pages)
 
+    @override
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
         self._before("batch_set_pages")
         return self.inner.batch_set_pages(keys, pages)
 
+    @override
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        # docstring inherited
         self.inner.register_mem_pool_host(mem_pool_host)
         self.mem_pool_host = mem_pool_host
 
+    @override
     def delete(self, key: str) -> bool:
-        # docstring inherited
         self._before("delete")
         return self.inner.delete(key)
 
+    @override
     def clear(self) -> None:
-        # docstring inherited
         self.inner.clear()
 
+    @override
     def close(self) -> None:
-        # docstring inherited
         self.inner.close()

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from typing_extensions import override
+
 from hicache_storage.backends._mmap.arena import (
     PAGE,
     SlotState,
@@ -344,6 +346,7 @@ class MmapBackend(HiCacheStorage):
             return self._arena
         return self._open_arena(max(nbytes, DEFAULT_SLOT), lazy=True)
 
+    @override
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Attach the host pool; the arena's slots must hold one of its pages.
 
@@ -774,31 +777,31 @@ class MmapBackend(HiCacheStorage):
 
     # ------------------------------------------------------------------ protocol
 
+    @override
     def get(self, key: str, target: Any = None) -> Any:
-        # docstring inherited
         with self._in_flight():
             return self._read(key, None if target is None else target_views(target), target)
 
+    @override
     def set(self, key: str, value: Any) -> bool:
-        # docstring inherited
         with self._in_flight():
             return self._write_many([(key, value, source_views(value))])[0]
 
+    @override
     def exists(self, key: str) -> bool:
-        # docstring inherited
         with self._in_flight():
             return self._find(self.object_name(key).path) is not None
 
+    @override
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        # docstring inherited
         with self._in_flight():
             for i, key in enumerate(keys):
                 if self._find(self.object_name(key).path) is None:
                     return i
             return len(keys)
 
+    @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         with self._in_flight():
@@ -809,15 +812,15 @@ class MmapBackend(HiCacheStorage):
                 self._io.map,
             )
 
+    @override
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         with self._in_flight():
             return self._write_many([(k, p, p.views) for k, p in zip(keys, pages, strict=True)])
 
+    @override
     def delete(self, key: str) -> bool:
-        # docstring inherited
         name = self.object_name(key).path
         with self._in_flight():
             if self._arena is None and not os.path.exists(self.path):
@@ -832,6 +835,7 @@ class MmapBackend(HiCacheStorage):
                 self._retire(arena, [entry.slot])
             return True
 
+    @override
     def clear(self) -> None:
         """Delete this namespace's objects (other namespaces in the arena stay)."""
         prefix = self.namespace.digest + "/"
@@ -846,8 +850,8 @@ class MmapBackend(HiCacheStorage):
                     self._log.append([(RecordKind.DEL, n, e) for n, e in mine])
                     self._retire(arena, [e.slot for _, e in mine])
 
+    @override
     def close(self) -> None:
-        # docstring inherited
         with self._gate:
             self._closing = True
             while self._inflight:
@@ -869,5 +873,6 @@ class MmapBackend(HiCacheStorage):
         self._log.catch_up()
         return {"slots": arena.nslots, "slot_size": arena.slot_size, "live": len(self._log.index)}
 
+    @override
     def __repr__(self) -> str:
         return f"MmapBackend(path={self.path!r}, namespace={self.namespace.digest}, shard={self.config.shard})"

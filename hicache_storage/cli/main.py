@@ -16,6 +16,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
+from typing_extensions import override
+
 from hicache_storage.config import REDACTED, is_secret_option, load_extra_config, redact_text
 from hicache_storage.errors import ConfigError, HiCacheStorageError
 from hicache_storage.layouts import LAYOUTS
@@ -30,6 +32,7 @@ _URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:([^@/\s]+)@")
 class _ArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (and exit status 2)."""
 
+    @override
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
 
@@ -81,6 +84,7 @@ class _RedactingFilter(logging.Filter):
         super().__init__()
         self.secrets: set[str] = set()
 
+    @override
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             message = record.getMessage()

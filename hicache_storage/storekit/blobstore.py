@@ -37,6 +37,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Literal, TypeAlias, TypeVar, cast
 
+from typing_extensions import override
+
 from hicache_storage.buffers import (
     PageBuffer,
     copy_into,
@@ -370,15 +372,15 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
     # ------------------------------------------------------------------ engine-facing
 
+    @override
     def get(self, key: str, target: Any = None) -> Any:
-        # docstring inherited
         name = self.object_name(key)
         views = None if target is None else target_views(target)
         (payload,) = self._fetch("get", [name])
         return None if payload is None else self._fill(payload, target, views)
 
+    @override
     def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
-        # docstring inherited
         if targets is not None and len(targets) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(targets)} targets")
         slots = list(targets) if targets is not None else [None] * len(keys)
@@ -389,8 +391,8 @@ class BlobStore(HiCacheStorage, Generic[O]):
             for p, t, v in zip(payloads, slots, views, strict=True)
         ]
 
+    @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         payloads = self._fetch("batch_get_pages", [self.object_name(k) for k in keys])
@@ -399,12 +401,12 @@ class BlobStore(HiCacheStorage, Generic[O]):
             for p, page in zip(payloads, pages, strict=True)
         ]
 
+    @override
     def set(self, key: str, value: Any) -> bool:
-        # docstring inherited
         return self._store("set", [self.object_name(key)], [source_views(value)])[0]
 
+    @override
     def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
-        # docstring inherited
         if values is None or len(values) != len(keys):
             raise InvalidArgumentError(
                 f"{len(keys)} keys but {0 if values is None else len(values)} values"
@@ -412,19 +414,21 @@ class BlobStore(HiCacheStorage, Generic[O]):
         views = [source_views(v) for v in values]
         return self._store("batch_set", [self.object_name(k) for k in keys], views)
 
+    @override
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         return self._store(
             "batch_set_pages", [self.object_name(k) for k in keys], [p.views for p in pages]
         )
 
+    @override
     def exists(self, key: str) -> bool:
         """True if ``key`` holds a value. The value is not read: one that is corrupt
         exists until a read finds it out (and removes it)."""
         return self._ask_exists("exists", [self.object_name(key)])[0]
 
+    @override
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """The number of leading keys present, asked in growing chunks (see
         :attr:`exists_chunk`); nothing past the first miss is asked about."""
@@ -439,8 +443,8 @@ class BlobStore(HiCacheStorage, Generic[O]):
             chunk *= 2
         return count
 
+    @override
     def delete(self, key: str) -> bool:
-        # docstring inherited
         name = self.object_name(key)
         with self._errors():
             got = self._delete_blobs([name])
@@ -449,7 +453,7 @@ class BlobStore(HiCacheStorage, Generic[O]):
             raise mapped_error(done, self.error_map)
         return bool(done)
 
+    @override
     def clear(self) -> None:
-        # docstring inherited
         with self._errors():
             self._clear_namespace()

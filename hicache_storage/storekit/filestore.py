@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
+from typing_extensions import override
+
 from hicache_storage.buffers import (
     PageBuffer,
     memoryview_at,
@@ -695,8 +697,8 @@ class FileTreeStore(HiCacheStorage):
         except OSError:
             pass  # another member's file (group sharing): not ours to touch
 
+    @override
     def get(self, key: str, target: Any = None) -> Any:
-        # docstring inherited
         views = None if target is None else target_views(target)
         out = self._read(self.object_name(key), views)
         if out is None:
@@ -716,8 +718,8 @@ class FileTreeStore(HiCacheStorage):
         names = [self.object_name(k) for k in keys]
         return self._map_pages(op, len(keys), lambda i: io(names[i], pages[i].views), self._io.map)
 
+    @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
         return self._each_page("batch_get_pages", keys, pages, self._read)
 
     # ------------------------------------------------------------------ writes
@@ -910,31 +912,31 @@ class FileTreeStore(HiCacheStorage):
                 )
         return published
 
+    @override
     def set(self, key: str, value: Any) -> bool:
-        # docstring inherited
         return self._write(self.object_name(key), source_views(value))
 
+    @override
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        # docstring inherited
         return self._each_page("batch_set_pages", keys, pages, self._write)
 
     # ------------------------------------------------------------------ existence, delete
 
+    @override
     def exists(self, key: str) -> bool:
-        # docstring inherited
         name = self.object_name(key)
         return self._exists(name, self._path(name))
 
+    @override
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        # docstring inherited
         for i, key in enumerate(keys):
             name = self.object_name(key)
             if not self._exists(name, self._path(name)):
                 return i
         return len(keys)
 
+    @override
     def delete(self, key: str) -> bool:
-        # docstring inherited
         name = self.object_name(key)
         path = self._path(name)
         # Forget before unlinking (see _quarantine): the accounting may briefly count a
@@ -951,6 +953,7 @@ class FileTreeStore(HiCacheStorage):
             raise from_os_error(exc, f"delete {path}") from exc
         return True
 
+    @override
     def clear(self) -> None:
         """Remove this namespace's directory (and only it); the backend stays usable."""
         trash = os.path.join(
@@ -972,8 +975,8 @@ class FileTreeStore(HiCacheStorage):
         if trash:
             shutil.rmtree(trash, ignore_errors=True)
 
+    @override
     def close(self) -> None:
-        # docstring inherited
         self._io.close()
 
     # ------------------------------------------------------------------ introspection
@@ -986,5 +989,6 @@ class FileTreeStore(HiCacheStorage):
             "objects": len(self._tracker),
         }
 
+    @override
     def __repr__(self) -> str:
         return f"{type(self).__name__}(root={self.root!r}, namespace={self.namespace.digest}, shard={self.config.shard})"
