@@ -89,9 +89,11 @@ def _group_id(group: object) -> int:
 
 
 def filesystem_type(path: str) -> str | None:
-    """The type of the filesystem that holds ``path`` (``tmpfs``, ``ext4``...), read from
-    ``/proc/self/mountinfo`` (the last mount on the longest matching mount point), or
-    None when it cannot be told."""
+    """The type of the filesystem that holds ``path`` (``tmpfs``, ``ext4``...), or None.
+
+    It is read from ``/proc/self/mountinfo`` (the last mount on the longest matching mount
+    point); None when it cannot be told.
+    """
     try:
         real = os.path.realpath(path)
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
@@ -127,9 +129,11 @@ class ShmBackend(FileTreeStore):
         self._warn_unless_in_memory()
 
     def _warn_unless_in_memory(self) -> None:
-        """Warn (once per directory and process) when ``directory`` is not on a tmpfs: it
-        works, but pages then go to a disk, and the defaults (half of the filesystem, a
-        tenth kept free) were meant for memory."""
+        """Warn, once per directory and process, when ``directory`` is not on a tmpfs.
+
+        The store works there too, but its pages then go to a disk, and the defaults (half of
+        the filesystem, a tenth kept free) were meant for memory.
+        """
         fstype = filesystem_type(self.root)
         if fstype is None or fstype in MEMORY_FILESYSTEMS or self.root in _warned_not_in_memory:
             return

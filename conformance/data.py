@@ -106,10 +106,12 @@ class BackendSpec:
     config_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Register the options' secrets, so that the kit's output never shows them."""
         _secrets.register(self.options)
 
     @override
     def __repr__(self) -> str:
+        """The spec with its options redacted."""
         return (
             f"BackendSpec(name={self.name!r}, options={self.redacted_options()!r}, "
             f"config_extra={self.config_extra!r})"
@@ -269,9 +271,12 @@ def run_worker(
 
 
 def _worker_env() -> dict[str, str]:
-    """This process's environment minus the kit's extra-config variable (the worker gets
-    the options on stdin; a backend's own ``HICACHE_STORAGE_<BACKEND>_<OPTION>`` variables
-    are kept, so it builds the same backend)."""
+    """This process's environment without the kit's extra-config variable.
+
+    The worker gets the options on stdin. A backend's own
+    ``HICACHE_STORAGE_<BACKEND>_<OPTION>`` variables are kept, so that the worker builds
+    the same backend.
+    """
     return {k: v for k, v in os.environ.items() if k != "HICACHE_STORAGE_BACKEND_EXTRA_CONFIG"}
 
 
@@ -287,9 +292,12 @@ def sentinel(nbytes: int) -> bytes:
 
 
 def make_target(kind: str, nbytes: int) -> tuple[Any, Callable[[], bytes]]:
-    """A read target of ``kind`` (see :data:`TARGET_KINDS`) of ``nbytes`` bytes, filled
-    with :func:`sentinel`, and a function that returns the bytes it now holds (for a
-    PageBuffer, its whole backing memory, the guards between its segments included)."""
+    """A read target of ``kind`` and ``nbytes`` bytes, and a function reading its bytes back.
+
+    The target (see :data:`TARGET_KINDS`) is filled with :func:`sentinel`; the function
+    returns the bytes it holds now (for a PageBuffer, its whole backing memory, the guards
+    between its segments included).
+    """
     import numpy as np
     import torch
 
@@ -336,8 +344,11 @@ def make_target(kind: str, nbytes: int) -> tuple[Any, Callable[[], bytes]]:
 
 
 def engine_key_forms(page_hash: str) -> list[str]:
-    """``page_hash`` and the keys engines and backends derive from it (suffixes for K/V
-    objects, side pools, ranks, models, the unified layer/head scheme)."""
+    """``page_hash`` and the keys that engines and backends derive from it.
+
+    The derived keys carry suffixes for K/V objects, side pools, ranks and models, or
+    follow the unified layer/head scheme.
+    """
     h = page_hash
     return [
         h,

@@ -67,7 +67,12 @@ def _short_message(report: pytest.TestReport) -> str:
 
 
 class ReportCollector:
-    """Collects conformance results during a pytest session and writes the report."""
+    """Collects conformance results during a pytest session and writes the report.
+
+    Args:
+        json_path: where :meth:`pytest_sessionfinish` writes the JSON report (None: none).
+        markdown_path: where it writes the Markdown report (None: none).
+    """
 
     def __init__(self, json_path: str | None, markdown_path: str | None) -> None:
         self.json_path = json_path
@@ -105,12 +110,17 @@ class ReportCollector:
     # -------------------------------------------------------------- pytest hooks
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        """Note the suite class of every collected conformance check."""
         for item in items:
             cls = getattr(item, "cls", None)
             if cls is not None and getattr(cls, "_hicache_conformance", False):
                 self._suites[item.nodeid] = cls.__name__
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Record the outcome, duration and metrics of one conformance check.
+
+        A failure is also matched to the rule its message names.
+        """
         suite = self._suites.get(report.nodeid)
         if suite is None:
             return
@@ -135,6 +145,7 @@ class ReportCollector:
             rec.statement = RULES.get(rec.rule, "")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Write the JSON and Markdown reports, scrubbed of this run's secrets."""
         if not self.records:
             return
         data = self.to_dict()

@@ -245,6 +245,7 @@ class BackendConformance:
         backend_spec: BackendSpec | None,
         request: pytest.FixtureRequest,
     ) -> Iterator[Kit]:
+        """The :class:`Kit` of this check; it cleans up the backends it made afterwards."""
         k = Kit(backend_factory, backend_spec, request)
         yield k
         k.cleanup()
@@ -268,6 +269,7 @@ class BackendConformance:
 
     @pytest.mark.parametrize("n", [0, 1, 2, 7])
     def test_result_shapes(self, kit: Kit, n: int) -> None:
+        """Batch calls give one result per key, of the right type, for 0, 1, 2 and 7 keys."""
         b = kit.backend()
         keys = unique_keys(n)
         values = [content(k, 96) for k in keys]
@@ -306,6 +308,7 @@ class BackendConformance:
 
     @pytest.mark.parametrize("n", [0, 1, 3])
     def test_v1_result_length(self, kit: Kit, n: int) -> None:
+        """``batch_set_v1`` and ``batch_get_v1`` give one bool per page, for 0 pages too."""
         b, pool = kit.pool_backend()
         keys = unique_keys(n)
         idx = torch.arange(n * pool.page_size)
@@ -322,6 +325,7 @@ class BackendConformance:
     # ------------------------------------------------------------------ semantics
 
     def test_read_your_writes(self, kit: Kit) -> None:
+        """A stored value reads back at once; ``get`` into a tensor returns that tensor."""
         b = kit.backend()
         (k,) = unique_keys(1)
         assert b.set(k, content(k, 4096)) is True, rule("set", "set of a new key must return True")
@@ -334,6 +338,7 @@ class BackendConformance:
         assert as_bytes(t) == content(k, 4096)
 
     def test_get_missing_leaves_target_untouched(self, kit: Kit) -> None:
+        """A miss returns None and writes nothing into the target, for every target kind."""
         b = kit.backend()
         keys = unique_keys(len(TARGET_KINDS))
         made = [(kind, *make_target(kind, 4096)) for kind in TARGET_KINDS]
@@ -362,6 +367,7 @@ class BackendConformance:
 
     @pytest.mark.parametrize("delta", [-1, 1, 4096])
     def test_get_size_mismatch_never_fills(self, kit: Kit, delta: int) -> None:
+        """A target of the wrong size gets None and not a byte (no partial fill)."""
         b = kit.backend()
         keys = unique_keys(len(TARGET_KINDS))
         size = 8192
@@ -381,6 +387,7 @@ class BackendConformance:
             )
 
     def test_set_existing_is_a_no_op(self, kit: Kit) -> None:
+        """``set`` of an existing key returns True and keeps the first value."""
         b = kit.backend()
         (k,) = unique_keys(1)
         first, second = content(k, 1000), content(k + "x", 1000)
@@ -394,6 +401,7 @@ class BackendConformance:
         )
 
     def test_batch_exists_counts_the_leading_run(self, kit: Kit) -> None:
+        """``batch_exists`` counts the keys present before the first miss."""
         b = kit.backend()
         keys = unique_keys(6)
         b.batch_set([keys[i] for i in (0, 1, 3, 4)], [b"v"] * 4)
@@ -408,6 +416,7 @@ class BackendConformance:
         assert b.batch_exists([keys[0], keys[1]]) == 2
 
     def test_a_miss_is_not_an_error(self, kit: Kit) -> None:
+        """Misses, single or batched, are not counted as store errors."""
         b, pool = kit.pool_backend()
         keys = unique_keys(3)
         b.get_stats(reset=True)
@@ -424,6 +433,7 @@ class BackendConformance:
 
     @requires("delete")
     def test_delete(self, kit: Kit) -> None:
+        """``delete`` is True for a stored key, False for a missing one; the key can be reused."""
         b = kit.backend()
         (k,) = unique_keys(1)
         b.set(k, b"value")
@@ -438,6 +448,7 @@ class BackendConformance:
 
     @requires("delete")
     def test_clear_removes_only_its_namespace(self, kit: Kit) -> None:
+        """``clear`` empties its namespace, for every instance on it, and no other namespace."""
         mine = kit.backend(make_namespace("-a"))
         twin = kit.backend(make_namespace("-a"))  # another instance on the same namespace
         other = kit.backend(make_namespace("-b"))
@@ -459,6 +470,7 @@ class BackendConformance:
         )
 
     def test_close_is_idempotent(self, kit: Kit) -> None:
+        """A second ``close`` is harmless, and calls after ``close`` give failure shapes."""
         b = kit.backend()
         (k,) = unique_keys(1)
         b.set(k, b"v")
@@ -469,6 +481,7 @@ class BackendConformance:
         )
 
     def test_stats_are_well_formed(self, kit: Kit) -> None:
+        """``get_stats`` returns a StorageStats with the right counters, and resets them."""
         b = kit.backend()
         keys = unique_keys(2)
         b.get_stats(reset=True)
@@ -486,6 +499,7 @@ class BackendConformance:
     @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_v1_round_trip(self, kit: Kit, layout: str, mla: bool) -> None:
+        """Pages stored by ``batch_set_v1`` read back byte for byte, in each claimed layout."""
         caps = kit.capabilities
         if layout not in caps.layouts or (mla and not caps.mla):
             pytest.skip(f"not claimed: layout {layout}{' MLA' if mla else ''}")
@@ -511,6 +525,7 @@ class BackendConformance:
 
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_v1_reads_stay_inside_the_pages(self, kit: Kit, layout: str) -> None:
+        """``batch_get_v1`` writes into the destination pages of the host pool only."""
         if layout not in kit.capabilities.layouts:
             pytest.skip(f"not claimed: layout {layout}")
         b, pool = kit.pool_backend(layout)
@@ -534,6 +549,7 @@ class BackendConformance:
 
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_v1_misses_leave_pages_untouched(self, kit: Kit, layout: str) -> None:
+        """Missing and wrong-size pages are misses that write nothing into the host pool."""
         caps = kit.capabilities
         if layout not in caps.layouts:
             pytest.skip(f"not claimed: layout {layout}")
@@ -573,6 +589,7 @@ class BackendConformance:
             )
 
     def test_v1_and_legacy_paths_agree(self, kit: Kit) -> None:
+        """A page stored by ``batch_set_v1`` reads back with ``get``, and the reverse."""
         b, pool = kit.pool_backend()
         ps = pool.page_size
         k1, k2 = unique_keys(2)
@@ -591,6 +608,7 @@ class BackendConformance:
         )
 
     def test_v1_bad_host_indices_fail_every_page(self, kit: Kit) -> None:
+        """Misaligned or wrong-count host indices fail every page and store nothing."""
         b, pool = kit.pool_backend()
         ps = pool.page_size
         keys = unique_keys(2)
@@ -607,6 +625,7 @@ class BackendConformance:
         assert b.batch_exists(keys) == 0, rule("v1-bad-indices", "a rejected batch stored pages")
 
     def test_v1_before_register_fails_every_page(self, kit: Kit) -> None:
+        """Zero-copy calls fail every page until a host pool is registered."""
         b = kit.backend()
         r = b.batch_set_v1(unique_keys(2), torch.arange(8))
         assert r == [False, False], rule(
@@ -615,6 +634,7 @@ class BackendConformance:
 
     @requires("zero_copy")
     def test_zero_copy_path_is_native(self, kit: Kit) -> None:
+        """A backend that claims ``zero_copy`` implements the page batch methods itself."""
         cls = type(kit.backend())
         for op in ("batch_get_pages", "batch_set_pages"):
             assert cls.overrides(op), rule(
@@ -624,10 +644,12 @@ class BackendConformance:
     # ------------------------------------------------------------------ the engine's shapes
 
     def test_engine_batches(self, kit: Kit) -> None:
-        """The engine's generic path: 128 pages per call (its storage batch; 127 written,
-        not a power of two), pages as bfloat16 views of the host pool (strided or
-        flattened), chained 64-hex keys, reads into bfloat16 staging pages, and a miss
-        after position 64."""
+        """The engine's generic path, 128 pages per call (its storage batch).
+
+        127 of them are written (not a power of two), as bfloat16 views of the host pool
+        (strided or flattened) under chained 64-hex keys; reads go into bfloat16 staging
+        pages, and the one miss is after position 64.
+        """
         n = 128
         b = kit.backend()
         L, ps, H, D = POOL_SHAPE_5D
@@ -665,9 +687,11 @@ class BackendConformance:
     @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_engine_batches_v1(self, kit: Kit, layout: str, mla: bool) -> None:
-        """Zero-copy batches of the engine's size (128 pages) with an engine-like page:
-        61 layers (122 segments per MHA layer_first page), scattered host pages, a miss
-        after position 64."""
+        """Zero-copy batches of the engine's size (128 pages) with an engine-like page.
+
+        The page has 61 layers (122 segments per MHA layer_first page), the host pages are
+        scattered, and the one miss is after position 64.
+        """
         caps = kit.capabilities
         if layout not in caps.layouts or (mla and not caps.mla):
             pytest.skip(f"not claimed: layout {layout}{' MLA' if mla else ''}")
@@ -732,9 +756,11 @@ class BackendConformance:
         )
 
     def test_engine_key_forms(self, kit: Kit) -> None:
-        """Keys as engines and backends derive them from page hashes: ``_k``/``_v`` and
-        ``-k``/``-v`` objects, ``.<pool>`` side pools, rank and model suffixes, the
-        unified ``_L<a>-<b>_H<g>`` scheme. Each is its own object."""
+        """Each key form that engines and backends derive from a page hash is its own object.
+
+        The forms: ``_k``/``_v`` and ``-k``/``-v`` objects, ``.<pool>`` side pools, rank and
+        model suffixes, the unified ``_L<a>-<b>_H<g>`` scheme.
+        """
         b = kit.backend()
         forms = [k for h in unique_keys(2) for k in engine_key_forms(h)]
         with shape_rule("exact-length"):
@@ -770,6 +796,7 @@ class BackendConformance:
         ids=["dtype", "model", "layout", "page_size", "tenant"],
     )
     def test_namespaces_do_not_share_pages(self, kit: Kit, change: dict[str, Any]) -> None:
+        """Namespaces that differ in one field neither see nor overwrite each other's pages."""
         a = kit.backend(make_namespace())
         b = kit.backend(make_namespace(**change))
         (k,) = unique_keys(1)
@@ -789,6 +816,7 @@ class BackendConformance:
     # ------------------------------------------------------------------ atomic publication
 
     def test_concurrent_reader_never_sees_a_partial_value(self, kit: Kit) -> None:
+        """A reader racing a writer sees each value whole or not at all."""
         writer, reader = kit.backend(), kit.backend()
         size = min(4 * 2**20, kit.capabilities.max_object_bytes or 4 * 2**20)
         keys = unique_keys(6)
@@ -822,6 +850,7 @@ class BackendConformance:
 
     @requires("persistent")
     def test_killed_writers_leave_no_wrong_object(self, kit: Kit) -> None:
+        """Writer processes killed mid-write leave each object whole or absent, never wrong."""
         spec = self._need_spec(kit)
         ns = make_namespace("-crash")
         size = min(2**20, kit.capabilities.max_object_bytes or 2**20)
@@ -888,6 +917,7 @@ class BackendConformance:
 
     @requires("persistent")
     def test_reopened_backend_sees_committed_pages(self, kit: Kit) -> None:
+        """A backend reopened on a namespace returns what an earlier instance committed."""
         ns = make_namespace("-reopen")
         first = kit.backend(ns)
         keys = unique_keys(4)
@@ -901,6 +931,7 @@ class BackendConformance:
     # ------------------------------------------------------------------ concurrency
 
     def test_prefetch_and_backup_threads_on_one_instance(self, kit: Kit) -> None:
+        """A prefetch thread and a backup thread on one instance see only correct pages."""
         b, pool = kit.pool_backend(num_pages=32)
         ps = pool.page_size
         keys = unique_keys(16)
@@ -946,6 +977,7 @@ class BackendConformance:
 
     @requires("shared")
     def test_processes_writing_the_same_keys(self, kit: Kit) -> None:
+        """Processes writing the same keys at once all succeed and leave the right values."""
         spec = self._need_spec(kit)
         ns = make_namespace("-procs")
         keys = unique_keys(16)
@@ -971,6 +1003,7 @@ class BackendConformance:
     # ------------------------------------------------------------------ robustness
 
     def test_hostile_keys_raise_typed_errors(self, kit: Kit) -> None:
+        """Invalid keys raise InvalidKeyError (non-strings InvalidArgumentError) everywhere."""
         b, pool = kit.pool_backend()
         ps = pool.page_size
         calls: list[Callable[[str], Any]] = [
@@ -990,6 +1023,7 @@ class BackendConformance:
                 b.set(bad, b"v")  # type: ignore[arg-type]
 
     def test_zero_length_value(self, kit: Kit) -> None:
+        """An empty value either reads back empty or is refused and absent."""
         b = kit.backend()
         (k,) = unique_keys(1)
         if b.set(k, b""):
@@ -1001,6 +1035,7 @@ class BackendConformance:
             assert not b.exists(k), rule("zero-length", "a refused empty value exists")
 
     def test_large_value(self, kit: Kit) -> None:
+        """A 32 MiB value (or the claimed maximum) round-trips; one over a claimed maximum fails."""
         b = kit.backend()
         (k,) = unique_keys(1)
         size = min(32 * 2**20, kit.capabilities.max_object_bytes or 32 * 2**20)
@@ -1016,6 +1051,7 @@ class BackendConformance:
             assert not b.exists(k2), rule("large-value", "a value over max_object_bytes was stored")
 
     def test_wrong_value_types(self, kit: Kit) -> None:
+        """Values of unsupported types are refused and not stored; uneven batches raise."""
         b = kit.backend()
         (k,) = unique_keys(1)
         for bad in (object(), None, 3.5):
@@ -1031,6 +1067,7 @@ class BackendConformance:
     # ------------------------------------------------------------------ faults
 
     def test_injected_failures_give_failure_shapes(self, kit: Kit) -> None:
+        """Injected faults give failure shapes and are counted; a page reported stored is there."""
         b, pool = kit.pool_backend()
         ps = pool.page_size
         keys = unique_keys(4)
@@ -1072,6 +1109,10 @@ class BackendConformance:
     def test_store_failure_gives_failure_shapes(
         self, kit: Kit, break_store: BreakStore | None
     ) -> None:
+        """Calls on a broken store give failure shapes and write nothing; the backend recovers.
+
+        The store is broken with the ``break_store`` fixture (skipped when it is not given).
+        """
         if break_store is None:
             pytest.skip("not claimed: store fault hook (override the break_store fixture)")
         b, pool = kit.pool_backend()
@@ -1117,6 +1158,7 @@ class BackendConformance:
         )
 
     def test_latency_wrapper_keeps_results(self, kit: Kit) -> None:
+        """A LatencyBackend around the backend changes no result and no capability."""
         b = kit.backend()
         slow = LatencyBackend(b, latency=0.001, jitter=0.002, seed=3)
         keys = unique_keys(3)
@@ -1127,6 +1169,7 @@ class BackendConformance:
     # ------------------------------------------------------------------ performance
 
     def test_performance_qualification(self, kit: Kit, request: pytest.FixtureRequest) -> None:
+        """Time a 32-page zero-copy write, check and read, record the throughput, verify bytes."""
         layout = (
             "page_first"
             if "page_first" in kit.capabilities.layouts

@@ -93,9 +93,12 @@ def secret(default: Any = None) -> Any:
 
 
 def is_secret_option(name: str, options_class: type | None = None) -> bool:
-    """True if option ``name`` holds a secret: its name says so (a part of it is
-    ``password``, ``secret``, ``token``, ``key``, ``credentials``...), or the backend's
-    options class marks the field with :func:`secret`."""
+    """True if option ``name`` holds a secret.
+
+    It does when its name says so (a part of it is ``password``, ``secret``, ``token``,
+    ``key``, ``credentials``...) or when the backend's options class marks the field with
+    :func:`secret`.
+    """
     spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name)  # camelCase: apiKey, accessKeyId
     parts = re.split(r"[_\-.\s]+", spaced.lower())
     if any(p in _SECRET_WORDS for p in parts):
@@ -108,8 +111,11 @@ def is_secret_option(name: str, options_class: type | None = None) -> bool:
 
 
 def redact_text(text: str) -> str:
-    """``text`` with the password of every ``scheme://user:password@`` URL, and every
-    secret query parameter (``?password=``, ``&token=``...), redacted."""
+    """``text`` with URL passwords and secret query parameters redacted.
+
+    The password of every ``scheme://user:password@`` URL is redacted, and so is the value
+    of every secret query parameter (``?password=``, ``&token=``...).
+    """
     text = _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED, text)
     return _QUERY_SECRET.sub(lambda m: m.group("head") + REDACTED, text)
 
@@ -127,9 +133,11 @@ def _redact_value(value: Any) -> Any:
 def redact_options(
     options: Mapping[str, Any] | None, options_class: type | None = None
 ) -> dict[str, Any]:
-    """A copy of ``options`` safe to print, log or report: secret options (see
-    :func:`is_secret_option`) become :data:`REDACTED`, URL passwords are cut out, nested
-    mappings are redacted the same way."""
+    """A copy of ``options`` that is safe to print, log or report.
+
+    Secret options (see :func:`is_secret_option`) become :data:`REDACTED`, URL passwords
+    are cut out, and nested mappings are redacted the same way.
+    """
     out: dict[str, Any] = {}
     for name, value in (options or {}).items():
         if is_secret_option(str(name), options_class) and value is not None:
@@ -238,6 +246,7 @@ class StorageConfig:
     extra_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Check the namespace and the ranks, and copy ``extra_config`` into a plain dict."""
         if not isinstance(self.namespace, KVCacheNamespace):
             raise ConfigError(
                 f"namespace must be a KVCacheNamespace, got {type(self.namespace).__name__}"
@@ -465,8 +474,11 @@ def secret_values(options: Mapping[str, Any], options_class: type | None = None)
 
 
 def scrub(text: str, secrets: Sequence[str] = ()) -> str:
-    """``text`` without URL passwords and without any of ``secrets`` (values of 4
-    characters or more; shorter ones would garble the text and are redacted by name)."""
+    """``text`` without URL passwords and without any of ``secrets``.
+
+    Only secret values of 4 characters or more are cut out; shorter ones would garble the
+    text (they are redacted by name).
+    """
     text = redact_text(text)
     for value in sorted(set(secrets), key=len, reverse=True):
         if len(value) >= 4:
@@ -475,8 +487,11 @@ def scrub(text: str, secrets: Sequence[str] = ()) -> str:
 
 
 def _redact_repr(cls: type) -> None:
-    """Give an options dataclass a ``repr`` that shows secret fields redacted and URL
-    passwords cut out (its generated one would print them), once per class."""
+    """Give an options dataclass a ``repr`` that hides its secrets, once per class.
+
+    Secret fields are shown redacted and URL passwords cut out, where the generated
+    ``repr`` would print them.
+    """
     if cls.__dict__.get("_hicache_redacting_repr"):
         return
     fields = [f for f in dataclasses.fields(cls) if f.repr or is_secret_option(f.name, cls)]

@@ -189,6 +189,7 @@ class KVCacheNamespace:
     _digest: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        """Normalize ``dtype``, check every field and compute the namespace digest."""
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if not isinstance(self.model_id, str) or not self.model_id.strip():
             raise ConfigError("model_id must be a non-empty string (it would merge models)")

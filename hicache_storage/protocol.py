@@ -111,12 +111,15 @@ class SDKHostPool(Protocol):
     """
 
     @property
-    def page_size(self) -> int: ...
+    def page_size(self) -> int:
+        """Tokens per page."""
 
     @property
-    def layout(self) -> str: ...
+    def layout(self) -> str:
+        """The pool's layout, one of :data:`~hicache_storage.layouts.LAYOUTS`."""
 
-    def page_buffers(self, indices: HostIndices, expected_pages: int) -> list[PageBuffer]: ...
+    def page_buffers(self, indices: HostIndices, expected_pages: int) -> list[PageBuffer]:
+        """One :class:`PageBuffer` per page of ``indices`` (``expected_pages`` of them)."""
 
 
 @runtime_checkable
@@ -129,9 +132,11 @@ class EngineHostPool(Protocol):
     """
 
     @property
-    def page_size(self) -> int: ...
+    def page_size(self) -> int:
+        """Tokens per page."""
 
-    def get_page_buffer_meta(self, indices: HostIndices) -> tuple[Sequence[int], Sequence[int]]: ...
+    def get_page_buffer_meta(self, indices: HostIndices) -> tuple[Sequence[int], Sequence[int]]:
+        """Address and byte length of every segment of every page of ``indices``."""
 
 
 #: What ``register_mem_pool_host`` accepts. Either shape may also expose ``dtype``,
@@ -260,9 +265,11 @@ class HiCacheStorage(abc.ABC):
         return self._hicache_state().closed
 
     def _log_failure(self, op: str, exc: BaseException) -> None:
-        """Log a failure (rate limited). The message and, for unexpected exceptions, the
-        traceback are scrubbed of this backend's secret option values and URL passwords:
-        a client's error may quote them."""
+        """Log a failure of operation ``op`` (rate limited), scrubbed of secrets.
+
+        The message and, for unexpected exceptions, the traceback are scrubbed of this
+        backend's secret option values and URL passwords: a client's error may quote them.
+        """
         unexpected = not isinstance(exc, (BackendError, OSError, TimeoutError, ConnectionError))
         secrets = self._secret_values()
         text = scrub(str(exc), secrets)
@@ -540,6 +547,7 @@ class HiCacheStorage(abc.ABC):
         """Release resources. Idempotent; afterwards every call returns its failure shape."""
 
     def __enter__(self: _B) -> _B:
+        """Use the backend as a context manager; it is closed on exit."""
         return self
 
     def __exit__(
@@ -548,6 +556,7 @@ class HiCacheStorage(abc.ABC):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Close the backend."""
         self.close()
 
     @override

@@ -39,8 +39,10 @@ class RateLimitedLog:
         exc_info: bool = False,
         level: int = logging.WARNING,
     ) -> bool:
-        """Log ``msg % args`` at ``level`` unless ``key`` was logged less than ``interval``
-        seconds ago; return True if it was logged."""
+        """Log ``msg % args`` at ``level`` unless ``key`` was logged within ``interval`` seconds.
+
+        Returns True if the message was logged.
+        """
         now = time.monotonic()
         with self._lock:
             last = self._last.get(key)

@@ -101,9 +101,11 @@ def _new_generation(old: int) -> int:
 
 
 def _link_or_open(tmp: str, fd: int, path: str) -> int:
-    """Publish the complete temporary ``tmp`` (open as ``fd``) as ``path``, first creator
-    wins. Returns the descriptor to use: ``fd``, or, when another process won the race,
-    one of the file it put there (``fd`` is then closed)."""
+    """Publish the complete temporary ``tmp`` (open as ``fd``) as ``path``; first creator wins.
+
+    Returns the descriptor to use: ``fd``, or, when another process won the race, one of
+    the file that process put there (``fd`` is then closed).
+    """
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -239,11 +241,11 @@ class _Arena:
         self.map.flush(aligned, _round_up(start + length - aligned, mmap.PAGESIZE))
 
     def flush(self, slot: int, length: int) -> None:
-        """msync a slot's data."""
+        """Flush a slot's data to the file (``msync``)."""
         self._flush_range(self.data_off + slot * self.slot_size, max(length, 1))
 
     def flush_row(self, slot: int) -> None:
-        """msync a slot's table row."""
+        """Flush a slot's table row to the file (``msync``)."""
         self._flush_range(self.table_off + slot * self.row_size, self.row_size)
 
     def close(self) -> None:

@@ -1,5 +1,4 @@
-"""The ``mmap`` backend itself: its options, and the backend built on the arena and its
-index log.
+"""The ``mmap`` backend: its options, and the backend built on the arena and its index log.
 
 The pieces of :class:`MmapBackend`, in the order of the class: the lifecycle gate (no
 call outlives ``close()``, none runs after ``fork()``), opening the arena and its log,
@@ -117,9 +116,11 @@ _FLOCK = struct.Struct("hhqqi4x")
 
 
 def _check_directory(directory: str) -> None:
-    """The arena's directory: created if missing (0700); if it exists, a real directory
-    owned by the user or root that no other user can replace files in (not writable by
-    group or others, unless sticky like ``/tmp``)."""
+    """Create the arena's directory if it is missing (0700), or vet the existing one.
+
+    An existing directory must be a real directory owned by the user or root that no other
+    user can replace files in: not writable by group or others, unless sticky like ``/tmp``.
+    """
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         st = os.lstat(directory)
@@ -140,8 +141,11 @@ def _check_directory(directory: str) -> None:
 
 
 def _pool_page_bytes(pool: Any) -> int:
-    """Bytes of one page of a host pool (ours: ``page_bytes``; SGLang's: from the
-    buffer metadata of its first page), or 0 if it cannot be told."""
+    """Bytes of one page of a host pool, or 0 if that cannot be told.
+
+    Our pools say it (``page_bytes``); for SGLang's it comes from the buffer metadata of
+    their first page.
+    """
     nbytes = getattr(pool, "page_bytes", None)
     if nbytes:
         return int(nbytes)
@@ -373,8 +377,10 @@ class MmapBackend(HiCacheStorage):
 
     @contextmanager
     def _writer_lock(self, arena: _Arena | None = None) -> Iterator[None]:
-        """Writers of this process one at a time, then writers of all processes (a
-        ``flock`` on the arena file)."""
+        """Hold the writer lock: one writer of this process at a time, then one of all processes.
+
+        The cross-process part is a ``flock`` on the arena file.
+        """
         arena = arena or self._arena
         if arena is None:
             raise BackendError("the mmap arena is not open")
@@ -473,9 +479,11 @@ class MmapBackend(HiCacheStorage):
         self._free_hint = hint
 
     def _resting(self, arena: _Arena) -> Any:
-        """Mask of retired slots still resting. A rest that would end in the future by
-        more than ``reuse_delay`` (the clock stepped back) is over: it must not keep a
-        slot out of use for as long as the clock is behind."""
+        """Mask of the retired slots that are still resting.
+
+        A rest that would end more than ``reuse_delay`` in the future (the clock stepped back)
+        is over: it must not keep a slot out of use for as long as the clock is behind.
+        """
         now = time.time()
         since = arena.slots["since"]
         return (
@@ -492,8 +500,10 @@ class MmapBackend(HiCacheStorage):
         return int(_FLOCK.unpack(got)[0]) != fcntl.F_UNLCK
 
     def _busy(self, arena: _Arena) -> int:
-        """Slots being written by live writers (this instance's, or locked elsewhere); a
-        dead writer's slot is not busy: it is reclaimed as an orphan."""
+        """Count the slots that live writers are filling (this instance's, or locked elsewhere).
+
+        A dead writer's slot is not busy: it is reclaimed as an orphan.
+        """
         import numpy as np
 
         slots = arena.slots
@@ -506,8 +516,10 @@ class MmapBackend(HiCacheStorage):
     def _reserve_slot(
         self, arena: _Arena, keep: frozenset[int] = frozenset()
     ) -> tuple[int, int] | None:
-        """A free slot for a new object (writer lock held): (slot, new generation), or
-        None when none is usable now (the caller decides what to evict)."""
+        """A free slot for a new object as ``(slot, new generation)``, or None (writer lock held).
+
+        None means that no slot is usable now; the caller decides what to evict.
+        """
         slots = arena.slots
         refilled = False
         while True:
@@ -592,8 +604,7 @@ class MmapBackend(HiCacheStorage):
     def _reserve_all(
         self, arena: _Arena, names: list[str], pending: list[int], results: list[bool]
     ) -> dict[int, tuple[int, int]]:
-        """Reserve a slot per pending item (distinct names); items already stored count
-        as done.
+        """Reserve a slot per pending item (distinct names); items already stored count as done.
 
         A batch never asks for more slots than the arena can give it (all slots but those
         live writers are filling, and those of keys it found stored): the items beyond
@@ -654,8 +665,10 @@ class MmapBackend(HiCacheStorage):
         return slots
 
     def _write_many(self, items: Sequence[tuple[str, Any, list[memoryview]]]) -> list[bool]:
-        """Store ``(key, value, views)`` items: reserve slots for all under one lock, copy
-        them in parallel without the lock, then publish all with one log append.
+        """Store ``(key, value, views)`` items; one result per item.
+
+        Slots for all the items are reserved under one lock, the copies run in parallel
+        without it, and everything is published with one log append.
 
         A failure that hits the whole call (arena, log, no slot in time) raises.
         """

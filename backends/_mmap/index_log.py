@@ -72,8 +72,7 @@ class RecordKind(IntEnum):
 
 @dataclass
 class _Entry:
-    """Where a live object is: its slot and the slot's generation, with its length and
-    payload checksum."""
+    """Where a live object is: slot, slot generation, length and payload checksum."""
 
     slot: int
     generation: int
@@ -262,8 +261,11 @@ class IndexLog:
         self._on_reload()
 
     def _create(self, arena: _Arena) -> int:
-        """Create the log of ``arena`` (header only) under a temporary name and link it
-        into place; if another process won, open theirs. Returns an open descriptor."""
+        """Create the log of ``arena``, or open the one another process created first.
+
+        The new log (header only) is written under a temporary name and linked into place.
+        Returns an open descriptor.
+        """
         tmp = temp_path(os.path.dirname(self.path))
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -279,8 +281,11 @@ class IndexLog:
         return fd
 
     def _replace(self, records: list[Record]) -> None:
-        """Write a new log for this arena holding ``records`` and rename it over the old
-        one (writer lock held); other processes notice the new inode and reload."""
+        """Replace this arena's log by a new one holding ``records`` (writer lock held).
+
+        The new log is renamed over the old one; other processes notice the new inode and
+        reload.
+        """
         arena = self.arena
         assert arena is not None
         tmp = temp_path(os.path.dirname(self.path))

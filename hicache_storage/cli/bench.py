@@ -53,6 +53,7 @@ class BenchShape:
     mla: bool = False
 
     def __post_init__(self) -> None:
+        """Check every field and normalize ``dtype``; :class:`ConfigError` for a bad value."""
         for name in ("pages", "batch", "page_size", "layer_num", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -144,8 +145,12 @@ def _gib(n: int) -> str:
 
 
 def dtype_name(dtype: object) -> str:
-    """The torch dtype name of ``dtype`` (``"bfloat16"``, ``"torch.half"``, ``torch.float8_e4m3fn``)
-    as a canonical name; :class:`ConfigError` if it is not a dtype a KV pool can hold."""
+    """The canonical torch dtype name of ``dtype``.
+
+    ``dtype`` may be a name (``"bfloat16"``, ``"torch.half"``) or a dtype
+    (``torch.float8_e4m3fn``). Raises :class:`ConfigError` if it is not a dtype that a KV
+    pool can hold.
+    """
     text = str(dtype).strip().removeprefix("torch.")
     obj = getattr(torch, text, None) if text and not text.startswith("_") else None
     if not isinstance(obj, torch.dtype):
@@ -201,8 +206,11 @@ def namespace_for(shape: BenchShape, tenant: str) -> KVCacheNamespace:
 
 
 def build_backend(name: str, ns: KVCacheNamespace, options: dict[str, Any]) -> HiCacheStorage:
-    """Build backend ``name``; whatever its constructor raises becomes one
-    :class:`HiCacheStorageError` (the message is the caller's to redact)."""
+    """Build backend ``name`` in namespace ``ns`` with ``options``.
+
+    Whatever its constructor raises becomes one :class:`HiCacheStorageError` (the message
+    is the caller's to redact).
+    """
     try:
         return create_backend(name, StorageConfig(namespace=ns), **options)
     except HiCacheStorageError:
@@ -270,8 +278,10 @@ def run_bench(
     keep: bool = False,
     backend: HiCacheStorage | None = None,
 ) -> dict[str, Any]:
-    """Write ``shape.pages`` pages with ``batch_set_v1``, check them with ``batch_exists``,
-    read them back with ``batch_get_v1`` into other host pages, and verify every byte.
+    """Write ``shape.pages`` pages, check them, read them back and verify every byte.
+
+    The pages are written with ``batch_set_v1``, checked with ``batch_exists`` and read
+    back with ``batch_get_v1`` into other host pages.
 
     Everything that can be refused (the shape, the memory it needs, the backend and its
     options, the pool) is checked before the first page is written; the report's

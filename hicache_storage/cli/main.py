@@ -201,8 +201,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _preflight(args: argparse.Namespace, options: dict[str, Any]) -> None:
-    """Build the backend once, as the conformance kit will, so that a misspelt name or a
-    bad option is one error, not a failure of every check."""
+    """Build the backend once, as the conformance kit will, before the kit runs.
+
+    A misspelt name or a bad option is then one error, not a failure of every check.
+    """
     import secrets
 
     from hicache_storage.config import StorageConfig
@@ -229,8 +231,10 @@ def _preflight(args: argparse.Namespace, options: dict[str, Any]) -> None:
 
 
 def _check_conformance_args(args: argparse.Namespace) -> None:
-    """Refuse, before anything runs, report paths that cannot be written and a ``-k``
-    expression pytest cannot parse (they used to fail only after the whole kit ran)."""
+    """Refuse report paths that cannot be written and a ``-k`` expression pytest cannot parse.
+
+    Both are checked before anything runs (they used to fail only after the whole kit ran).
+    """
     import os
 
     for flag, path in (("--report", args.report), ("--markdown", args.markdown)):

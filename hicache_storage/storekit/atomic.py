@@ -144,7 +144,7 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int = 0) -> int:
 
 
 def fsync_dir(directory: str) -> None:
-    """fsync a directory so a rename or link in it survives a crash."""
+    """Flush a directory (``fsync``) so that a rename or link in it survives a crash."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -219,8 +219,9 @@ def commit_temp(
     fsync: bool = False,
     allocated: int = 0,
 ) -> bool:
-    """Write ``views`` into the temporary ``tmp`` (open as ``fd``), close it, publish it as
-    ``final`` (first writer wins). Always closes ``fd`` and removes ``tmp``.
+    """Write ``views`` into the temporary ``tmp`` and publish it as ``final``; first writer wins.
+
+    ``tmp`` is open as ``fd``; this always closes ``fd`` and removes ``tmp``.
 
     ``allocated``: the bytes :func:`open_temp` allocated; the file is cut to what was
     written if that is less. Returns True if this call published ``final``, False if it

@@ -207,8 +207,10 @@ class BlobStore(HiCacheStorage, Generic[O]):
         raise NotSupportedError(f"{type(self).__name__} does not support clear")
 
     def _errors(self) -> AbstractContextManager[None]:
-        """The context every call of the implementer's methods runs in (default:
-        :attr:`error_map` applied with :func:`~hicache_storage.errors.map_errors`)."""
+        """The context that every call of the implementer's methods runs in.
+
+        By default it applies :attr:`error_map` with :func:`~hicache_storage.errors.map_errors`.
+        """
         return map_errors(self.error_map)
 
     # ------------------------------------------------------------------ plumbing
@@ -233,8 +235,10 @@ class BlobStore(HiCacheStorage, Generic[O]):
         self._log_failure(op, mapped_error(exc, self.error_map))
 
     def _fetch(self, op: str, names: list[ObjectName]) -> list[memoryview | None]:
-        """The verified payload of each name, ``None`` for a miss, a failed item or a
-        value that failed verification. One call of :meth:`_get_blobs`."""
+        """The verified payload of each name, from one call of :meth:`_get_blobs`.
+
+        ``None`` stands for a miss, a failed item or a value that failed verification.
+        """
         if not names:
             return []
         with self._errors():
@@ -276,8 +280,11 @@ class BlobStore(HiCacheStorage, Generic[O]):
         return out
 
     def _payload(self, name: ObjectName, blob: Blob) -> memoryview:
-        """The payload of ``blob`` read under ``name``; CorruptObjectError if it does not
-        verify, TypeError if it is not a bytes-like value."""
+        """The payload of ``blob``, verified as read under ``name``.
+
+        Raises CorruptObjectError if it does not verify, TypeError if it is not a bytes-like
+        value.
+        """
         view = memoryview(blob)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
@@ -302,8 +309,10 @@ class BlobStore(HiCacheStorage, Generic[O]):
             self._log("corrupt-remove", "cannot remove %d corrupt objects: %s", len(names), exc)
 
     def _fill(self, payload: memoryview, target: Any, views: list[memoryview] | None) -> Any:
-        """``target`` filled with ``payload`` (a new tensor when ``views`` is None), or
-        None when the sizes differ (the target untouched)."""
+        """``target`` filled with ``payload`` (a new tensor when ``views`` is None), or None.
+
+        None means that the sizes differ; the target is then left untouched.
+        """
         if views is None:
             tensor, views = new_target(payload.nbytes)
             target = tensor
@@ -424,14 +433,18 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
     @override
     def exists(self, key: str) -> bool:
-        """True if ``key`` holds a value. The value is not read: one that is corrupt
-        exists until a read finds it out (and removes it)."""
+        """True if ``key`` holds a value; the value itself is not read.
+
+        A corrupt value therefore exists until a read finds it out (and removes it).
+        """
         return self._ask_exists("exists", [self.object_name(key)])[0]
 
     @override
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """The number of leading keys present, asked in growing chunks (see
-        :attr:`exists_chunk`); nothing past the first miss is asked about."""
+        """The number of leading keys present; nothing past the first miss is asked about.
+
+        The store is asked in growing chunks (see :attr:`exists_chunk`).
+        """
         names = [self.object_name(k) for k in keys]
         count = 0
         chunk = self.exists_chunk if self.exists_chunk > 0 else max(1, len(names))

@@ -53,7 +53,17 @@ RECENT_USE_MEMORY = 2.0
 
 
 class Reservation:
-    """Bytes held for one object being written. Commit it, or it is released on exit."""
+    """Bytes held for one object being written. Commit it, or it is released on exit.
+
+    Made by :meth:`CapacityTracker.reserve` and :meth:`CapacityTracker.reserve_reusing`.
+
+    Args:
+        tracker: the tracker that holds the bytes.
+        name: the object's name.
+        nbytes: the bytes held.
+        generation: the tracker's generation when the bytes were reserved; a
+            :meth:`CapacityTracker.clear` since then makes :meth:`commit` fail.
+    """
 
     __slots__ = ("_done", "_tracker", "allocated", "generation", "name", "nbytes")
 
@@ -66,8 +76,11 @@ class Reservation:
         self._done = False
 
     def mark_allocated(self) -> None:
-        """The bytes are allocated on the filesystem already (``fallocate``): the free-space
-        floor must no longer count them as still to come (``free_space()`` shows them)."""
+        """Note that the bytes are allocated on the filesystem already (``fallocate``).
+
+        The free-space floor must then no longer count them as still to come:
+        ``free_space()`` shows them.
+        """
         if not self._done and not self.allocated:
             self.allocated = True
             self._tracker._mark_allocated(self)
@@ -91,6 +104,7 @@ class Reservation:
             self._tracker._release(self)
 
     def __enter__(self) -> Reservation:
+        """Hold the reservation for a ``with`` block."""
         return self
 
     def __exit__(
@@ -99,6 +113,7 @@ class Reservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Release the bytes, unless the reservation was committed or released already."""
         self.release()
 
 
@@ -187,9 +202,11 @@ class CapacityTracker:
         return self._reserved
 
     def __len__(self) -> int:
+        """The number of committed objects tracked."""
         return len(self._lru)
 
     def __contains__(self, name: object) -> bool:
+        """True if ``name`` is a committed object the tracker knows."""
         return name in self._lru
 
     def load(self, entries: Iterable[tuple[str, int, float]]) -> None:
@@ -216,8 +233,11 @@ class CapacityTracker:
                     self._used_now(name)
 
     def _used_now(self, name: str) -> None:
-        """Remember when ``name`` was read (a re-scan only knows the mtimes, which lag a
-        read by up to a second; a write's mtime is its time)."""
+        """Remember when ``name`` was read.
+
+        A re-scan only knows the mtimes, which lag a read by up to a second; a write's mtime
+        is its time.
+        """
         recent = self._recent
         recent[name] = now = time.time()
         if len(recent) > 2 * len(self._lru) + 1024:  # no re-scan for a while: stay small
@@ -244,8 +264,10 @@ class CapacityTracker:
             self._used += nbytes
 
     def clear(self, prefix: str | None = None) -> None:
-        """Forget every committed object (with ``prefix``: those whose name starts with it);
-        reservations made before stay but won't commit."""
+        """Forget every committed object, or with ``prefix`` those whose name starts with it.
+
+        Reservations made before stay, but they will not commit.
+        """
         with self._lock:
             if prefix is None:
                 self._lru.clear()
@@ -305,9 +327,12 @@ class CapacityTracker:
             return Reservation(self, name, nbytes, self._generation), victim
 
     def _reuse_fits(self, nbytes: int) -> bool:
-        """True if ``nbytes`` more would cross the cap or the floor, while the store is not
-        already over them (a smaller cap after a restart, another program filling the
-        filesystem): such a store must shrink, which swapping objects would never do."""
+        """True if a write of ``nbytes`` should take the place of an evicted object.
+
+        That is when ``nbytes`` more would cross the cap or the floor while the store is not
+        over them already. A store that is over them (a smaller cap after a restart, another
+        program filling the filesystem) must shrink, which swapping objects would never do.
+        """
         used = self._used + self._reserved
         cap = self.max_bytes
         if cap is not None and used > cap:
@@ -346,8 +371,10 @@ class CapacityTracker:
         return -(-nbytes // b) * b
 
     def refresh_if_due(self) -> bool:
-        """With ``shared_cap``: re-scan the store if the scheduled re-scan is due (call it
-        before a write, outside other locks); True if it re-scanned."""
+        """With ``shared_cap``, re-scan the store if the scheduled re-scan is due.
+
+        Call it before a write, outside other locks. Returns True if it re-scanned.
+        """
         if not self.shared_cap or time.monotonic() < self.next_cap_refresh:
             return False
         with self._lock:
@@ -368,8 +395,11 @@ class CapacityTracker:
         return self._rescan()
 
     def _rescan(self) -> bool:
-        """Replace the view by the store's real content (``refresh``). Recent uses the
-        store's mtimes do not show yet keep their place; writes in flight stay reserved."""
+        """Replace the tracker's view by the store's real content (``refresh``).
+
+        Recent uses that the store's mtimes do not show yet keep their place; writes in flight
+        stay reserved.
+        """
         assert self._refresh is not None
         start = time.monotonic()
         try:

@@ -113,8 +113,10 @@ SPACE_LOCK_BUSY_LIMIT = 30.0
 
 
 def _flock_holders(st: os.stat_result) -> frozenset[int] | None:
-    """Pids holding a ``flock`` on the file of ``st`` (from ``/proc/locks``), or None
-    when that cannot be told."""
+    """Pids holding a ``flock`` on the file of ``st``, or None when that cannot be told.
+
+    They are read from ``/proc/locks``.
+    """
     dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
         with open("/proc/locks") as f:
@@ -141,8 +143,11 @@ FLOOR_SLACK_OBJECTS = 256
 
 
 def _holds_only_a_store(path: str) -> bool:
-    """True if every entry of the directory ``path`` is one a store makes (namespace
-    directories ``ns<version>-<digest>``, hidden lock, temporary and trash names)."""
+    """True if every entry of the directory ``path`` is one that a store makes.
+
+    Stores make namespace directories ``ns<version>-<digest>`` and hidden lock, temporary
+    and trash names.
+    """
     try:
         with os.scandir(path) as entries:
             return all(e.name.startswith(".") or _NAMESPACE_DIR.fullmatch(e.name) for e in entries)
@@ -151,9 +156,12 @@ def _holds_only_a_store(path: str) -> bool:
 
 
 def _is_object_name(fanout: str, leaf: str) -> bool:
-    """True if ``leaf`` in the fan-out directory ``fanout`` is a name this store makes: a
-    valid key (with an optional ``~<shard>``) whose fan-out is ``fanout``. Anything else
-    in a store's directories (another program's files) is never counted or evicted."""
+    """True if ``leaf`` in the fan-out directory ``fanout`` is a name this store makes.
+
+    Such a name is a valid key (with an optional ``~<shard>``) whose fan-out is ``fanout``.
+    Anything else in a store's directories (another program's files) is never counted or
+    evicted.
+    """
     key, sep, shard = leaf.partition("~")
     if len(key) > KEY_MAX_LEN or _KEY_RE.fullmatch(key) is None or ".." in key:
         return False
@@ -196,6 +204,7 @@ class FileTreeOptions:
     stale_temp_age: float = 3600.0
 
     def __post_init__(self) -> None:
+        """Check the options; :class:`ConfigError` for a value out of range."""
         if self.io_threads < 1:
             raise ConfigError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.metadata_cache_ttl < 0 or self.stale_temp_age < 0:
@@ -464,10 +473,13 @@ class FileTreeStore(HiCacheStorage):
         return True
 
     def _near_floor(self, nbytes: int) -> bool:
-        """True unless the filesystem has so much room above the floor that concurrent
-        unlocked writers cannot cross it: :data:`FLOOR_SLACK_OBJECTS` objects of this
-        size more than the floor and this object. Far from the floor, checking under the
-        lock would only serialize the filesystem's page allocation of every writer."""
+        """True unless the filesystem has so much room above the floor that no check is needed.
+
+        So much room is :data:`FLOOR_SLACK_OBJECTS` objects of this size more than the floor
+        and this object: concurrent unlocked writers cannot cross the floor then. Far from the
+        floor, checking under the lock would only serialize the filesystem's page allocation
+        of every writer.
+        """
         tracker = self._tracker
         need = tracker._rounded(nbytes)
         slack = FLOOR_SLACK_OBJECTS * need
@@ -542,8 +554,11 @@ class FileTreeStore(HiCacheStorage):
     # ------------------------------------------------------------------ reads
 
     def _untrusted(self, path: str, exc: Exception, remove: bool) -> None:
-        """Something that is not a trustworthy object sits at ``path``: count it (a miss),
-        log it (rate limited) and, with ``remove``, take it away so the key can be stored."""
+        """Handle something at ``path`` that is not a trustworthy object.
+
+        It is counted (a miss) and logged (rate limited) and, with ``remove``, taken away so
+        that the key can be stored.
+        """
         self._record(corrupt_objects=1)
         self._log("untrusted", "ignoring %s (%s); the read is a miss", path, exc)
         self._meta.discard(path)

@@ -1,10 +1,10 @@
-"""The stored-object header: truncation or corruption reads as a miss, never as garbage KV.
+r"""The stored-object header: truncation or corruption reads as a miss, never as garbage KV.
 
 Every object a byte-oriented backend stores is ``header || payload``. The header is 48
 bytes, little-endian::
 
     offset size field
-    0      4    magic         b"HCS\\x01"
+    0      4    magic         b"HCS\x01"
     4      1    version       2
     5      1    algorithm     0 = no payload checksum, 1 = xxh3-64
     6      2    flags         0 (reserved)
@@ -99,8 +99,11 @@ def encode_header(payload_len: int, payload_checksum: int, algorithm: int, name:
 
 
 def decode_header(raw: bytes | bytearray | memoryview, name: str | None = None) -> ObjectHeader:
-    """Decode and check a header; raise :class:`CorruptObjectError` if it is not valid, or
-    (with ``name``) if it was not stored under ``name``."""
+    """Decode and check a header.
+
+    Raises :class:`CorruptObjectError` if it is not valid or, with ``name``, if it was not
+    stored under ``name``.
+    """
     if len(raw) < HEADER_SIZE:
         raise CorruptObjectError(f"object shorter than its header ({len(raw)} bytes)")
     head = bytes(raw[: _FMT.size])

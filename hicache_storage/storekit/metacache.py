@@ -69,5 +69,6 @@ class MetadataCache:
             self._entries.clear()
 
     def __len__(self) -> int:
+        """The number of keys held, expired ones not yet dropped included."""
         with self._lock:
             return len(self._entries)

@@ -89,13 +89,18 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class UnsafePathError(ConfigError):
-    """A directory or file is not safe to use: wrong owner, writable by others, a symlink,
-    or not of the expected kind. The message names the path, the problem and the fix."""
+    """A directory or file is not safe to use.
+
+    It has the wrong owner, is writable by others, is a symlink, or is not of the expected
+    kind. The message names the path, the problem and the fix.
+    """
 
 
 class NotRegularFileError(CorruptObjectError):
-    """Something other than a regular file (FIFO, socket, symlink, directory, device)
-    sits where a stored object should be. Reads treat it as a miss."""
+    """Something other than a regular file sits where a stored object should be.
+
+    It is a FIFO, socket, symlink, directory or device. Reads treat it as a miss.
+    """
 
 
 def user_dir(base: str, name: str) -> str:
@@ -108,8 +113,11 @@ def user_dir(base: str, name: str) -> str:
 
 
 def check_path(path: object, what: str = "path") -> str:
-    """``path`` as an absolute path string, or :class:`ConfigError` if it is not usable
-    (not a string, empty, or holding a NUL byte)."""
+    """``path`` as an absolute path string.
+
+    Raises :class:`ConfigError` if it is not usable (not a string, empty, or holding a NUL
+    byte).
+    """
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     if not isinstance(path, str):
@@ -129,8 +137,11 @@ def _mode_str(mode: int) -> str:
 
 
 def is_trusted(st: os.stat_result, gid: int | None = None) -> bool:
-    """True if an object with this ``lstat``/``fstat`` result passes the trust rule
-    (owner and write bits, see the module docstring); the kind is not checked."""
+    """True if an object with this ``lstat``/``fstat`` result passes the trust rule.
+
+    The rule is about the owner and the write bits (see the module docstring); the kind
+    of object is not checked.
+    """
     return _problem(st, gid) is None
 
 
@@ -264,8 +275,10 @@ def _check_existing_dir(
 
 
 def _check_ancestors(path: str) -> None:
-    """Refuse a path below a directory that anyone may write without the sticky bit:
-    anyone could then rename this path away and put their own in its place."""
+    """Refuse a path below a directory that anyone may write without the sticky bit.
+
+    Anyone could then rename this path away and put their own in its place.
+    """
     parent = os.path.dirname(path)
     while True:
         try:
@@ -292,7 +305,7 @@ def _share(fd: int, mode: int, gid: int | None) -> None:
 
 
 def _make_dir(path: str, mode: int, gid: int | None) -> bool:
-    """mkdir with exactly ``mode`` and group ``gid``; False if something already exists.
+    """Make a directory with exactly ``mode`` and group ``gid``; False if ``path`` exists.
 
     Mode and group are set through a descriptor opened without following a symlink, and
     only if it is a directory of this user: in a directory that others may write (a
@@ -384,8 +397,11 @@ def ensure_dir(
 
 
 def ensure_parent(path: str, gid: int | None = None) -> None:
-    """Create ``path`` and its missing parents as traversable-only directories (0700, or
-    2750 with group ``gid``); existing ones are left as they are."""
+    """Create ``path`` and its missing parents as traversable-only directories.
+
+    New directories get mode 0700, or 2750 with group ``gid``; existing ones are left as
+    they are. Raises :class:`ConfigError` when a directory cannot be used or created.
+    """
     missing = []
     while True:
         try:
@@ -408,10 +424,12 @@ def ensure_parent(path: str, gid: int | None = None) -> None:
 
 
 def check_file(path: str, st: os.stat_result, gid: int | None = None) -> None:
-    """Raise :class:`UnsafePathError` unless ``st`` (of ``path``, from ``lstat`` or
-    ``fstat``) is a regular file that passes the trust rule: owned by the effective uid
-    (with ``gid``: owned by it or having group ``gid``), not writable by others (and,
-    without ``gid``, not group-writable)."""
+    """Raise :class:`UnsafePathError` unless ``st`` is that of a trusted regular file.
+
+    ``st`` is ``path``'s, from ``lstat`` or ``fstat``. Trusted means owned by the
+    effective uid (with ``gid``: owned by it or having group ``gid``) and not writable by
+    others (and, without ``gid``, not group-writable).
+    """
     if not stat.S_ISREG(st.st_mode):
         raise _refuse(path, "it is not a regular file", "remove it")
     problem = _problem(st, gid)
