@@ -11,17 +11,20 @@ every page's name starts with its namespace digest. Options and guarantees:
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from typing_extensions import override
 
-from hicache_storage.config import StorageConfig
 from hicache_storage.errors import ConfigError
-from hicache_storage.keys import ObjectName
 from hicache_storage.protocol import Capabilities
 from hicache_storage.storekit.blobstore import BlobOptions, BlobStore, Segments
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hicache_storage.config import StorageConfig
+    from hicache_storage.keys import ObjectName
 
 __all__ = ["MemoryBackend", "MemoryOptions"]
 

@@ -17,15 +17,17 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from typing_extensions import override
 
-from hicache_storage.config import StorageConfig
 from hicache_storage.errors import ConfigError
 from hicache_storage.protocol import Capabilities
 from hicache_storage.storekit.filestore import FileTreeOptions, FileTreeStore
 from hicache_storage.storekit.pathsafety import user_dir
+
+if TYPE_CHECKING:
+    from hicache_storage.config import StorageConfig
 
 __all__ = ["ShmBackend", "ShmOptions"]
 

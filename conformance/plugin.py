@@ -21,7 +21,6 @@ output and captured logs, as shown on the terminal and in the reports.
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +40,8 @@ from hicache_storage.conformance import _secrets
 from hicache_storage.conformance.report import ReportCollector
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
     from hicache_storage.conformance.data import BackendSpec
 
 __all__ = ["spec_from_config"]

@@ -21,13 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pytest
-
 from hicache_storage.config import redact_options
 from hicache_storage.conformance import _secrets
 from hicache_storage.conformance.rules import RULES, find_rule
 
 if TYPE_CHECKING:
+    import pytest
+
     from hicache_storage.conformance.data import BackendSpec
     from hicache_storage.protocol import HiCacheStorage
 

@@ -14,14 +14,18 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from typing_extensions import override
 
-from hicache_storage.buffers import PageBuffer
 from hicache_storage.errors import BackendUnavailableError, InvalidArgumentError
-from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.wrapper import WrapperBackend
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hicache_storage.buffers import PageBuffer
+    from hicache_storage.protocol import HiCacheStorage
 
 __all__ = ["FaultyBackend", "LatencyBackend"]
 

@@ -12,7 +12,6 @@ This module does not import torch at import time. Tensors are handled through th
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -21,6 +20,8 @@ from typing_extensions import override
 from hicache_storage.errors import HostIndicesError, InvalidTypeError
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
 #: What ``get`` may fill: a CPU tensor, a writable bytes-like object or a page buffer.

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from typing_extensions import override
@@ -34,6 +33,9 @@ from typing_extensions import override
 from hicache_storage.buffers import PageBuffer, Segment, memoryview_at
 from hicache_storage.errors import ConfigError, HostIndicesError, InvalidTypeError
 from hicache_storage.layouts import LAYOUTS
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["LAYOUTS", "HostKVPool"]
 

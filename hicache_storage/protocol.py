@@ -51,10 +51,8 @@ import abc
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from typing_extensions import override
 
@@ -82,7 +80,12 @@ from hicache_storage.keys import (
     object_name,
 )
 from hicache_storage.layouts import LAYOUTS
-from hicache_storage.stats import StorageStats
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from types import TracebackType
+
+    from hicache_storage.stats import StorageStats
 
 __all__ = [
     "ALL_LAYOUTS",

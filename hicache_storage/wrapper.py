@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from hicache_storage.buffers import PageBuffer
 from hicache_storage.protocol import HiCacheStorage
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hicache_storage.buffers import PageBuffer
 
 __all__ = ["WrapperBackend"]
 

@@ -45,14 +45,16 @@ import stat
 import struct
 import threading
 import zlib
-from collections.abc import Sequence
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache_storage.buffers import PageBuffer, is_tensor
 from hicache_storage.errors import CapacityError, ConfigError
 from hicache_storage.storekit.atomic import fsync_dir, temp_path
 from hicache_storage.storekit.pathsafety import check_file, open_regular
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 PAGE = 4096
 # magic, version, flags, slot_size, nslots, table_off, data_off, nonce; a CRC-32 follows

@@ -18,10 +18,9 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from typing_extensions import override
 
@@ -52,6 +51,9 @@ from hicache_storage.storekit.atomic import is_temporary, writer_is_dead
 from hicache_storage.storekit.header import algorithm_id, checksum
 from hicache_storage.storekit.iopool import IOPool
 from hicache_storage.storekit.pathsafety import ensure_dir, user_dir
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
 
 __all__ = ["MmapBackend", "MmapOptions"]
 

@@ -41,15 +41,18 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from hicache_storage.backends._mmap.arena import _CRC, _Arena, _link_or_open
 from hicache_storage.errors import BackendError, ConfigError
 from hicache_storage.storekit.atomic import fsync_dir, temp_path, writev_all
 from hicache_storage.storekit.header import ALGORITHMS
 from hicache_storage.storekit.pathsafety import NotRegularFileError, check_file, open_regular
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,8 @@ import secrets
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,8 +19,12 @@ from hicache_storage.errors import ConfigError, HiCacheStorageError
 from hicache_storage.host_pool import HostKVPool
 from hicache_storage.keys import KVCacheNamespace, page_hashes
 from hicache_storage.layouts import LAYOUTS
-from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.registry import create_backend
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
+    from hicache_storage.protocol import HiCacheStorage
 
 __all__ = [
     "BenchShape",

@@ -22,9 +22,12 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hicache_storage.ratelimit import RateLimitedLog
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = [
     "TEMP_PREFIX",

@@ -33,9 +33,8 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Literal, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeAlias, TypeVar, cast
 
 from typing_extensions import override
 
@@ -59,7 +58,6 @@ from hicache_storage.errors import (
     map_errors,
     mapped_error,
 )
-from hicache_storage.keys import ObjectName
 from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.storekit.header import (
@@ -70,6 +68,11 @@ from hicache_storage.storekit.header import (
     encode_header,
     verify_payload,
 )
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from hicache_storage.keys import ObjectName
 
 __all__ = ["Blob", "BlobOptions", "BlobStore", "Segments"]
 
@@ -166,7 +169,7 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config)
-        self.options: O = cast(O, parse_options(self.options_class, self.name, options))
+        self.options: O = cast("O", parse_options(self.options_class, self.name, options))
         self._algorithm = algorithm_id(self.options.checksum)
         self._log = RateLimitedLog(logger)
 

@@ -32,11 +32,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from types import TracebackType
+from typing import TYPE_CHECKING
 
 from hicache_storage.errors import ConfigError
 from hicache_storage.ratelimit import RateLimitedLog
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from types import TracebackType
 
 __all__ = ["CAP_REFRESH_COST_FACTOR", "CAP_REFRESH_MIN_INTERVAL", "CapacityTracker", "Reservation"]
 

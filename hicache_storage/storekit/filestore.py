@@ -25,9 +25,8 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from typing_extensions import override
 
@@ -83,6 +82,9 @@ from hicache_storage.storekit.pathsafety import (
     is_trusted,
     open_regular_stat,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["FileTreeOptions", "FileTreeStore"]
 

@@ -26,12 +26,15 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from hicache_storage.errors import ConfigError, CorruptObjectError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = [
     "ALGORITHMS",

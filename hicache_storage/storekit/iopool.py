@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from hicache_storage.errors import BackendClosedError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["IOPool"]
 

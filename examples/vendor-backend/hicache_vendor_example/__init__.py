@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache_storage import Capabilities, ObjectName, StorageConfig
 from hicache_storage.errors import BackendError, BackendUnavailableError, ConfigError
 from hicache_storage.storekit.blobstore import BlobOptions, BlobStore, Segments
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ["SQLiteBackend", "SQLiteOptions"]
 
