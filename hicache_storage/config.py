@@ -389,7 +389,7 @@ def _coerce(value: Any, annotation: Any, name: str, hidden: bool = False) -> Any
     if annotation is float:
         try:
             if isinstance(value, bool):
-                raise ValueError
+                raise ValueError  # noqa: TRY004 - caught below and raised as ConfigError
             number = float(value)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"option {name}={shown} must be a number") from (

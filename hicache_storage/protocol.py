@@ -52,7 +52,7 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeAlias, runtime_checkable
 
 from typing_extensions import override
 
@@ -97,8 +97,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_B = TypeVar("_B", bound="HiCacheStorage")
 
 #: Every host-pool layout the SDK knows, as a set (kept for code that imported it here).
 ALL_LAYOUTS: frozenset[str] = frozenset(LAYOUTS)
@@ -549,7 +547,7 @@ class HiCacheStorage(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release resources. Idempotent; afterwards every call returns its failure shape."""
 
-    def __enter__(self: _B) -> _B:
+    def __enter__(self) -> Self:
         """Use the backend as a context manager; it is closed on exit."""
         return self
 

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from hicache_storage.errors import ConfigError
 from hicache_storage.ratelimit import RateLimitedLog
@@ -106,7 +106,7 @@ class Reservation:
             self._done = True
             self._tracker._release(self)
 
-    def __enter__(self) -> Reservation:
+    def __enter__(self) -> Self:
         """Hold the reservation for a ``with`` block."""
         return self
 
