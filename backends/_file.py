@@ -6,7 +6,6 @@ Options and guarantees: ``docs/backends/file.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from typing_extensions import override
 
@@ -39,7 +38,7 @@ class FileOptions(FileTreeOptions):
             raise ConfigError("root must not be empty")
 
 
-class FileBackend(FileTreeStore):
+class FileBackend(FileTreeStore[FileOptions]):
     """Pages as files on a local or shared filesystem (zero-copy ``writev``/``preadv``)."""
 
     name = "file"
@@ -47,6 +46,5 @@ class FileBackend(FileTreeStore):
     options_class = FileOptions
 
     @override
-    def _location(self, opts: Any) -> str:
-        root: str | None = opts.root
-        return root if root is not None else user_dir("/tmp", "hicache-storage")
+    def _location(self, opts: FileOptions) -> str:
+        return opts.root if opts.root is not None else user_dir("/tmp", "hicache-storage")

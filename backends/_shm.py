@@ -115,7 +115,7 @@ def filesystem_type(path: str) -> str | None:
     return fstype
 
 
-class ShmBackend(FileTreeStore):
+class ShmBackend(FileTreeStore[ShmOptions]):
     """Pages as tmpfs files in ``/dev/shm``: node-local, shared by processes, memory speed."""
 
     name = "shm"
@@ -149,8 +149,8 @@ class ShmBackend(FileTreeStore):
         )
 
     @override
-    def _location(self, opts: Any) -> str:
-        directory: str | None = opts.directory
+    def _location(self, opts: ShmOptions) -> str:
+        directory = opts.directory
         if directory is not None:
             return directory
         if self.group_id is not None:
@@ -158,7 +158,7 @@ class ShmBackend(FileTreeStore):
         return user_dir("/dev/shm", "hicache-storage")
 
     @override
-    def _configure(self, opts: Any) -> None:
+    def _configure(self, opts: ShmOptions) -> None:
         self.recycle = bool(opts.recycle)
         if opts.group is not None:
             self.group_id = _group_id(opts.group)
@@ -166,7 +166,7 @@ class ShmBackend(FileTreeStore):
             self.dir_mode = 0o2770
 
     @override
-    def _limits(self, opts: FileTreeOptions) -> tuple[int | None, int]:
+    def _limits(self, opts: ShmOptions) -> tuple[int | None, int]:
         st = os.statvfs(self.root)
         total = st.f_blocks * st.f_frsize
         max_size = opts.max_size if opts.max_size is not None else total // 2

@@ -26,7 +26,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast
 
 from typing_extensions import override
 
@@ -215,10 +215,14 @@ class FileTreeOptions:
             raise ConfigError(f"eviction_ratio must be in (0, 1], got {self.eviction_ratio}")
 
 
-class FileTreeStore(HiCacheStorage):
+O = TypeVar("O", bound=FileTreeOptions)
+
+
+class FileTreeStore(HiCacheStorage, Generic[O]):
     """Pages as files in a directory tree (zero-copy ``writev``/``preadv``).
 
-    Subclasses set :attr:`options_class` (a :class:`FileTreeOptions` subclass) and
+    Generic in its options type: ``class FileBackend(FileTreeStore[FileOptions])``.
+    Subclasses set :attr:`options_class` (that :class:`FileTreeOptions` subclass) and
     implement :meth:`_location`; they may change :attr:`file_mode`, :attr:`dir_mode`,
     :attr:`group_id` (in ``_configure``) and the defaults of the capacity limits.
     """
@@ -250,7 +254,7 @@ class FileTreeStore(HiCacheStorage):
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config)
-        self.options = parse_options(self.options_class, self.name, options)
+        self.options: O = cast("O", parse_options(self.options_class, self.name, options))
         opts = self.options
         self._configure(opts)
         self.root = check_path(self._location(opts), self.location_option)
@@ -289,14 +293,14 @@ class FileTreeStore(HiCacheStorage):
 
     # ------------------------------------------------------------------ subclass hooks
 
-    def _location(self, opts: Any) -> str:
+    def _location(self, opts: O) -> str:
         """The root directory named by the options."""
         raise NotImplementedError
 
-    def _configure(self, opts: Any) -> None:
+    def _configure(self, opts: O) -> None:
         """Set modes and group from the options (default: private, 0600/0700)."""
 
-    def _limits(self, opts: FileTreeOptions) -> tuple[int | None, int]:
+    def _limits(self, opts: O) -> tuple[int | None, int]:
         """``(max_size, min_free_space)`` with the backend's defaults applied."""
         return opts.max_size, opts.min_free_space or 0
 
