@@ -15,8 +15,9 @@ How one call goes:
   shape and adds one item error, but neither validates arguments again nor records stats.
   The *outermost* call does all of the following.
 * **Validation.** The first argument (the key, or the keys of a batch) is validated with
-  :func:`~hicache_storage.keys.validate_key` / :func:`~hicache_storage.keys.validate_keys`;
-  a ``TypeError`` raised by the call itself is re-raised as
+  :func:`~hicache_storage.keys.validate_key` / :func:`~hicache_storage.keys.validate_keys`,
+  and a batch's per-key argument (``targets``, ``values``, ``pages``) must have one entry
+  per key, so no implementation checks lengths itself; a ``TypeError`` raised by the call itself is re-raised as
   :class:`~hicache_storage.errors.InvalidTypeError` when the arguments do not bind to the
   signature (checked only after the error, so the happy path pays nothing).
 * **Failure shapes.** :class:`~hicache_storage.errors.InvalidArgumentError`,
@@ -206,6 +207,7 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             validate_key(first)
             n = 1
         args = (first, *args[1:])
+        _check_companion(name, args, kwargs, n)
         state = self._hicache_state()
         if state.closed:
             self._log_failure(name, BackendClosedError(f"{type(self).__name__} is closed"))
@@ -243,6 +245,42 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
     wrapper.__wrapped__ = fn
     return wrapper
+
+
+#: Batch operations whose second argument must hold one entry per key: its parameter
+#: name, and whether it may be omitted (``None``).
+_COMPANIONS: dict[str, tuple[str, bool]] = {
+    "batch_get": ("targets", True),
+    "batch_set": ("values", False),
+    "batch_get_pages": ("pages", False),
+    "batch_set_pages": ("pages", False),
+}
+
+
+def _check_companion(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> None:
+    """Raise InvalidArgumentError unless the batch's per-key argument has ``n`` entries.
+
+    Checked once here, for every backend, before the implementation runs.
+    """
+    spec = _COMPANIONS.get(name)
+    if spec is None:
+        return
+    param, optional = spec
+    if len(args) < 2 and param not in kwargs:
+        return  # not passed: the call itself fails (InvalidTypeError) or takes the default
+    value = args[1] if len(args) > 1 else kwargs[param]
+    if value is None:
+        if optional:
+            return
+        raise InvalidArgumentError(f"{name}(): {n} keys but no {param}")
+    try:
+        count = len(value)
+    except TypeError:
+        raise InvalidTypeError(
+            f"{name}(): {param} must be a sequence, got {type(value).__name__}"
+        ) from None
+    if count != n:
+        raise InvalidArgumentError(f"{name}(): {n} keys but {count} {param}")
 
 
 def _raise_if_bad_call(

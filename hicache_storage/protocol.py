@@ -417,8 +417,6 @@ class HiCacheStorage(abc.ABC):
         """
         if targets is None:
             return [self.get(k) for k in keys]
-        if len(targets) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(targets)} targets")
         return [self.get(k, t) for k, t in zip(keys, targets, strict=False)]
 
     def batch_set(self, keys: list[str], values: Sequence[WriteValue]) -> list[bool]:
@@ -427,10 +425,6 @@ class HiCacheStorage(abc.ABC):
         Note for implementers: the default loops over :meth:`set` and is not atomic as a
         whole; each key is atomic on its own.
         """
-        if values is None or len(values) != len(keys):
-            raise InvalidArgumentError(
-                f"{len(keys)} keys but {0 if values is None else len(values)} values"
-            )
         return [self.set(k, v) for k, v in zip(keys, values, strict=False)]
 
     def batch_exists(self, keys: list[str], extra_info: object = None) -> int:
@@ -450,8 +444,6 @@ class HiCacheStorage(abc.ABC):
         Note for implementers: this is the native zero-copy path behind ``batch_get_v1``.
         The default calls :meth:`get` with each PageBuffer as target.
         """
-        if len(pages) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         out: list[bool] = []
         for k, page in zip(keys, pages, strict=False):
             r = self.get(k, page)
@@ -469,8 +461,6 @@ class HiCacheStorage(abc.ABC):
         Note for implementers: this is the native zero-copy path behind ``batch_set_v1``.
         The default calls :meth:`set` for each page.
         """
-        if len(pages) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         return [self.set(k, p) for k, p in zip(keys, pages, strict=False)]
 
     # ------------------------------------------------------------------ zero-copy v1

@@ -43,7 +43,6 @@ from hicache_storage.errors import (
     BackendTimeoutError,
     CapacityError,
     ConfigError,
-    InvalidArgumentError,
     NotSupportedError,
 )
 from hicache_storage.protocol import Capabilities, HiCacheStorage
@@ -817,8 +816,6 @@ class MmapBackend(HiCacheStorage):
 
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        if len(pages) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         with self._in_flight():
             return self._map_pages(
                 "batch_get_pages",
@@ -829,8 +826,6 @@ class MmapBackend(HiCacheStorage):
 
     @override
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        if len(pages) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         with self._in_flight():
             return self._write_many([(k, p, p.views) for k, p in zip(keys, pages, strict=True)])
 

@@ -53,7 +53,6 @@ from hicache_storage.errors import (
     ContractViolationError,
     CorruptObjectError,
     ErrorMap,
-    InvalidArgumentError,
     NotSupportedError,
     map_errors,
     mapped_error,
@@ -393,8 +392,6 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
     @override
     def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
-        if targets is not None and len(targets) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(targets)} targets")
         slots = list(targets) if targets is not None else [None] * len(keys)
         views = [None if t is None else target_views(t) for t in slots]
         payloads = self._fetch("batch_get", [self.object_name(k) for k in keys])
@@ -405,8 +402,6 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        if len(pages) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         payloads = self._fetch("batch_get_pages", [self.object_name(k) for k in keys])
         return [
             p is not None and self._fill(p, page, page.views) is not None
@@ -419,17 +414,11 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
     @override
     def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
-        if values is None or len(values) != len(keys):
-            raise InvalidArgumentError(
-                f"{len(keys)} keys but {0 if values is None else len(values)} values"
-            )
         views = [source_views(v) for v in values]
         return self._store("batch_set", [self.object_name(k) for k in keys], views)
 
     @override
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        if len(pages) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         return self._store(
             "batch_set_pages", [self.object_name(k) for k in keys], [p.views for p in pages]
         )

@@ -44,7 +44,6 @@ from hicache_storage.errors import (
     CapacityError,
     ConfigError,
     CorruptObjectError,
-    InvalidArgumentError,
     from_os_error,
 )
 from hicache_storage.keys import _KEY_RE, _SHARD_RE, KEY_MAX_LEN, ObjectName
@@ -734,8 +733,6 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         io: Callable[[ObjectName, list[memoryview]], Any],
     ) -> list[bool]:
         """Run ``io`` for every page on the thread pool; a failing page fails alone."""
-        if len(pages) != len(keys):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(pages)} pages")
         names = [self.object_name(k) for k in keys]
         return self._map_pages(op, len(keys), lambda i: io(names[i], pages[i].views), self._io.map)
 

@@ -22,7 +22,7 @@ from hicache_storage import (
     WrapperBackend,
 )
 from hicache_storage.buffers import copy_into, new_target, source_views, target_views
-from hicache_storage.errors import InvalidArgumentError, NamespaceMismatchError
+from hicache_storage.errors import InvalidArgumentError, InvalidTypeError, NamespaceMismatchError
 from hicache_storage.layouts import LAYOUTS
 from hicache_storage.storekit.iopool import IOPool
 
@@ -231,3 +231,50 @@ def test_new_target_is_a_uint8_tensor_behind_its_view() -> None:
     assert t.dtype == torch.uint8 and t.numel() == 6
     view[:] = b"qwerty"
     assert bytes(t.numpy()) == b"qwerty"
+
+
+# --------------------------------------------------------------------------- batch lengths
+
+
+@pytest.mark.parametrize(
+    ("op", "second"),
+    [
+        ("batch_get", [bytearray(1)]),
+        ("batch_set", [b"x"]),
+        ("batch_get_pages", [None]),
+        ("batch_set_pages", [None]),
+    ],
+)
+def test_the_guard_refuses_a_per_key_argument_of_another_length(op: str, second: list) -> None:
+    """One check in the guard, before any implementation runs (none checks it itself)."""
+    calls: list[str] = []
+
+    class Recording(NativePages):
+        def batch_set_pages(self, keys: list[str], pages: Any) -> list[bool]:
+            calls.append("ran")
+            return [True] * len(keys)
+
+    b = Recording()
+    with pytest.raises(InvalidArgumentError, match="2 keys but 1"):
+        getattr(b, op)(["a", "b"], second)
+    with pytest.raises(InvalidArgumentError, match="2 keys but 1"):
+        getattr(b, op)(keys=["a", "b"], **{_PARAM[op]: second})
+    assert calls == []
+    assert getattr(b, op)([], []) == (0 if op == "batch_exists" else [])
+
+
+_PARAM = {
+    "batch_get": "targets",
+    "batch_set": "values",
+    "batch_get_pages": "pages",
+    "batch_set_pages": "pages",
+}
+
+
+def test_missing_or_unsized_per_key_arguments_are_typed_errors() -> None:
+    b = Dict()
+    assert b.batch_get(["a"]) == [None]  # targets may be omitted
+    with pytest.raises(InvalidArgumentError, match="no values"):
+        b.batch_set(["a"], None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="must be a sequence"):
+        b.batch_set(["a"], (v for v in [b"x"]))  # type: ignore[arg-type]
