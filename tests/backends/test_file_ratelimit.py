@@ -87,7 +87,7 @@ def test_rate_limited_log_says_how_many_it_suppressed(
     from hicache_storage import ratelimit
 
     now = [1000.0]
-    monkeypatch.setattr(ratelimit.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(ratelimit.time, "monotonic", lambda: now[0])  # type: ignore[attr-defined]
     log = ratelimit.RateLimitedLog(logging.getLogger("hicache_storage.test"), interval=5.0)
     caplog.set_level(logging.WARNING)
     assert log("a", "event %d", 1)

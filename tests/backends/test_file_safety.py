@@ -61,7 +61,7 @@ def page_file_bytes(payload: bytes, algorithm: str = "xxh3", key: str = "victim-
 
     alg = algorithm_id(algorithm)
     name = object_name(NS.digest, key, None).path
-    return encode_header(len(payload), checksum([payload], alg), alg, name) + payload
+    return encode_header(len(payload), checksum([memoryview(payload)], alg), alg, name) + payload
 
 
 def object_path(kind: str, root: str, key: str) -> str:

@@ -159,6 +159,6 @@ def test_threads_writing_the_same_keys_leave_one_whole_value(store_name: str) ->
 def test_the_backends_package_exports_every_lazy_name() -> None:
     import hicache_storage.backends as pkg
 
-    lazy = pkg._LAZY  # type: ignore[attr-defined]
+    lazy = pkg._LAZY
     assert sorted(pkg.__all__) == sorted(lazy)
     assert pkg.MemoryBackend is MemoryBackend and pkg.MemoryOptions is MemoryOptions

@@ -302,7 +302,7 @@ def test_a_reader_that_opened_the_file_before_it_was_recycled_misses(
     writer = full_store(shm_dir, 2)
     reader = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir)
     real_flock = fcntl.flock
-    fired = []
+    fired: list[int] = []
 
     def flock(fd: int, op: int) -> None:
         if op & fcntl.LOCK_SH and not fired:
@@ -310,10 +310,10 @@ def test_a_reader_that_opened_the_file_before_it_was_recycled_misses(
             assert writer.set("k2", value_of(2))  # recycles k0's file under the reader
         real_flock(fd, op)
 
-    monkeypatch.setattr(filestore.fcntl, "flock", flock)
+    monkeypatch.setattr(filestore.fcntl, "flock", flock)  # type: ignore[attr-defined]
     assert reader.get("k0") is None
     assert fired and fired[0] == inode(writer, "k2")  # it really was the same file
-    monkeypatch.setattr(filestore.fcntl, "flock", real_flock)
+    monkeypatch.setattr(filestore.fcntl, "flock", real_flock)  # type: ignore[attr-defined]
     assert torch.equal(reader.get("k2"), value_of(2))
     writer.close()
     reader.close()

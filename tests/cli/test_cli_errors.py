@@ -215,7 +215,7 @@ def test_bench_shape_refuses_what_argparse_would(tmp_path: Path) -> None:
     for bad in ({"batch": 0}, {"batch": -3}, {"pages": 0}, {"page_size": 0}, {"dtype": "floot"},
                 {"layout": "x"}, {"pages": True}):  # fmt: skip
         with pytest.raises(ConfigError):
-            BenchShape(**bad)  # type: ignore[arg-type]
+            BenchShape(**bad)
     assert BenchShape(dtype="torch.half").dtype == "float16"
 
 

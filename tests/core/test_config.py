@@ -68,7 +68,7 @@ def test_parse_options_types_env_and_precedence(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("HICACHE_STORAGE_DEMO_THREADS", "7")
     monkeypatch.setenv("HICACHE_STORAGE_DEMO_ON", "yes")
     o = parse_options(_Opts, "demo", {"limit": "1KiB", "ratio": "0.25", "mode": "b", "on": False})
-    assert o == _Opts(root="/r", limit=1024, ratio=0.25, threads=7, on=False, mode="b")
+    assert o == _Opts(root="/r", limit=Size(1024), ratio=0.25, threads=7, on=False, mode="b")
 
 
 def test_parse_options_drops_controller_keys() -> None:

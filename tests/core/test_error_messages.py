@@ -163,7 +163,7 @@ def test_for_pool_exists_as_the_mismatch_message_says() -> None:
 
 
 def test_every_api_named_in_a_message_exists(known: dict[str, list[object]]) -> None:
-    problems = []
+    problems: list[str] = []
     scanned = 0
     for top in SCANNED:
         for path in sorted((REPO / top).rglob("*.py")):

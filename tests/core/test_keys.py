@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,7 +103,7 @@ def test_bad_token_ids_raise() -> None:
         page_hashes([1, 2], 2, prior_hash="not-hex")
 
 
-BASE = {"model_id": "m", "dtype": "bfloat16", "page_size": 16}
+BASE: dict[str, Any] = {"model_id": "m", "dtype": "bfloat16", "page_size": 16}
 
 
 def test_namespace_digest_is_stable_and_pinned() -> None:
@@ -135,8 +136,8 @@ def test_namespace_digest_is_stable_and_pinned() -> None:
         {"weights_fingerprint": "sha256:abc"},
     ],
 )
-def test_every_identity_field_changes_the_digest(change: dict[str, object]) -> None:
-    assert KVCacheNamespace(**{**BASE, **change}).digest != KVCacheNamespace(**BASE).digest  # type: ignore[arg-type]
+def test_every_identity_field_changes_the_digest(change: dict[str, Any]) -> None:
+    assert KVCacheNamespace(**{**BASE, **change}).digest != KVCacheNamespace(**BASE).digest
 
 
 def test_dtype_is_normalized() -> None:
@@ -145,8 +146,8 @@ def test_dtype_is_normalized() -> None:
     assert (
         KVCacheNamespace(**{**BASE, "dtype": torch.bfloat16}).digest
         == KVCacheNamespace(**BASE).digest
-    )  # type: ignore[arg-type]
-    assert KVCacheNamespace(**{**BASE, "dtype": "torch.bfloat16"}).dtype == "bfloat16"  # type: ignore[arg-type]
+    )
+    assert KVCacheNamespace(**{**BASE, "dtype": "torch.bfloat16"}).dtype == "bfloat16"
 
 
 @pytest.mark.parametrize(
@@ -161,9 +162,9 @@ def test_dtype_is_normalized() -> None:
         {"layer_range": (-1, 4)},
     ],
 )
-def test_invalid_namespaces_raise(bad: dict[str, object]) -> None:
+def test_invalid_namespaces_raise(bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
-        KVCacheNamespace(**{**BASE, **bad})  # type: ignore[arg-type]
+        KVCacheNamespace(**{**BASE, **bad})
 
 
 def test_namespace_dict_round_trip() -> None:

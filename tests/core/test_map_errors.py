@@ -9,6 +9,7 @@ from hicache_storage.errors import (
     BackendTimeoutError,
     BackendUnavailableError,
     CapacityError,
+    ErrorMap,
     InvalidArgumentError,
     map_errors,
     mapped_error,
@@ -27,7 +28,7 @@ class ClientReadTimeout(ClientTimeout):
     pass
 
 
-MAPPING = {
+MAPPING: ErrorMap = {
     ClientError: BackendError,
     ClientTimeout: BackendTimeoutError,
     ConnectionRefusedError: BackendUnavailableError,
@@ -70,7 +71,7 @@ def test_unmapped_exceptions_pass_unchanged() -> None:
 
 
 def test_our_own_errors_keep_their_type_under_a_broad_entry() -> None:
-    broad = {Exception: BackendError}
+    broad: ErrorMap = {Exception: BackendError}
     for ours in (CapacityError("full"), InvalidArgumentError("bad key")):
         with pytest.raises(type(ours)) as info, map_errors(broad):
             raise ours

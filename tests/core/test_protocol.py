@@ -230,9 +230,9 @@ def test_default_v1_round_trip(cls: type[DictBackend], layout: str, mla: bool) -
     assert src is not None
     assert dst is not None
     assert b.batch_set_v1(KEYS, src) == [True] * 3
-    assert b.batch_get_v1([*KEYS, "gone"], torch.cat([dst, pool.alloc(pool.page_size)])) == [
-        True
-    ] * 3 + [False]  # type: ignore[list-item]
+    extra = pool.alloc(pool.page_size)
+    assert extra is not None
+    assert b.batch_get_v1([*KEYS, "gone"], torch.cat([dst, extra])) == [True] * 3 + [False]
     assert [p.tobytes() for p in pool.page_buffers(src)] == [
         p.tobytes() for p in pool.page_buffers(dst)
     ]

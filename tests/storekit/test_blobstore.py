@@ -96,8 +96,8 @@ class DictBlobs(BlobStore[BlobOptions]):
 
 class NoDelete(DictBlobs):
     capabilities = Capabilities()
-    _delete_blobs = BlobStore._delete_blobs  # type: ignore[assignment]
-    _clear_namespace = BlobStore._clear_namespace  # type: ignore[assignment]
+    _delete_blobs = BlobStore._delete_blobs
+    _clear_namespace = BlobStore._clear_namespace
 
 
 def ns(tenant: str = "") -> KVCacheNamespace:

@@ -7,6 +7,7 @@ import socket
 import stat
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -227,9 +228,9 @@ def test_a_directory_swapped_for_a_symlink_right_after_mkdir_is_never_chmodded_t
     target = str(store / "a7")
     real_mkdir = os.mkdir
 
-    def racing_mkdir(path: object, *args: object, **kwargs: object) -> None:
-        real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
-        if os.fspath(path) == target:  # type: ignore[arg-type]
+    def racing_mkdir(path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> None:
+        real_mkdir(path, *args, **kwargs)
+        if os.fspath(path) == target:
             swap_for_symlink(target, victim)
 
     monkeypatch.setattr(os, "mkdir", racing_mkdir)
@@ -250,11 +251,11 @@ def test_a_directory_swapped_for_a_symlink_while_being_adopted_is_never_chmodded
     mine.mkdir(mode=0o700)
     target = str(mine)
     real_lstat = os.lstat
-    swapped = []
+    swapped: list[bool] = []
 
-    def racing_lstat(path: object, *args: object, **kwargs: object) -> os.stat_result:
-        st = real_lstat(path, *args, **kwargs)  # type: ignore[arg-type]
-        if os.fspath(path) == target and not swapped:  # type: ignore[arg-type]
+    def racing_lstat(path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> os.stat_result:
+        st = real_lstat(path, *args, **kwargs)
+        if os.fspath(path) == target and not swapped:
             swapped.append(True)
             swap_for_symlink(target, victim)
         return st

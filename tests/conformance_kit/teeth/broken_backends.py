@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hicache_storage import Capabilities, HiCacheStorage, PageBuffer, StorageConfig
+from hicache_storage import Capabilities, HiCacheStorage, HostKVPool, PageBuffer, StorageConfig
 from hicache_storage.backends import FileBackend
 from hicache_storage.buffers import is_tensor, source_views, target_views, total_nbytes
 from hicache_storage.keys import ObjectName
@@ -339,6 +339,7 @@ class UncheckedV1Indices(MemStore):
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
         pool = self.mem_pool_host
+        assert isinstance(pool, HostKVPool)  # the kit registers a HostKVPool
         ps = pool.page_size
         for i, key in enumerate(keys):
             first = int(host_indices[i * ps]) if i * ps < len(host_indices) else 0

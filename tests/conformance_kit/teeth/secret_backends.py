@@ -51,7 +51,8 @@ class CanaryFile(FileBackend):
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config, **options)
-        opts: CanaryOptions = self.options  # type: ignore[assignment]
+        opts = self.options
+        assert isinstance(opts, CanaryOptions)  # options_class above
         worker = _in_worker()
         if opts.trace_dir:
             with open("/proc/self/cmdline", "rb") as f:
