@@ -1,14 +1,21 @@
 """Built-in storage backends, installed as ``hicache_storage.backends``.
 
-Each backend lives in its own private module and imports only the core
-(``hicache_storage``) and, lazily, its own client library. Classes are re-exported here
-lazily, so importing this package imports no backend module.
+Each backend lives in its own private module (or package) and imports the core, the
+building blocks of :mod:`hicache_storage.storekit` and, lazily, its own client library;
+never another backend. Classes are re-exported here lazily, so importing this package
+imports no backend module (type checkers see the real classes).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache_storage.backends._file import FileBackend, FileOptions
+    from hicache_storage.backends._memory import MemoryBackend, MemoryOptions
+    from hicache_storage.backends._mmap import MmapBackend, MmapOptions
+    from hicache_storage.backends._shm import ShmBackend, ShmOptions
 
 __all__ = [
     "FileBackend",

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from hicache_storage.errors import ConfigError
 from hicache_storage.protocol import Capabilities
-from hicache_storage.storekit.blobstore import BlobOptions, BlobStore, Segments
+from hicache_storage.storekit.blobstore import PRESENT, BlobOptions, BlobStore, Present, Segments
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -71,12 +71,15 @@ class MemoryBackend(BlobStore[MemoryOptions]):
             return [self._pages.get(n.path) for n in names]
 
     @override
-    def _put_blobs_if_absent(self, names: list[ObjectName], blobs: list[Segments]) -> list[bool]:
+    def _put_blobs_if_absent(
+        self, names: list[ObjectName], blobs: list[Segments]
+    ) -> list[bool | Present]:
         values = [b"".join(segments) for segments in blobs]  # the copy, outside the lock
+        out: list[bool | Present] = []
         with self._lock:
             for n, value in zip(names, values, strict=True):
-                self._pages.setdefault(n.path, value)
-        return [True] * len(names)
+                out.append(True if self._pages.setdefault(n.path, value) is value else PRESENT)
+        return out
 
     @override
     def _exists_blobs(self, names: list[ObjectName]) -> list[bool]:

@@ -17,7 +17,12 @@ suite, which needs torch, is imported on first use of its names.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache_storage.conformance.data import BackendSpec
+    from hicache_storage.conformance.suite import BackendConformance, requires
+    from hicache_storage.conformance.wrappers import FaultyBackend, LatencyBackend
 
 __all__ = ["BackendConformance", "BackendSpec", "FaultyBackend", "LatencyBackend", "requires"]
 

@@ -125,6 +125,11 @@ class FaultyBackend(WrapperBackend):
             out: list[bool] = inner_op(keys, pages)
             return out
         keep = [i for i in range(len(keys)) if not self._draw()]
+        if len(keep) < len(keys):  # the injected page failures count as item errors
+            self._log_failure(
+                op, self.exception(f"injected failure of {len(keys) - len(keep)} pages")
+            )
+            self._add_item_errors(len(keys) - len(keep))
         results = [False] * len(keys)
         if keep:
             inner_results = getattr(self.inner, op)(

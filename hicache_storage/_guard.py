@@ -38,7 +38,9 @@ How one call goes:
   ``n``) and the elapsed time.
 
 ``close`` is wrapped differently: it becomes idempotent (the body runs once, even when
-it raises) and marks the instance closed.
+it raises) and marks the instance closed. ``delete`` and ``clear`` keep raising typed
+errors (they are maintenance calls, not the engine's hot path), and raise
+:class:`~hicache_storage.errors.BackendClosedError` once the instance is closed.
 """
 
 from __future__ import annotations
@@ -92,7 +94,10 @@ def _check_bool(result: Any, n: int) -> tuple[Any, str | None]:
     if isinstance(result, bool):
         return result, None
     # 0/1 and numpy booleans keep their meaning; anything else (None...) is a failure.
-    meaningful = isinstance(result, int) or type(result).__name__ == "bool_"
+    kind = type(result)  # numpy's boolean scalar is numpy.bool (numpy 2) or numpy.bool_ (1)
+    meaningful = isinstance(result, int) or (
+        kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+    )
     return (
         bool(result) if meaningful else False
     ), f"returned {type(result).__name__}, expected bool"
@@ -186,9 +191,10 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             except _PASS_THROUGH:
                 raise
             except Exception as exc:  # noqa: BLE001 - the engine must never see a store failure
-                active[me] += 1
+                keys = args[0] if args else kwargs.get("keys" if batch else "key")
+                n = len(keys) if batch and isinstance(keys, (list, tuple)) else 1
+                active[me] += n  # every item of the failed call failed
                 self._log_failure(name, exc)
-                n = len(args[0]) if batch and args else 1
                 return spec.failure(n)
 
         # Outermost call: validate keys (first argument), run, check the result's shape.
@@ -319,6 +325,25 @@ def _guard_close(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _guard_maintenance(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``delete``/``clear`` refuse to run on a closed instance.
+
+    They are not engine-facing calls (they raise typed errors instead of returning a
+    failure shape), so after :meth:`close` they raise :class:`BackendClosedError`: an
+    instance that was closed must not go on removing pages of a store other instances
+    still use.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(self: HiCacheStorage, *args: Any, **kwargs: Any) -> Any:
+        if self._hicache_state().closed:
+            raise BackendClosedError(f"{type(self).__name__} is closed")
+        return fn(self, *args, **kwargs)
+
+    wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 class InstanceState:
     """Per-instance bookkeeping of the protocol layer."""
 
@@ -353,6 +378,10 @@ def guard_class(cls: type) -> None:
     fn = getattr(cls, "close", None)
     if callable(fn) and not is_guarded(fn):
         cls.close = _guard_close(fn)  # type: ignore[attr-defined]
+    for op in ("delete", "clear"):
+        fn = getattr(cls, op, None)
+        if callable(fn) and not is_guarded(fn):
+            setattr(cls, op, _guard_maintenance(fn))
 
 
 def overrides(cls: type, op: str, base: type) -> bool:

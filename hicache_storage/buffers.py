@@ -149,7 +149,10 @@ def source_views(value: object) -> list[memoryview]:
 def target_views(target: object) -> list[memoryview]:
     """Return writable memoryviews over a read target (PageBuffer, tensor or buffer)."""
     if isinstance(target, PageBuffer):
-        return target.views
+        views = target.views
+        if any(v.readonly for v in views):
+            raise InvalidTypeError("target PageBuffer has a read-only segment")
+        return views
     if is_tensor(target):
         return [_tensor_view(target)]
     return [_buffer_view(target, writable=True)]

@@ -19,6 +19,7 @@ The tree::
     │   ├── BackendTimeoutError (TimeoutError)
     │   ├── CapacityError                         no room, even after eviction
     │   ├── CorruptObjectError                    header or checksum does not match
+    │   │   └── UnsupportedFormatError            written by a newer format (keep it)
     │   └── BackendClosedError                    the backend was closed
     └── ContractViolationError                    a backend returned a result of the wrong shape
 
@@ -62,6 +63,7 @@ __all__ = [
     "NamespaceMismatchError",
     "NotSupportedError",
     "UnknownBackendError",
+    "UnsupportedFormatError",
     "from_os_error",
     "map_errors",
     "mapped_error",
@@ -136,6 +138,14 @@ class CorruptObjectError(BackendError):
     """A stored object failed its header or checksum verification."""
 
 
+class UnsupportedFormatError(CorruptObjectError):
+    """A stored object has a header version or checksum algorithm this SDK does not know.
+
+    Most likely it was written by a newer release sharing the store: a miss for this
+    reader, but not damage, so stores do not remove it.
+    """
+
+
 class BackendClosedError(BackendError):
     """The backend was closed; it accepts no more operations."""
 
@@ -164,7 +174,7 @@ ErrorMap = Mapping[type[BaseException], type[BackendError]]
 
 
 def mapped_error(exc: BaseException, mapping: ErrorMap) -> BaseException:
-    """The error ``exc`` becomes under ``mapping``, or ``exc`` itself when nothing maps it.
+    r"""The error ``exc`` becomes under ``mapping``, or ``exc`` itself when nothing maps it.
 
     The classes of ``exc``'s MRO are looked up in order, so the most specific entry wins
     (``{OSError: BackendError, TimeoutError: BackendTimeoutError}`` maps a
@@ -173,10 +183,12 @@ def mapped_error(exc: BaseException, mapping: ErrorMap) -> BaseException:
     ``exc`` as its ``__cause__``. An exception that is already a
     :class:`HiCacheStorageError` is returned unchanged: our own errors (a
     :class:`CapacityError`, an :class:`InvalidArgumentError` that must reach the caller)
-    keep their type even under a broad entry such as ``{Exception: BackendError}``.
+    keep their type even under a broad entry such as ``{Exception: BackendError}``, and
+    exceptions that are not :class:`Exception`\ s (``KeyboardInterrupt``,
+    ``SystemExit``) are never mapped.
     """
-    if isinstance(exc, HiCacheStorageError):
-        return exc
+    if isinstance(exc, HiCacheStorageError) or not isinstance(exc, Exception):
+        return exc  # our own errors keep their type; KeyboardInterrupt & co. are not mapped
     for cls in type(exc).__mro__:
         target = mapping.get(cls)
         if target is not None:

@@ -535,7 +535,11 @@ class HiCacheStorage(abc.ABC):
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
-        """Release resources. Idempotent; afterwards every call returns its failure shape."""
+        """Release resources. Idempotent.
+
+        Afterwards every engine-facing call returns its failure shape, and ``delete`` and
+        ``clear`` raise :class:`~hicache_storage.errors.BackendClosedError`.
+        """
 
     def __enter__(self) -> Self:
         """Use the backend as a context manager; it is closed on exit."""

@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from hicache_storage.protocol import HiCacheStorage
+from hicache_storage.protocol import Capabilities, HiCacheStorage
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from hicache_storage.buffers import PageBuffer
+    from hicache_storage.protocol import HostPool
 
 __all__ = ["WrapperBackend"]
 
@@ -24,9 +25,11 @@ class WrapperBackend(HiCacheStorage):
     logging. Override :meth:`_before` to run code before each forwarded operation, or
     override single methods (call ``super()`` to forward).
 
-    The wrapper takes ``inner``'s config, namespace, capabilities and registered host
-    pool, and registers a later host pool with ``inner`` as well as itself. Being a :class:`HiCacheStorage` subclass,
-    it is guarded like any backend: a failure inside ``inner`` that escapes it, or one
+    The wrapper takes ``inner``'s config and namespace. Its capabilities and host pool are
+    ``inner``'s, read at each use (a backend may refine its capabilities or get a pool
+    after it was wrapped), unless set on the wrapper itself; a pool registered through
+    the wrapper is registered with ``inner`` too. Being a :class:`HiCacheStorage`
+    subclass, it is guarded like any backend: a failure inside ``inner`` that escapes it, or one
     raised by the wrapper's own code, becomes the call's failure shape and is counted in
     the wrapper's stats (``inner`` keeps its own). Closing the wrapper closes ``inner``.
     """
@@ -35,9 +38,31 @@ class WrapperBackend(HiCacheStorage):
         super().__init__(inner.config)
         self.inner = inner
         self.name = f"{type(self).__name__}({inner.name or type(inner).__name__})"
-        self.capabilities = inner.capabilities
-        # A pool already attached to ``inner`` serves the wrapper's v1 calls too.
-        self.mem_pool_host = inner.mem_pool_host
+
+    # A property over the base's attribute: mypy does not take @override on properties.
+    @property  # type: ignore[explicit-override]
+    def capabilities(self) -> Capabilities:
+        """``inner``'s capabilities as they are now, unless set on the wrapper."""
+        own: Capabilities | None = self.__dict__.get("_own_capabilities")
+        return own if own is not None else self.inner.capabilities
+
+    @capabilities.setter
+    def capabilities(self, value: Capabilities) -> None:
+        self.__dict__["_own_capabilities"] = value
+
+    # A property over the base's attribute: mypy does not take @override on properties.
+    @property  # type: ignore[explicit-override]
+    def mem_pool_host(self) -> HostPool | None:
+        """The pool registered through the wrapper, else ``inner``'s (read at each use)."""
+        own: HostPool | None = self.__dict__.get("_own_pool")
+        if own is not None:
+            return own
+        inner = self.__dict__.get("inner")
+        return inner.mem_pool_host if inner is not None else None
+
+    @mem_pool_host.setter
+    def mem_pool_host(self, value: HostPool | None) -> None:
+        self.__dict__["_own_pool"] = value
 
     def _before(self, op: str) -> None:
         """Hook run before each forwarded operation."""

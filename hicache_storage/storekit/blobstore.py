@@ -22,7 +22,9 @@ batched calls, which is all an implementer writes::
 The base does the rest, the same way for every such store: the object header of
 :mod:`hicache_storage.storekit.header` in front of every value (length, payload checksum,
 name digest) and its verification on every read, so a truncated, foreign, renamed or
-corrupt value is a miss (counted in ``corrupt_objects``), never wrong bytes; filling the
+corrupt value is a miss (counted in ``corrupt_objects``), never wrong bytes (a
+damaged payload is caught by its checksum, so only with ``checksum="xxh3"``, the default
+here; ``"none"`` checks lengths and names only); filling the
 caller's target with :func:`~hicache_storage.buffers.copy_into` (all or nothing) or a new
 uint8 tensor; the leading-run count of ``batch_exists``; per-item failures; and the
 translation of the client's exceptions through :attr:`BlobStore.error_map`.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeAlias, TypeVar, cast
 
@@ -46,14 +49,16 @@ from hicache_storage.buffers import (
     target_views,
     total_nbytes,
 )
-from hicache_storage.config import StorageConfig, parse_options
+from hicache_storage.config import StorageConfig, parse_options, scrub
 from hicache_storage.errors import (
     BackendError,
     CapacityError,
     ContractViolationError,
     CorruptObjectError,
     ErrorMap,
+    HiCacheStorageError,
     NotSupportedError,
+    UnsupportedFormatError,
     map_errors,
     mapped_error,
 )
@@ -69,11 +74,12 @@ from hicache_storage.storekit.header import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from contextlib import AbstractContextManager
 
     from hicache_storage.keys import ObjectName
 
-__all__ = ["Blob", "BlobOptions", "BlobStore", "Segments"]
+__all__ = ["PRESENT", "Blob", "BlobOptions", "BlobStore", "Present", "Segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +91,66 @@ Blob: TypeAlias = bytes | bytearray | memoryview
 Segments: TypeAlias = list[bytes | memoryview]
 
 
+class Present:
+    """The type of :data:`PRESENT` (one instance; compare with ``is``)."""
+
+    @override
+    def __repr__(self) -> str:
+        return "PRESENT"
+
+
+#: What :meth:`BlobStore._put_blobs_if_absent` may return for a name that already held a
+#: value (nothing written by this call): a success, not counted in ``bytes_written``.
+#: ``True`` means stored now, or present when the store cannot tell the two apart.
+PRESENT = Present()
+
+
+def _is_numpy_bool(value: object) -> bool:
+    """True for numpy's boolean scalars (``numpy.bool`` in numpy 2, ``numpy.bool_`` in 1)."""
+    kind = type(value)
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+
+
+def _answer(value: object) -> bool | None:
+    """``value`` as a yes/no answer of an implementer, or None when it is not one.
+
+    Only booleans (Python's, numpy's) and the integers 0 and 1 are answers: a string, a
+    float or an arbitrary object is an implementer bug, never a success.
+    """
+    if isinstance(value, bool):
+        return value
+    if _is_numpy_bool(value) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    return None
+
+
+@contextmanager
+def _store_errors(mapping: ErrorMap) -> Iterator[None]:
+    """``map_errors(mapping)``, plus: other SDK errors raised by the implementer are store failures.
+
+    An argument or configuration error deep in a client call becomes a
+    :class:`BackendError`: the caller's arguments were validated before, so it is the
+    store's failure, and it must give the failure shape, not reach the engine.
+    """
+    try:
+        with map_errors(mapping):
+            yield
+    except (BackendError, NotSupportedError, ContractViolationError):
+        raise
+    except HiCacheStorageError as exc:
+        raise BackendError(f"the store raised {type(exc).__name__}: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class BlobOptions:
     """Options every :class:`BlobStore` backend has (its options class derives from this).
 
     Attributes:
         checksum: payload checksum written in each value's header, ``"xxh3"`` or
-            ``"none"`` (lengths and names are checked either way).
-        verify_checksum: verify the payload checksum of every value read.
+            ``"none"`` (lengths and names are checked either way; with ``"none"`` a
+            damaged payload of the right length is not detected).
+        verify_checksum: verify the payload checksum of every value read that has one
+            (a value written with ``"none"`` carries none, and is accepted unchecked).
     """
 
     checksum: Literal["xxh3", "none"] = "xxh3"
@@ -186,11 +244,13 @@ class BlobStore(HiCacheStorage, Generic[O]):
     @abc.abstractmethod
     def _put_blobs_if_absent(
         self, names: list[ObjectName], blobs: list[Segments]
-    ) -> Sequence[bool | Exception]:
+    ) -> Sequence[bool | Present | Exception]:
         """Store each value (given as its segments) unless its name already holds one.
 
-        One bool per name: True when the name holds a value after the call. Atomic per
-        value, first writer wins (see the class docstring).
+        One answer per name: True when the name holds a value after the call, or
+        :data:`PRESENT` where the store can tell that it already held one (nothing
+        written: not counted in ``bytes_written``). Atomic per value, first writer wins
+        (see the class docstring).
         """
 
     @abc.abstractmethod
@@ -211,9 +271,11 @@ class BlobStore(HiCacheStorage, Generic[O]):
     def _errors(self) -> AbstractContextManager[None]:
         """The context that every call of the implementer's methods runs in.
 
-        By default it applies :attr:`error_map` with :func:`~hicache_storage.errors.map_errors`.
+        By default it applies :attr:`error_map` with :func:`~hicache_storage.errors.map_errors`,
+        and turns SDK errors other than store failures (``BackendError``),
+        ``NotSupportedError`` and ``ContractViolationError`` into ``BackendError``.
         """
-        return map_errors(self.error_map)
+        return _store_errors(self.error_map)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -231,6 +293,20 @@ class BlobStore(HiCacheStorage, Generic[O]):
         if self.strict_contract:
             raise ContractViolationError(message)
         raise BackendError(message + "; one result per name is due")
+
+    def _answered(self, method: str, value: object) -> bool | None:
+        """An implementer's yes/no for one item, or None when ``value`` is not a boolean.
+
+        None is a contract violation: logged and counted, and the item fails.
+        """
+        answer = _answer(value)
+        if answer is None:
+            self._record(contract_violations=1)
+            message = f"{type(self).__name__}.{method} answered {type(value).__name__!r}"
+            if self.strict_contract:
+                raise ContractViolationError(message + ", not a bool")
+            self._log("answer:" + method, "%s, not a bool: the item fails", message)
+        return answer
 
     def _item_failed(self, op: str, exc: BaseException) -> None:
         """Log an exception found in a result slot (counted by the caller)."""
@@ -259,6 +335,10 @@ class BlobStore(HiCacheStorage, Generic[O]):
             else:
                 try:
                     out.append(self._payload(name, blob))
+                except UnsupportedFormatError as exc:
+                    # A newer release's value in a shared store: a miss here, kept.
+                    self._log("newer", "object %s (%s): kept; the read is a miss", name.path, exc)
+                    out.append(None)
                 except CorruptObjectError as exc:
                     self._record(corrupt_objects=1)
                     self._log(
@@ -266,7 +346,7 @@ class BlobStore(HiCacheStorage, Generic[O]):
                     )
                     corrupt.append(name)
                     out.append(None)
-                except TypeError:
+                except (TypeError, BufferError, ValueError):
                     self._item_failed(
                         op,
                         BackendError(
@@ -288,6 +368,8 @@ class BlobStore(HiCacheStorage, Generic[O]):
         value.
         """
         view = memoryview(blob)
+        if not view.c_contiguous:
+            view = memoryview(view.tobytes())  # checksums and copies need one run of bytes
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         header = decode_header(view[:HEADER_SIZE], name.path)
@@ -308,7 +390,8 @@ class BlobStore(HiCacheStorage, Generic[O]):
             with self._errors():
                 self._delete_blobs(names)
         except Exception as exc:  # noqa: BLE001 - the read already answered a miss
-            self._log("corrupt-remove", "cannot remove %d corrupt objects: %s", len(names), exc)
+            text = scrub(str(exc), self._secret_values())  # a client's error may quote them
+            self._log("corrupt-remove", "cannot remove %d corrupt objects: %s", len(names), text)
 
     def _fill(self, payload: memoryview, target: Any, views: list[memoryview] | None) -> Any:
         """``target`` filled with ``payload`` (a new tensor when ``views`` is None), or None.
@@ -356,7 +439,11 @@ class BlobStore(HiCacheStorage, Generic[O]):
                 if isinstance(ok, BaseException):
                     self._item_failed(op, ok)
                     failed += 1
-                elif ok:
+                elif ok is PRESENT:
+                    out[i] = True
+                elif (answer := self._answered("_put_blobs_if_absent", ok)) is None:
+                    failed += 1
+                elif answer:
                     out[i] = True
                     written += total_nbytes(values[i])
             self._record(bytes_written=written)
@@ -376,8 +463,11 @@ class BlobStore(HiCacheStorage, Generic[O]):
                 self._item_failed(op, present)
                 failed += 1
                 out.append(False)
+            elif (answer := self._answered("_exists_blobs", present)) is None:
+                failed += 1
+                out.append(False)
             else:
-                out.append(bool(present))
+                out.append(answer)
         self._add_item_errors(failed)
         return out
 
@@ -456,7 +546,10 @@ class BlobStore(HiCacheStorage, Generic[O]):
         (done,) = self._results("_delete_blobs", got, 1)
         if isinstance(done, BaseException):
             raise mapped_error(done, self.error_map)
-        return bool(done)
+        answer = self._answered("_delete_blobs", done)
+        if answer is None:
+            raise BackendError(f"{type(self).__name__}._delete_blobs gave no yes/no answer")
+        return answer
 
     @override
     def clear(self) -> None:

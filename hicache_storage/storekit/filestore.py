@@ -44,6 +44,7 @@ from hicache_storage.errors import (
     CapacityError,
     ConfigError,
     CorruptObjectError,
+    UnsupportedFormatError,
     from_os_error,
 )
 from hicache_storage.keys import _KEY_RE, _SHARD_RE, KEY_MAX_LEN, ObjectName
@@ -676,6 +677,10 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                 verify_payload(header, views)
             self._record(bytes_read=payload)
             self._touch(name, path, st, fd)
+        except UnsupportedFormatError as exc:
+            # A newer release's object in a shared store: a miss here, not damage.
+            self._log("newer", "object %s (%s): kept; the read is a miss", path, exc)
+            return None
         except CorruptObjectError as exc:
             self._quarantine(path, fd, exc)
             return None

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from hicache_storage.errors import ConfigError, CorruptObjectError
+from hicache_storage.errors import ConfigError, CorruptObjectError, UnsupportedFormatError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -105,21 +105,23 @@ def decode_header(raw: bytes | bytearray | memoryview, name: str | None = None) 
     """Decode and check a header.
 
     Raises :class:`CorruptObjectError` if it is not valid or, with ``name``, if it was not
-    stored under ``name``.
+    stored under ``name``; :class:`UnsupportedFormatError` (a subclass) for a header
+    version or checksum algorithm this release does not know.
     """
     if len(raw) < HEADER_SIZE:
         raise CorruptObjectError(f"object shorter than its header ({len(raw)} bytes)")
     head = bytes(raw[: _FMT.size])
     if head[:4] != MAGIC:
         raise CorruptObjectError("bad magic: not a hicache-storage object")
-    if head[4] != VERSION:
-        raise CorruptObjectError(f"unsupported object version {head[4]}")
-    _magic, _version, algorithm, _flags, payload_len, csum, digest = _FMT.unpack(head)
+    _magic, version, algorithm, _flags, payload_len, csum, digest = _FMT.unpack(head)
     crc, _reserved = _TAIL.unpack(bytes(raw[_FMT.size : HEADER_SIZE]))
+    # The header CRC first: a damaged version byte is damage, not a newer format.
     if zlib.crc32(head) != crc:
         raise CorruptObjectError("header checksum mismatch")
+    if version != VERSION:
+        raise UnsupportedFormatError(f"unsupported object version {version}")
     if algorithm not in ALGORITHMS.values():
-        raise CorruptObjectError(f"unknown checksum algorithm id {algorithm}")
+        raise UnsupportedFormatError(f"unknown checksum algorithm id {algorithm}")
     if name is not None and digest != name_digest(name):
         raise CorruptObjectError("the object was stored under another name")
     return ObjectHeader(algorithm, payload_len, csum)

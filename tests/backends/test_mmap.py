@@ -74,7 +74,8 @@ def test_an_instance_learns_its_object_limit_when_the_arena_opens(tmp_path: Path
     try:
         assert b.capabilities.max_object_bytes is None  # no arena yet: no slot size
         b.register_mem_pool_host(pool)  # creates the arena with the pool's page size
-        assert b.capabilities.max_object_bytes == b.usage()["slot_size"] > 0
+        refined = b.capabilities  # read again: the instance refined them
+        assert refined.max_object_bytes == b.usage()["slot_size"] > 0
         assert MmapBackend.capabilities.max_object_bytes is None  # the class is untouched
         assert b.capabilities.zero_copy and b.capabilities.persistent
     finally:

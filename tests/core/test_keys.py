@@ -294,7 +294,7 @@ def test_for_pool_reads_sglang_style_pools(tmp_path: Path, mla_attr: str) -> Non
         64, "float8_e4m3fn", "page_first_direct", True,
     )  # fmt: skip
     b = FileBackend(StorageConfig(namespace=ns), root=str(tmp_path))
-    b.register_mem_pool_host(pool)
+    b.register_mem_pool_host(pool)  # type: ignore[arg-type]  # attributes only: no page access
     b.close()
     plain = KVCacheNamespace.for_pool(
         _SGLangStylePool(page_size=1, dtype="torch.bfloat16"), model_id="m", total_kv_heads=8

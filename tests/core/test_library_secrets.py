@@ -38,6 +38,7 @@ class CanaryOptions(FileOptions):
 class Canary(FileBackend):
     name = "canary"
     options_class = CanaryOptions
+    options: CanaryOptions  # what options_class parses into
 
     def set(self, key: str, value: Any) -> bool:
         if self.options.fail:  # a client error that quotes what it was given

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache_storage import Capabilities, ObjectName, StorageConfig
 from hicache_storage.errors import BackendError, BackendUnavailableError, ConfigError
-from hicache_storage.storekit.blobstore import BlobOptions, BlobStore, Segments
+from hicache_storage.storekit.blobstore import PRESENT, BlobOptions, BlobStore, Segments
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -43,6 +43,9 @@ class SQLiteOptions(BlobOptions):
     def __post_init__(self) -> None:
         if not self.path:
             raise ConfigError("path must not be empty")
+        if self.path == ":memory:" or self.path.startswith("file:"):
+            # Each thread's connection would get its own private database.
+            raise ConfigError("path must be a database file, not :memory: or a URI")
 
 
 def _chunks(names: list[ObjectName]) -> Iterator[list[str]]:
@@ -100,23 +103,24 @@ class SQLiteBackend(BlobStore[SQLiteOptions]):
         rows = self._select("data", names)
         return [rows.get(n.path) for n in names]
 
-    def _put_blobs_if_absent(self, names: list[ObjectName], blobs: list[Segments]) -> list[bool]:
+    def _put_blobs_if_absent(self, names: list[ObjectName], blobs: list[Segments]) -> list[object]:
         db = self._db()
+        out: list[object] = []
         db.execute("BEGIN")
         try:
-            # INSERT OR IGNORE: the first writer wins, an existing page is never replaced.
-            db.executemany(
-                "INSERT OR IGNORE INTO pages (ns, name, data) VALUES (?, ?, ?)",
-                (
-                    (self.namespace.digest, n.path, b"".join(b))
-                    for n, b in zip(names, blobs, strict=True)
-                ),
-            )
+            # INSERT OR IGNORE: the first writer wins, an existing page is never replaced;
+            # no row inserted means the page was already there (PRESENT: nothing written).
+            for n, b in zip(names, blobs, strict=True):
+                cur = db.execute(
+                    "INSERT OR IGNORE INTO pages (ns, name, data) VALUES (?, ?, ?)",
+                    (self.namespace.digest, n.path, b"".join(b)),
+                )
+                out.append(True if cur.rowcount == 1 else PRESENT)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        return [True] * len(names)
+        return out
 
     def _exists_blobs(self, names: list[ObjectName]) -> list[bool]:
         rows = self._select("1", names)
