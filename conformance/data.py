@@ -197,14 +197,14 @@ def make_pool(
 
 
 def pool_namespace(pool: HostKVPool, **overrides: Any) -> KVCacheNamespace:
-    """The run's namespace for ``pool``: its page size, dtype, layout and MLA-ness."""
-    facts: dict[str, Any] = {
-        "page_size": pool.page_size,
-        "dtype": str(pool.dtype),
-        "object_layout": pool.layout,
-        "rank_replicated": pool.mla,
-    }
-    return make_namespace(**{**facts, **overrides})
+    """The run's namespace for ``pool``, read off the pool.
+
+    :meth:`KVCacheNamespace.for_pool` with the kit's model id and this run's tenant
+    (both overridable).
+    """
+    fields: dict[str, Any] = {"tenant": f"conformance-{RUN_ID}", **overrides}
+    model_id = fields.pop("model_id", "hicache-conformance")
+    return KVCacheNamespace.for_pool(pool, model_id=model_id, **fields)
 
 
 def tree_files(path: str) -> list[str]:

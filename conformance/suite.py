@@ -1187,7 +1187,7 @@ class BackendConformance:
         pool.kv_buffer.view(-1).view(torch.uint8).copy_(
             torch.randint(0, 256, (pool.kv_buffer.numel() * 2,), dtype=torch.uint8)
         )
-        b = kit.backend(pool_namespace(pool, page_size=16))
+        b = kit.backend(pool_namespace(pool))
         b.register_mem_pool_host(pool)
         n = 32
         keys = unique_keys(n)

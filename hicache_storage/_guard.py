@@ -71,8 +71,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINE_OPS", "InstanceState", "active_calls", "guard_class", "is_guarded", "overrides"]
 
-# The failures and violations the guard logs go to the protocol's logger: that is the
-# name users know and configure.
+# The failures and violations the guard logs go to the protocol's logger (named after
+# the contract, hicache_storage.protocol), under the package logger users configure.
 logger = logging.getLogger("hicache_storage.protocol")
 
 

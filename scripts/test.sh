@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, from nothing: set up .venv, lint, type-check, run pytest, then
-# the vendor smoke (the built wheel in a fresh venv passes the kit, about 30 s).
+# the vendor smoke (the built wheel in a fresh venv passes the kit, about 15 s).
 # Extra arguments go to pytest (e.g. scripts/test.sh -k file -x) and skip the smoke.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,7 +3,7 @@
 # Builds the wheel, installs it into a fresh virtual environment that cannot see this
 # checkout, and runs `hicache-storage conformance` from an empty directory on a built-in
 # backend (memory when the wheel registers it, else file). Fails unless the kit passes.
-# About 15 s here (torch comes from .venv as hard links; with SMOKE_TORCH=pip, 30-60 s).
+# About 13-21 s here (torch comes from .venv as hard links; with SMOKE_TORCH=pip, 30-75 s).
 #
 #   bash scripts/vendor_smoke.sh            # memory (or file)
 #   SMOKE_BACKEND=shm bash scripts/vendor_smoke.sh
@@ -20,9 +20,15 @@ cleanup() { if [ -z "${KEEP:-}" ]; then rm -rf "$work"; else echo "vendor smoke:
 trap cleanup EXIT
 say() { echo "vendor smoke: $* ($((SECONDS - start)) s)" >&2; }
 
-# 1. The wheel, built the way a release is (from the tree, no extra downloads).
+# 1. The wheel, built the way a release is (no extra downloads), from a copy of the
+# files git knows (tracked, or new and not ignored): a build in the tree itself would
+# reuse a stale build/lib and ship modules that no longer exist.
+mkdir -p "$work/src"
+git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+  [ -e "$f" ] && printf '%s\0' "$f"
+done | tar --null -T - -cf - | tar -xf - -C "$work/src"
 .venv/bin/pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
-  . -w "$work/dist" 2> >(grep -v "is ignored" >&2)
+  "$work/src" -w "$work/dist" 2> >(grep -v "is ignored" >&2)
 wheel=$(ls "$work"/dist/hicache_storage-*.whl)
 say "built $(basename "$wheel")"
 

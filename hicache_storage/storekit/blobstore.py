@@ -224,6 +224,22 @@ class BlobStore(HiCacheStorage, Generic[O]):
     #: never wrong bytes.
     remove_corrupt: ClassVar[bool] = True
 
+    @override
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse, when the class is defined, declarations the base cannot work with."""
+        super().__init_subclass__(**kwargs)
+        if not (isinstance(cls.options_class, type) and issubclass(cls.options_class, BlobOptions)):
+            raise TypeError(
+                f"{cls.__name__}.options_class must be a BlobOptions subclass (the base reads "
+                f"its checksum options), got {cls.options_class!r}"
+            )
+        for source, target in cls.error_map.items():
+            if not (isinstance(target, type) and issubclass(target, BackendError)):
+                raise TypeError(
+                    f"{cls.__name__}.error_map maps {source!r} to {target!r}: store failures "
+                    "must map to a BackendError type (anything else would reach the engine)"
+                )
+
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config)
         self.options: O = cast("O", parse_options(self.options_class, self.name, options))

@@ -77,7 +77,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Directories of the system that may be world-writable (sticky, root-owned) parents.
-_SYSTEM_DIRS = frozenset({"/", "/tmp", "/var/tmp", "/dev/shm", "/run", "/run/user"})
 
 #: Seconds a group-membership answer is reused (a user removed from the group stops being
 #: trusted within this time; lookups stay off the per-page path).

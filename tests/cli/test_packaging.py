@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -10,24 +11,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_wheel_layout_and_entry_points(tmp_path: Path) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            str(ROOT),
-            "-w",
-            str(tmp_path),
-        ],
-        check=True,
+def source_files() -> list[str]:
+    """The repository's files as a fresh clone plus this change would have them: tracked,
+    or new and not ignored (never build/, .venv/, caches)."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
         capture_output=True,
-    )
-    (wheel,) = tmp_path.glob("hicache_storage-*.whl")
+        check=True,
+    ).stdout.decode()
+    return [f for f in out.split("\0") if f and (ROOT / f).exists()]
+
+
+def build_wheel(dest: Path) -> Path:
+    """A wheel built from a clean copy of the sources: a build in the tree itself reuses a
+    stale build/lib and ships modules that no longer exist."""
+    src = dest / "src"
+    for f in source_files():
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, src / f)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         str(src), "-w", str(dest / "dist")],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = (dest / "dist").glob("hicache_storage-*.whl")
+    return wheel
+
+
+def test_wheel_layout_and_entry_points(tmp_path: Path) -> None:
+    wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"hicache_storage"}
@@ -53,6 +66,17 @@ def test_wheel_layout_and_entry_points(tmp_path: Path) -> None:
                 missing.append(f"{src}/{rel}")
     assert walked >= 5  # hicache_storage, cli, storekit, backends, conformance at least
     assert missing == [], f"not in the wheel (add to pyproject's packages list): {missing}"
+    # ...and nothing else: the wheel's modules are exactly the source modules.
+    expected = set()
+    for f in source_files():
+        for src, dest in (
+            ("backends/", "hicache_storage/backends/"),
+            ("conformance/", "hicache_storage/conformance/"),
+            ("hicache_storage/", "hicache_storage/"),
+        ):
+            if f.startswith(src) and f.endswith(".py"):
+                expected.add(dest + f[len(src) :])
+    assert {n for n in names if n.endswith(".py")} == expected
     info = next(n for n in names if n.endswith("entry_points.txt"))
     eps = zipfile.ZipFile(wheel).read(info).decode()
     assert "[hicache_storage.backends]" in eps

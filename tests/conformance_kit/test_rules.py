@@ -106,7 +106,7 @@ def rule_ids_in_source(sources: dict[str, str]) -> tuple[dict[str, set[str]], li
 
 
 def kit_sources() -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted(KIT.glob("*.py"))}
+    return {p.relative_to(KIT).as_posix(): p.read_text() for p in sorted(KIT.rglob("*.py"))}
 
 
 def test_every_rule_the_kit_uses_is_registered_and_every_registered_rule_is_used() -> None:

@@ -1,4 +1,4 @@
-"""The layer rules of docs/ARCHITECTURE, checked by walking every import of the package.
+"""The layer rules (CONTRIBUTING.md, "Layers"), checked by walking every import of the package.
 
 Every ``.py`` file under ``hicache_storage/``, ``backends/`` and ``conformance/`` is parsed
 with :mod:`ast` (nothing is imported or executed). Each file gets the module name it has

@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -26,6 +26,7 @@ from hicache_storage.errors import (
     BackendClosedError,
     BackendError,
     ConfigError,
+    ErrorMap,
     InvalidTypeError,
     NotSupportedError,
     map_errors,
@@ -336,3 +337,19 @@ def test_the_guard_takes_numpy_booleans_for_what_they_say() -> None:
     assert b.set("k", b"v") is True
     assert b.exists("k") is True and b.exists("nope") is False
     assert b.get_stats().contract_violations == 3  # each non-bool answer is still reported
+
+
+def test_a_blob_store_class_with_unusable_declarations_is_refused_when_defined() -> None:
+    @dataclass(frozen=True)
+    class PlainOptions:  # not a BlobOptions: no checksum fields for the base to read
+        endpoint: str = ""
+
+    with pytest.raises(TypeError, match="BlobOptions"):
+
+        class BadOptions(Scripted):
+            options_class = PlainOptions  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match="BackendError"):
+
+        class BadMap(Scripted):
+            error_map: ClassVar[ErrorMap] = {KeyError: ConfigError}  # type: ignore[dict-item]
