@@ -1,11 +1,12 @@
-"""Fixtures of the backend tests: file backends, a small real tmpfs, a real directory
-fault, directories other users can reach. Server fixtures (redis, moto) belong here too,
+"""Fixtures of the backend tests: file backends, shm directories, mmap arenas, a small
+real tmpfs, a real directory fault, directories other users can reach. Server fixtures (redis, moto) belong here too,
 so the core tests never load them."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hicache_storage import KVCacheNamespace, StorageConfig
-from hicache_storage.backends import FileBackend
+from hicache_storage.backends import FileBackend, MmapBackend
 from hicache_storage.storekit.filestore import FileTreeStore
 
 
@@ -35,6 +36,30 @@ def make_file_backend(root: str) -> Iterator[Callable[..., FileBackend]]:
         options.setdefault("root", root)
         cfg = StorageConfig(namespace=namespace) if namespace is not None else StorageConfig()
         b = FileBackend(cfg, **options)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A fresh directory in the real /dev/shm (not created yet), removed afterwards."""
+    d = f"/dev/shm/hicache-test-{uuid.uuid4().hex[:8]}"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Iterator[Callable[..., MmapBackend]]:
+    """Factory of mmap backends on one arena file in ``tmp_path``; closes them all."""
+    made: list[MmapBackend] = []
+
+    def make(config: StorageConfig | None = None, **options: object) -> MmapBackend:
+        options.setdefault("path", str(tmp_path / "arena"))
+        b = MmapBackend(config or StorageConfig(), **options)
         made.append(b)
         return b
 

@@ -25,13 +25,13 @@ import torch
 
 from hicache_storage import HiCacheStorage, StorageConfig, page_hashes
 from hicache_storage.backends import FileBackend, ShmBackend
-from hicache_storage.conformance.data import make_pool, pool_namespace
 from hicache_storage.errors import ConfigError
-from hicache_storage.storekit.header import algorithm_id, checksum, encode_header
 
 KINDS = ["file", "shm"]
-POOL = make_pool(num_pages=8)
-NS = pool_namespace(POOL, tenant="file-safety")  # subprocesses import it: no per-run tenant
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+
+from file_safety_pages import NS, POOL, page_file_bytes  # shared with the other users' processes
+
 NOBODY = 65534
 MEMBER = 4243  # a second unprivileged user, member of GROUP
 GROUP = 4242
@@ -52,16 +52,6 @@ def location(request: pytest.FixtureRequest) -> Iterator[str]:
     d = f"{base}/hicache-test-{uuid.uuid4().hex[:8]}"
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-def page_file_bytes(payload: bytes, algorithm: str = "xxh3", key: str = "victim-key") -> bytes:
-    """A well-formed stored object (header + payload) for ``key`` in NS, as an attacker
-    would forge it (the name digest is public: forging it is easy)."""
-    from hicache_storage.keys import object_name
-
-    alg = algorithm_id(algorithm)
-    name = object_name(NS.digest, key, None).path
-    return encode_header(len(payload), checksum([memoryview(payload)], alg), alg, name) + payload
 
 
 def object_path(kind: str, root: str, key: str) -> str:
@@ -263,8 +253,8 @@ DEFAULT_VICTIM = textwrap.dedent("""
     from hicache_storage import StorageConfig
     from hicache_storage.backends import FileBackend, ShmBackend
     from hicache_storage.errors import ConfigError
-    sys.path.insert(0, args[1])
-    from tests.backends.test_file_safety import NS
+    sys.path.insert(0, args[1] + "/tests/workers")
+    from file_safety_pages import NS
     drop()
     cls = FileBackend if args[0] == "file" else ShmBackend
     try:
@@ -357,8 +347,8 @@ MEMBER_WRITER = textwrap.dedent("""
     import torch
     from hicache_storage import StorageConfig
     from hicache_storage.backends import ShmBackend
-    sys.path.insert(0, args[1])
-    from tests.backends.test_file_safety import NS
+    sys.path.insert(0, args[1] + "/tests/workers")
+    from file_safety_pages import NS
     drop()
     b = ShmBackend(StorageConfig(namespace=NS), directory=args[0], group=4242)
     print(b.set("shared", b"\\x44" * 64), b.get("mine") is not None)
@@ -393,13 +383,6 @@ def test_group_mode_trusts_members_and_nobody_else(shm_dir: str, tmp_path: Path)
     b.close()
 
 
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    d = f"/dev/shm/hicache-test-{uuid.uuid4().hex[:8]}"
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 FORMER = MEMBER  # 4243: a member once, no longer listed in the group database
 LISTED = 4244  # a current member: listed in the group's member list
 
@@ -430,8 +413,8 @@ FORMER_PREPARES = textwrap.dedent("""
     from hicache_storage import StorageConfig
     from hicache_storage.backends import ShmBackend
     from hicache_storage.keys import object_name
-    sys.path.insert(0, args[2])
-    from tests.backends.test_file_safety import NS, page_file_bytes
+    sys.path.insert(0, args[2] + "/tests/workers")
+    from file_safety_pages import NS, page_file_bytes
     root, step = args[0], args[1]
     name = object_name(NS.digest, "victim-key", None)
     fan = os.path.join(root, name.namespace, name.fanout)
@@ -457,8 +440,8 @@ LISTED_READS = textwrap.dedent("""
     from hicache_storage import StorageConfig
     from hicache_storage.backends import ShmBackend
     from hicache_storage.errors import ConfigError
-    sys.path.insert(0, args[1])
-    from tests.backends.test_file_safety import NS
+    sys.path.insert(0, args[1] + "/tests/workers")
+    from file_safety_pages import NS
     drop()
     try:
         b = ShmBackend(StorageConfig(namespace=NS), directory=args[0], group=4242)

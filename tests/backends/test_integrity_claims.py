@@ -9,10 +9,7 @@ docs say so honestly: if a default changes, this test and the table change toget
 from __future__ import annotations
 
 import os
-import shutil
 import struct
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,13 +33,6 @@ def flip(path: str, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x5A]))
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    d = f"/dev/shm/hicache-claims-{uuid.uuid4().hex[:8]}"
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 # damage -> expected outcome with default options

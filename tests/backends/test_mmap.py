@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,21 +44,6 @@ class TestMmapConformanceDurable(BackendConformance):
         opts = {"path": str(tmp_path / "arena"), "capacity": "160MiB", "slot_size": "1MiB", "fsync": True,
                 "checksum": "xxh3", "verify_checksum": True, "prefault": False}  # fmt: skip
         return BackendSpec("mmap", opts)
-
-
-@pytest.fixture
-def arena(tmp_path: Path) -> Iterator[Callable[..., MmapBackend]]:
-    made: list[MmapBackend] = []
-
-    def make(**options: object) -> MmapBackend:
-        options.setdefault("path", str(tmp_path / "arena"))
-        b = MmapBackend(StorageConfig(), **options)
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
 
 
 def test_an_instance_learns_its_object_limit_when_the_arena_opens(tmp_path: Path) -> None:

@@ -30,21 +30,6 @@ MiB = 2**20
 NOBODY = 65534
 
 
-@pytest.fixture
-def arena(tmp_path: Path) -> Iterator[Callable[..., MmapBackend]]:
-    made: list[MmapBackend] = []
-
-    def make(config: StorageConfig | None = None, **options: object) -> MmapBackend:
-        options.setdefault("path", str(tmp_path / "arena"))
-        b = MmapBackend(config or StorageConfig(), **options)
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
-
-
 def value(i: int, n: int = 1000) -> bytes:
     return bytes([i % 256]) * n
 

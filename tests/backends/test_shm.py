@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +28,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from recycled_pages import HEAD, NS, SIZE, value_of
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    """A fresh directory in the real /dev/shm, removed afterwards."""
-    d = f"/dev/shm/hicache-test-{uuid.uuid4().hex[:8]}"
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 class TestShmConformance(BackendConformance):

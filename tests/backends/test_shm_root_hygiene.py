@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -34,13 +31,6 @@ SIZE = 64 * 1024 - HEADER_SIZE
 
 def ns(model: str) -> KVCacheNamespace:
     return KVCacheNamespace(model_id=model, dtype="bytes", page_size=1)
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    d = f"/dev/shm/hicache-test-{uuid.uuid4().hex[:8]}"
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def old_file(path: str, size: int) -> str:

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,13 +24,6 @@ from hicache_storage.storekit.header import HEADER_SIZE
 WORKER = Path(__file__).parents[1] / "workers" / "shm_cap_writer.py"
 CAP = 4 << 20
 PAYLOAD = 32 * 1024 - HEADER_SIZE
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    d = f"/dev/shm/hicache-test-{uuid.uuid4().hex[:8]}"
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def directory_bytes(d: str) -> int:

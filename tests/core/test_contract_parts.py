@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -24,7 +25,6 @@ from hicache_storage import (
 from hicache_storage.buffers import copy_into, new_target, source_views, target_views
 from hicache_storage.errors import InvalidArgumentError, InvalidTypeError, NamespaceMismatchError
 from hicache_storage.layouts import LAYOUTS
-from hicache_storage.storekit.iopool import IOPool
 
 
 class Dict(HiCacheStorage):
@@ -107,10 +107,23 @@ def test_overrides_tells_a_native_path_from_the_default_loop() -> None:
 # --------------------------------------------------------------------------- _map_pages
 
 
+class _Threads:
+    """A mapper spreading items over 4 worker threads (what IOPool.map does for backends)."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(4)
+
+    def map(self, fn: Any, n: int) -> list[bool]:
+        return list(self.executor.map(fn, range(n)))
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+
 class PerItem(Dict):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = IOPool(4, "test-map")
+        self.pool = _Threads()
 
     def batch_get_pages(self, keys: list[str], pages: Any) -> list[bool]:
         def one(i: int) -> object:
