@@ -161,6 +161,10 @@ def imports_of(tree: ast.Module, name: str, is_package: bool) -> set[str]:
     ``a.b`` catches it whichever ``b`` is.
     """
     found: set[str] = set()
+    importers = {"import_module", "__import__"}  # and any alias they are imported under
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "importlib":
+            importers.update(a.asname for a in node.names if a.name == "import_module" and a.asname)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
@@ -168,11 +172,16 @@ def imports_of(tree: ast.Module, name: str, is_package: bool) -> set[str]:
             base = _resolve(node.module, node.level, name, is_package)
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
-        elif isinstance(node, ast.Call) and node.args:
+        elif isinstance(node, ast.Call):
             func = node.func
             callee = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            target = _literal(node.args[0])
-            if callee in ("import_module", "__import__") and target is not None:
+            first = (
+                node.args[0]
+                if node.args
+                else next((k.value for k in node.keywords if k.arg == "name"), None)
+            )
+            target = _literal(first) if first is not None else None
+            if callee in importers and target is not None:
                 found.add(target)
     for stmt in tree.body:  # the lazy re-export map: _LAZY = {"Name": "module.path", ...}
         if (
@@ -311,9 +320,19 @@ def test_the_walker_sees_every_import_form(tmp_path: Path) -> None:
             "backends/_b.py": "from hicache_storage.backends import AThing\n",
             "conformance/__init__.py": "",
             "conformance/suite.py": "import hicache_storage.backends._a.arena as arena\n",
+            "conformance/report.py": (
+                "from importlib import import_module as im\n"
+                "def f():\n    return im('hicache_storage.storekit.header')\n"
+            ),
+            "conformance/plugin.py": (
+                "import importlib\n"
+                "def f():\n    return importlib.import_module(name='hicache_storage.storekit.capacity')\n"
+            ),
         },
     )
     modules = collect(tmp_path)
+    assert "hicache_storage.storekit.header" in modules["hicache_storage.conformance.report"]
+    assert "hicache_storage.storekit.capacity" in modules["hicache_storage.conformance.plugin"]
     assert modules["hicache_storage.registry"] >= {
         "hicache_storage.backends",
         "hicache_storage.backends._file",
