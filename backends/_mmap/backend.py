@@ -162,6 +162,14 @@ def _pool_page_bytes(pool: Any) -> int:
 
 
 DEFAULT_SLOT = 4 * 2**20
+# The enums' values as plain ints: they are compared and stored once or twice per page on
+# the hot path, where looking an enum member up costs more than the comparison.
+_FREE, _WRITING, _COMMITTED, _RETIRED = (
+    int(SlotState.FREE),
+    int(SlotState.WRITING),
+    int(SlotState.COMMITTED),
+    int(SlotState.RETIRED),
+)
 _CAPS = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
 
 
@@ -314,10 +322,7 @@ class MmapBackend(HiCacheStorage):
         """
         for name, entry in list(self._log.index.items()):
             row = arena.slots[entry.slot]
-            if (
-                int(row["generation"]) == entry.generation
-                and int(row["state"]) == SlotState.COMMITTED
-            ):
+            if int(row["generation"]) == entry.generation and int(row["state"]) == _COMMITTED:
                 continue
             if (
                 entry.algorithm
@@ -328,7 +333,7 @@ class MmapBackend(HiCacheStorage):
                 row["generation"] = entry.generation
                 row["length"] = entry.length
                 row["checksum"] = entry.checksum
-                row["state"] = SlotState.COMMITTED
+                row["state"] = _COMMITTED
                 row["token"] = 0
                 self._slot_lock(arena, entry.slot, take=False)
                 self._warn(
@@ -452,7 +457,7 @@ class MmapBackend(HiCacheStorage):
         if entry is None:
             return None
         row = arena.slots[entry.slot]
-        if int(row["generation"]) != entry.generation or int(row["state"]) != SlotState.COMMITTED:
+        if int(row["generation"]) != entry.generation or int(row["state"]) != _COMMITTED:
             return None
         return entry
 
@@ -463,7 +468,7 @@ class MmapBackend(HiCacheStorage):
         slots = arena.slots
         state = slots["state"]
         resting = self._resting(arena)
-        usable = (state == SlotState.FREE) | ((state == SlotState.RETIRED) & ~resting)
+        usable = (state == _FREE) | ((state == _RETIRED) & ~resting)
         hint = [int(i) for i in np.flatnonzero(usable)]
         if not hint:
             live = np.zeros(arena.nslots, dtype=bool)
@@ -473,8 +478,8 @@ class MmapBackend(HiCacheStorage):
             # Orphans: committed in the table but never logged (a crash between the two),
             # or reserved by a writer that died (its slot lock is gone).
             mine = slots["token"] == self._token
-            writing = state == SlotState.WRITING
-            orphans = ((state == SlotState.COMMITTED) | (writing & ~mine)) & ~live
+            writing = state == _WRITING
+            orphans = ((state == _COMMITTED) | (writing & ~mine)) & ~live
             hint = [int(i) for i in np.flatnonzero(orphans)]
         hint.reverse()  # pop() from the end takes the lowest slot first
         self._free_hint = hint
@@ -488,7 +493,7 @@ class MmapBackend(HiCacheStorage):
         now = time.time()
         since = arena.slots["since"]
         return (
-            (arena.slots["state"] == SlotState.RETIRED)
+            (arena.slots["state"] == _RETIRED)
             & (since > now - self.options.reuse_delay)
             & (since <= now)
         )
@@ -509,7 +514,7 @@ class MmapBackend(HiCacheStorage):
 
         slots = arena.slots
         busy = 0
-        for s in np.flatnonzero(slots["state"] == SlotState.WRITING):
+        for s in np.flatnonzero(slots["state"] == _WRITING):
             if int(slots[s]["token"]) == self._token or self._held_elsewhere(arena, int(s)):
                 busy += 1
         return busy
@@ -536,23 +541,23 @@ class MmapBackend(HiCacheStorage):
             if slot in self._log.by_slot:
                 continue
             since, now = float(row["since"]), time.time()
-            if state == SlotState.RETIRED and now - self.options.reuse_delay < since <= now:
+            if state == _RETIRED and now - self.options.reuse_delay < since <= now:
                 continue
-            if state == SlotState.WRITING and int(row["token"]) == self._token:
+            if state == _WRITING and int(row["token"]) == self._token:
                 continue  # ours, in flight
             if not self._slot_lock(arena, slot, take=True):
                 continue  # a live writer elsewhere holds it
             break
         gen = _new_generation(int(row["generation"]))
         row["generation"] = gen
-        row["state"] = SlotState.WRITING
+        row["state"] = _WRITING
         row["pid"] = self._pid
         row["token"] = self._token
         row["since"] = time.time()
         if len(self._free_hint) + 1 < self.options.low_free_slots * arena.nslots:
             # Evict ahead, so the slots have rested by the time they are needed.
             states = slots["state"]
-            usable = int(((states == SlotState.FREE) | (states == SlotState.RETIRED)).sum())
+            usable = int(((states == _FREE) | (states == _RETIRED)).sum())
             if usable < self.options.low_free_slots * arena.nslots:
                 self._evict_some(arena, max(1, arena.nslots // 20), keep)
         return slot, gen
@@ -582,14 +587,14 @@ class MmapBackend(HiCacheStorage):
         for slot in slots:
             row = arena.slots[slot]
             row["generation"] = _new_generation(int(row["generation"]))
-            row["state"] = SlotState.RETIRED
+            row["state"] = _RETIRED
             row["since"] = now
 
     def _still_mine(self, arena: _Arena, slot: int, gen: int) -> bool:
         row = arena.slots[slot]
         return (
             int(row["generation"]) == gen
-            and int(row["state"]) == SlotState.WRITING
+            and int(row["state"]) == _WRITING
             and int(row["token"]) == self._token
         )
 
@@ -597,7 +602,7 @@ class MmapBackend(HiCacheStorage):
         """Give back reserved slots that were not committed (only those still ours)."""
         for slot, gen in reserved.values():
             if self._still_mine(arena, slot, gen):
-                arena.slots[slot]["state"] = SlotState.FREE
+                arena.slots[slot]["state"] = _FREE
             self._slot_lock(arena, slot, take=False)
 
     # ------------------------------------------------------------------ write pipeline
@@ -724,13 +729,13 @@ class MmapBackend(HiCacheStorage):
                     row = arena.slots[slot]
                     if names[i] in self._log.index:
                         # Another process stored the key meanwhile: it won.
-                        row["state"] = SlotState.FREE
+                        row["state"] = _FREE
                         results[i] = True
                         continue
                     row["length"] = sizes[i]
                     row["checksum"] = csum
                     row["last_access"] = now
-                    row["state"] = SlotState.COMMITTED
+                    row["state"] = _COMMITTED
                     if self.options.fsync:
                         arena.flush_row(slot)
                     entry = _Entry(slot, gen, sizes[i], csum, self._algorithm)
@@ -770,7 +775,7 @@ class MmapBackend(HiCacheStorage):
         _fence()
         # Seqlock check: the slot must still hold this generation after the copy.
         row = arena.slots[entry.slot]
-        if int(row["generation"]) != entry.generation or int(row["state"]) != SlotState.COMMITTED:
+        if int(row["generation"]) != entry.generation or int(row["state"]) != _COMMITTED:
             return None
         if (
             self.options.verify_checksum
