@@ -65,7 +65,7 @@ class SQLiteBackend(BlobStore[SQLiteOptions]):
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config, **options)
         self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
+        self._all: dict[int, tuple[threading.Thread, sqlite3.Connection]] = {}
         self._lock = threading.Lock()
         with self._errors():
             self._db().execute(_SCHEMA)
@@ -82,8 +82,15 @@ class SQLiteBackend(BlobStore[SQLiteOptions]):
             )
             conn.execute("PRAGMA journal_mode=WAL")
             self._local.conn = conn
+            me = threading.current_thread()
             with self._lock:
-                self._all.append(conn)
+                # Close the connections of threads that have ended (short-lived callers
+                # would otherwise each leave one open until close()).
+                gone = [k for k, (t, _) in self._all.items() if not t.is_alive()]
+                stale = [self._all.pop(k)[1] for k in gone]
+                self._all[id(me)] = (me, conn)
+            for old in stale:
+                old.close()
         return conn
 
     def _select(self, what: str, names: list[ObjectName]) -> dict[str, Any]:
@@ -142,6 +149,6 @@ class SQLiteBackend(BlobStore[SQLiteOptions]):
 
     def close(self) -> None:
         with self._lock:
-            conns, self._all = self._all, []
-        for conn in conns:
+            conns, self._all = self._all, {}
+        for _thread, conn in conns.values():
             conn.close()
