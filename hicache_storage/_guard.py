@@ -48,10 +48,11 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import numbers
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +70,15 @@ from hicache_storage.stats import StatsRecorder
 if TYPE_CHECKING:
     from hicache_storage.protocol import HiCacheStorage
 
-__all__ = ["ENGINE_OPS", "InstanceState", "active_calls", "guard_class", "is_guarded", "overrides"]
+__all__ = [
+    "ENGINE_OPS",
+    "InstanceState",
+    "active_calls",
+    "as_bool",
+    "guard_class",
+    "is_guarded",
+    "overrides",
+]
 
 # The failures and violations the guard logs go to the protocol's logger (named after
 # the contract, hicache_storage.protocol), under the package logger users configure.
@@ -90,38 +99,54 @@ def _check_any(result: Any, n: int) -> tuple[Any, str | None]:
     return result, None
 
 
+def as_bool(value: object) -> bool | None:
+    """``value`` as a yes/no answer, or None when it is not one.
+
+    Booleans (Python's, and numpy's: ``numpy.bool`` in numpy 2, ``numpy.bool_`` in 1) and
+    the integers 0 and 1 (numpy's too) are answers. Anything else (2, -1, a string, a
+    float, None) is not: taking it as True would report a page present or stored that is
+    not. Shared by the guard and :class:`~hicache_storage.storekit.blobstore.BlobStore`.
+    """
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    return None
+
+
 def _check_bool(result: Any, n: int) -> tuple[Any, str | None]:
     if isinstance(result, bool):
         return result, None
-    # 0/1 and numpy booleans keep their meaning; anything else (None...) is a failure.
-    kind = type(result)  # numpy's boolean scalar is numpy.bool (numpy 2) or numpy.bool_ (1)
-    meaningful = isinstance(result, int) or (
-        kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
-    )
-    return (
-        bool(result) if meaningful else False
-    ), f"returned {type(result).__name__}, expected bool"
+    answer = as_bool(result)  # 0/1 and numpy booleans keep their meaning
+    return bool(answer), f"returned {type(result).__name__}, expected bool"
 
 
 def _check_count(result: Any, n: int) -> tuple[Any, str | None]:
-    if isinstance(result, bool) or not isinstance(result, int):
+    plain = type(result) is int  # (before the isinstance narrowing below)
+    if isinstance(result, bool) or not isinstance(result, numbers.Integral):
         if isinstance(result, list) and len(result) == n:
             # A per-key list: the engine needs the leading run.
             lead = 0
-            while lead < n and result[lead] is True:
+            while lead < n and as_bool(result[lead]) is True:
                 lead += 1
             return lead, "returned a list, expected the int count of leading hits"
         return 0, f"returned {type(result).__name__}, expected int"
-    if not 0 <= result <= n:
-        return 0, f"returned {result} for {n} keys (must be in [0, {n}])"
-    return result, None
+    count = int(result)  # numpy integers too
+    if not 0 <= count <= n:
+        return 0, f"returned {count} for {n} keys (must be in [0, {n}])"
+    if not plain:  # a numpy integer: the right count, but not the promised type
+        return count, f"returned {type(result).__name__}, expected int"
+    return count, None
 
 
 def _check_bools(result: Any, n: int) -> tuple[Any, str | None]:
     if isinstance(result, list) and len(result) == n:
         if all(isinstance(x, bool) for x in result):
             return result, None
-        return [x is True for x in result], "returned non-bool entries"
+        return [as_bool(x) is True for x in result], "returned non-bool entries"
     if isinstance(result, bool):
         return [result] * n, f"returned a bool, expected a list of {n} bools"
     if isinstance(result, list):
@@ -186,14 +211,16 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if me in active:
             # Nested call on this instance (a default batch loop calling get, or super()):
             # the outermost call validated the arguments and records the stats.
+            before = active[me]
             try:
                 return fn(self, *args, **kwargs)
             except _PASS_THROUGH:
                 raise
             except Exception as exc:  # noqa: BLE001 - the engine must never see a store failure
                 keys = args[0] if args else kwargs.get("keys" if batch else "key")
-                n = len(keys) if batch and isinstance(keys, (list, tuple)) else 1
-                active[me] += n  # every item of the failed call failed
+                n = len(keys) if batch and isinstance(keys, Sized) else 1
+                # Every item of the failed call failed: once each, whatever it had reported.
+                active[me] = before + n
                 self._log_failure(name, exc)
                 return spec.failure(n)
 
@@ -313,9 +340,19 @@ def _guard_close(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(self: HiCacheStorage) -> None:
         state = self._hicache_state()
-        if state.closed or state.closing:
+        if state.closed:
+            return
+        if state.closing:
+            # A subclass's close calling super().close() reaches the parent's guarded close
+            # while closing: run it (once). Anything else (close() from inside the same
+            # body, or from another thread meanwhile) returns at once.
+            if state.closer == threading.get_ident() and fn not in state.closing_bodies:
+                state.closing_bodies.add(fn)
+                fn(self)
             return
         state.closing = True
+        state.closer = threading.get_ident()
+        state.closing_bodies = {fn}
         try:
             fn(self)
         finally:
@@ -351,6 +388,8 @@ class InstanceState:
         self.stats = StatsRecorder()
         self.closed = False
         self.closing = False
+        self.closer: int | None = None  # the thread running close()
+        self.closing_bodies: set[Callable[..., Any]] = set()  # close bodies run so far
         self.strict = os.environ.get("HICACHE_STORAGE_STRICT", "") not in ("", "0", "false")
         self.log = RateLimitedLog(logger)
         self.secrets: list[str] | None = None  # values of secret options, once known

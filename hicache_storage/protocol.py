@@ -14,6 +14,10 @@ page I/O, ``batch_exists`` for pipelined existence checks, ``delete``, ``clear``
 
 * keys are validated before your code runs (:func:`~hicache_storage.keys.validate_key`);
   invalid keys and other bad arguments raise :class:`~hicache_storage.errors.InvalidArgumentError`;
+  :class:`~hicache_storage.errors.NotSupportedError` (an operation this backend or this
+  process cannot do at all, e.g. an instance used after ``fork``) and
+  :class:`~hicache_storage.errors.ContractViolationError` (strict mode) also reach the
+  caller;
 * any other exception, from the store or from a bug, becomes the call's *failure shape*
   (``None``, ``False``, ``0``, ``[False] * n``, ``[None] * n``), is logged (rate limited)
   and is counted in :meth:`get_stats`. The engine's prefetch and backup threads never die
@@ -22,7 +26,8 @@ page I/O, ``batch_exists`` for pipelined existence checks, ``delete``, ``clear``
   a bool from ``batch_set``) are replaced by a safe shape and counted as contract
   violations; in strict mode (``HICACHE_STORAGE_STRICT=1``) they raise
   :class:`~hicache_storage.errors.ContractViolationError` instead;
-* after :meth:`close`, every call returns its failure shape.
+* after :meth:`close`, every engine-facing call returns its failure shape (``delete``
+  and ``clear`` raise :class:`~hicache_storage.errors.BackendClosedError`).
 
 =====================  ==========================================  ==================
 method                 returns                                     failure shape

@@ -17,6 +17,19 @@ if TYPE_CHECKING:
 __all__ = ["WrapperBackend"]
 
 
+class _InnerCapabilities:
+    """The descriptor behind :attr:`WrapperBackend.capabilities`."""
+
+    def __get__(self, obj: WrapperBackend | None, owner: type | None = None) -> Capabilities:
+        if obj is None:
+            return Capabilities()
+        own: Capabilities | None = obj.__dict__.get("_own_capabilities")
+        return own if own is not None else obj.inner.capabilities
+
+    def __set__(self, obj: WrapperBackend, value: Capabilities) -> None:
+        obj.__dict__["_own_capabilities"] = value
+
+
 class WrapperBackend(HiCacheStorage):
     """A backend that forwards every operation to another one, ``inner``.
 
@@ -39,16 +52,9 @@ class WrapperBackend(HiCacheStorage):
         self.inner = inner
         self.name = f"{type(self).__name__}({inner.name or type(inner).__name__})"
 
-    # A property over the base's attribute: mypy does not take @override on properties.
-    @property  # type: ignore[explicit-override]
-    def capabilities(self) -> Capabilities:
-        """``inner``'s capabilities as they are now, unless set on the wrapper."""
-        own: Capabilities | None = self.__dict__.get("_own_capabilities")
-        return own if own is not None else self.inner.capabilities
-
-    @capabilities.setter
-    def capabilities(self, value: Capabilities) -> None:
-        self.__dict__["_own_capabilities"] = value
+    #: ``inner``'s capabilities as they are now, unless set on the wrapper; on the class
+    #: itself (what the registry reads), the default ``Capabilities()``.
+    capabilities = _InnerCapabilities()
 
     # A property over the base's attribute: mypy does not take @override on properties.
     @property  # type: ignore[explicit-override]

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeAlias, Ty
 
 from typing_extensions import override
 
+from hicache_storage._guard import as_bool
 from hicache_storage.buffers import (
     PageBuffer,
     copy_into,
@@ -103,25 +104,6 @@ class Present:
 #: value (nothing written by this call): a success, not counted in ``bytes_written``.
 #: ``True`` means stored now, or present when the store cannot tell the two apart.
 PRESENT = Present()
-
-
-def _is_numpy_bool(value: object) -> bool:
-    """True for numpy's boolean scalars (``numpy.bool`` in numpy 2, ``numpy.bool_`` in 1)."""
-    kind = type(value)
-    return kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
-
-
-def _answer(value: object) -> bool | None:
-    """``value`` as a yes/no answer of an implementer, or None when it is not one.
-
-    Only booleans (Python's, numpy's) and the integers 0 and 1 are answers: a string, a
-    float or an arbitrary object is an implementer bug, never a success.
-    """
-    if isinstance(value, bool):
-        return value
-    if _is_numpy_bool(value) or (isinstance(value, int) and value in (0, 1)):
-        return bool(value)
-    return None
 
 
 @contextmanager
@@ -315,7 +297,7 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
         None is a contract violation: logged and counted, and the item fails.
         """
-        answer = _answer(value)
+        answer = as_bool(value)
         if answer is None:
             self._record(contract_violations=1)
             message = f"{type(self).__name__}.{method} answered {type(value).__name__!r}"
@@ -508,10 +490,11 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        views = [target_views(page) for page in pages]  # refuses read-only pages first
         payloads = self._fetch("batch_get_pages", [self.object_name(k) for k in keys])
         return [
-            p is not None and self._fill(p, page, page.views) is not None
-            for p, page in zip(payloads, pages, strict=True)
+            p is not None and self._fill(p, page, v) is not None
+            for p, page, v in zip(payloads, pages, views, strict=True)
         ]
 
     @override

@@ -19,6 +19,13 @@ copied or linked to another key's name (another user swapping two of a victim's 
 a directory they control, a confused copy between namespaces) reads as a miss, never as
 that key's page. The payload checksum is xxh3-64, computed over the payload's segments in
 order without joining them.
+
+**Frozen across versions**: the magic at 0, the version byte at 4 and the CRC-32 of bytes
+0..39 at 40. A reader checks the CRC before the version, so an object of a later version
+that keeps them reads as :class:`~hicache_storage.errors.UnsupportedFormatError` (a miss
+that stores keep, for the newer release sharing the store; for this reader that key stays
+a miss, since first writer wins), while a damaged header is corruption (removed). A later
+format that changed these bytes would look like damage to older readers.
 """
 
 from __future__ import annotations

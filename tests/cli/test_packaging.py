@@ -14,6 +14,15 @@ ROOT = Path(__file__).resolve().parents[2]
 def source_files() -> list[str]:
     """The repository's files as a fresh clone plus this change would have them: tracked,
     or new and not ignored (never build/, .venv/, caches)."""
+    if not (ROOT / ".git").exists():  # an unpacked sdist or tarball: no git to ask
+        skip = {".git", ".venv", "build", "dist", "__pycache__", ".ruff_cache", ".mypy_cache"}
+        return [
+            p.relative_to(ROOT).as_posix()
+            for p in ROOT.rglob("*")
+            if p.is_file()
+            and not skip & set(p.relative_to(ROOT).parts)
+            and not any(part.endswith(".egg-info") for part in p.parts)
+        ]
     out = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,

@@ -353,3 +353,100 @@ def test_a_blob_store_class_with_unusable_declarations_is_refused_when_defined()
 
         class BadMap(Scripted):
             error_map: ClassVar[ErrorMap] = {KeyError: ConfigError}  # type: ignore[dict-item]
+
+
+# --------------------------------------------------------------------------- second round
+
+
+def test_a_subclass_close_that_calls_super_closes_the_inner_backend() -> None:
+    """close() is guarded on every class that defines it: the guard must let a subclass's
+    super().close() run the parent's close, or a wrapper never closes what it wraps."""
+    order: list[str] = []
+
+    class Flushing(WrapperBackend):
+        def close(self) -> None:
+            order.append("flush")
+            super().close()
+
+    inner = MemoryBackend(store="faults-superclose")
+    w = Flushing(inner)
+    w.close()
+    w.close()  # idempotent: the bodies ran once
+    assert order == ["flush"]
+    assert inner.closed and w.closed
+    with pytest.raises(BackendClosedError):
+        inner.delete("k")
+
+
+def test_close_called_again_from_inside_close_does_not_recurse() -> None:
+    calls: list[str] = []
+
+    class Reentrant(Scripted):
+        def close(self) -> None:
+            calls.append("close")
+            self.close()  # the same body again: returns at once
+
+    b = Reentrant()
+    b.close()
+    assert calls == ["close"] and b.closed
+
+
+def test_batch_get_pages_refuses_a_read_only_page_before_writing_any() -> None:
+    writable = torch.zeros(8, dtype=torch.uint8)
+    page = PageBuffer(
+        [
+            Segment(
+                int(writable.data_ptr()), 8, memoryview_at(int(writable.data_ptr()), 8, writable)
+            ),
+            Segment(0, 8, memoryview(bytes(8))),
+        ]
+    )
+    b = Scripted()
+    assert b.set("k", bytes(range(16)))
+    with pytest.raises(InvalidTypeError, match="read-only"):
+        b.batch_get_pages(["k"], [page])
+    assert bytes(writable.numpy()) == bytes(8)
+
+
+def test_a_nested_failure_after_reported_item_errors_counts_each_item_once() -> None:
+    class Chunked(Scripted):
+        def batch_get_pages(self, keys: list[str], pages: Any) -> list[bool]:
+            self._add_item_errors(1)  # one item reported failed...
+            raise ConnectionError("...then the whole call fails")
+
+        def batch_get(self, keys: list[str], targets: Any = None) -> list[Any]:
+            return [None] * 2 + [
+                bool(x) for x in self.batch_get_pages(keys[2:], [None] * len(keys[2:]))
+            ]
+
+    b = Chunked()
+    b.batch_get(["a", "b", "c", "d"])
+    op = b.get_stats().op("batch_get")
+    assert op.errors == 2  # c and d, once each: not 1 + 2
+    assert op.items == 4
+
+
+def test_numpy_answers_in_lists_and_counts_keep_their_meaning() -> None:
+    import numpy as np
+
+    class Vectorised(Scripted):
+        def batch_set(self, keys: list[str], values: Any) -> list[bool]:
+            super().batch_set(keys, values)
+            return list(np.ones(len(keys), dtype=bool))
+
+        def batch_exists(self, keys: list[str], extra_info: object = None) -> int:
+            return np.int64(super().batch_exists(keys))  # type: ignore[return-value]
+
+        def exists(self, key: str) -> bool:
+            return 2  # type: ignore[return-value]  # not an answer: never "present"
+
+    b = Vectorised()
+    assert b.batch_set(["a", "b"], [b"1", b"2"]) == [True, True]
+    assert b.batch_exists(["a", "b", "c"]) == 2
+    assert b.exists("a") is False
+    assert b.get_stats().contract_violations == 3
+
+
+def test_a_wrapper_class_declares_default_capabilities_for_the_registry() -> None:
+    assert FaultyBackend.capabilities == Capabilities()
+    assert WrapperBackend.capabilities.claimed() == []
