@@ -112,15 +112,26 @@ def test_a_reset_under_a_running_engine_never_serves_the_new_arenas_pages(
 
 
 def record_offsets(index: Path, key: str) -> list[int]:
-    """Offsets in the log of every record naming ``key`` (the byte after its name)."""
+    """Offsets in the log of every record of ``key`` (in the default namespace): the
+    position of the last byte of its name, a byte its CRC covers.
+
+    Records are found by their structure (magic, then the name length, then the name), not
+    by searching for the key's text: a text search also matched random bytes of other
+    fields, or missed a name whose CRC happened to start with the byte it checked.
+    """
+    from hicache_storage.backends._mmap.index_log import _REC, _REC_MAGIC
+    from hicache_storage.keys import DEFAULT_NAMESPACE, object_name
+
+    name = object_name(DEFAULT_NAMESPACE.digest, key, None).path.encode()
     raw = index.read_bytes()
-    needle = f"/{key}".encode()
-    out, pos = [], raw.find(needle)
+    out, pos = [], raw.find(name)
     while pos >= 0:
-        end = pos + len(needle)
-        if raw[end : end + 1] not in (b"~",):  # not a longer name
-            out.append(pos + 1)
-        pos = raw.find(needle, pos + 1)
+        start = pos - _REC.size
+        if start >= 0 and raw[start : start + 4] == _REC_MAGIC:
+            fields = _REC.unpack_from(raw, start)
+            if fields[3] == len(name):  # the record's name length: this whole name
+                out.append(pos + len(name) - 1)
+        pos = raw.find(name, pos + 1)
     return out
 
 
