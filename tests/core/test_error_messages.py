@@ -70,10 +70,14 @@ def _package_modules() -> list[object]:
     for pkg_name in ("hicache_storage", "hicache_storage.backends", "hicache_storage.conformance"):
         pkg = importlib.import_module(pkg_name)
         mods.append(pkg)
-        mods.extend(
-            importlib.import_module(info.name)
-            for info in pkgutil.walk_packages(pkg.__path__, pkg_name + ".")
-        )
+        for info in pkgutil.walk_packages(pkg.__path__, pkg_name + "."):
+            try:
+                mods.append(importlib.import_module(info.name))
+            except ImportError:
+                # An engine adapter imports its engine (SGLang...), which this venv lacks;
+                # its own venv's tests cover it. Anything else must import.
+                if not info.name.startswith("hicache_storage.integrations."):
+                    raise
     return mods
 
 

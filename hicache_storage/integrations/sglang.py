@@ -1,0 +1,406 @@
+"""Any hicache-storage backend inside SGLang: :class:`SGLangStorage`.
+
+SGLang (0.5.23) loads a third-party L3 backend through its ``dynamic`` storage backend::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "file",
+        "module_path": "hicache_storage.integrations.sglang", "class_name": "SGLangStorage",
+        "interface_v1": true, "root": "/var/cache/kv"}'
+
+SGLang's factory imports this module and calls ``SGLangStorage(storage_config,
+extra_config)``; the extra config holds the factory's and the controller's own keys mixed
+with the backend's options. ``backend_name`` names the hicache-storage backend (any
+installed one, built-in or a vendor's, found through the registry); the other keys that
+are not SGLang's are that backend's options. ``interface_v1`` makes SGLang's controller
+use the zero-copy ``batch_get_v1``/``batch_set_v1`` pair.
+
+**Lifecycle.** The SDK backend is built when SGLang registers its host pool
+(:meth:`SGLangStorage.register_mem_pool_host`): only the pool says what the pages are
+(page size, KV dtype, layout, heads), and those are part of the namespace that keeps
+different deployments' pages apart. The namespace holds the model name, the dtype, the
+page size, the host layout, MLA (rank-replicated pages) and the heads per rank; the
+shard holds the TP rank (or the KV heads it holds) and the pipeline stage; context
+parallel ranks (``attn_cp``, ``dcp``) are kept apart in the namespace's tenant. Calls
+made before the pool is registered fail cleanly (their failure shape, logged).
+
+**What SGLang gets that its own backends do not give it**: ``batch_set`` returns one bool
+that is True only when every page was stored (a list, SGLang's own default, is truthy
+even when every page failed); the pointer form of ``get``/``set`` accepts only addresses
+inside the registered host pool (anything else is a failed call, never a write to an
+arbitrary address); every store failure is a failure result, never an exception on the
+controller's threads.
+
+Importing this module needs SGLang; ``import hicache_storage`` never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _SGLangHiCacheStorage
+except ImportError as exc:  # pragma: no cover - exercised by the packaging test's light import
+    raise ImportError(
+        "hicache_storage.integrations.sglang runs inside SGLang, which is not importable "
+        f"here ({exc}); install sglang (0.5.23 is the version tested) in this environment"
+    ) from exc
+
+from hicache_storage.buffers import memoryview_at
+from hicache_storage.config import StorageConfig
+from hicache_storage.errors import ConfigError
+from hicache_storage.keys import KVCacheNamespace, normalize_dtype
+from hicache_storage.ratelimit import RateLimitedLog
+from hicache_storage.registry import available_backends, create_backend
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hicache_storage.protocol import HiCacheStorage
+
+__all__ = ["SGLangStorage", "StorageMetrics"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StorageMetrics:
+    """The shape of SGLang's ``StorageMetrics``: one entry per call.
+
+    Used when SGLang's own class cannot be imported (its module needs ``transformers``).
+    """
+
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
+
+
+def _metrics_class() -> type:
+    try:
+        from sglang.srt.observability.metrics_collector import StorageMetrics as Real
+    except Exception:  # noqa: BLE001 - any import failure: the same shape, ours
+        return StorageMetrics
+    return Real  # type: ignore[no-any-return]
+
+
+class _PoolView:
+    """SGLang's host pool as the SDK's protocol reads it.
+
+    It exposes the facts the backend checks against its namespace (``page_size``,
+    ``dtype``, ``layout``, ``mla``) and SGLang's own ``get_page_buffer_meta``, so v1 pages
+    are resolved by the pool that owns them.
+    """
+
+    def __init__(self, pool: Any, mla: bool) -> None:
+        self.pool = pool
+        self.page_size = int(pool.page_size)
+        self.dtype = pool.dtype
+        self.layout = str(pool.layout)
+        self.mla = mla
+        self.kv_buffer = getattr(pool, "kv_buffer", pool)
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[Sequence[int], Sequence[int]]:
+        """SGLang's pointer and size of every segment of every page of ``indices``."""
+        ptrs, sizes = self.pool.get_page_buffer_meta(indices)
+        return list(ptrs), list(sizes)
+
+
+def _buffer_ranges(buffer: Any) -> list[tuple[int, int]]:
+    """``[(start, end)]`` address ranges of a pool's KV buffer (a tensor or several)."""
+    if isinstance(buffer, (list, tuple)):
+        return [r for b in buffer for r in _buffer_ranges(b)]
+    if hasattr(buffer, "data_ptr") and hasattr(buffer, "nbytes"):
+        start = int(buffer.data_ptr())
+        return [(start, start + int(buffer.nbytes))]
+    return []
+
+
+class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
+    """SGLang's ``HiCacheStorage``, backed by any hicache-storage backend.
+
+    Args:
+        storage_config: SGLang's ``HiCacheStorageConfig`` for this rank.
+        extra_config: options that override ``storage_config.extra_config`` (SGLang's
+            ``dynamic`` factory passes its own keyword arguments here, empty when the
+            controller builds the backend). Together they hold ``backend_name`` and the
+            backend's options; SGLang's own keys are ignored.
+    """
+
+    def __init__(self, storage_config: Any, extra_config: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.storage_config = storage_config
+        # SGLang's dynamic factory passes its own **kwargs here (empty from the controller):
+        # the options are in storage_config.extra_config; explicit ones win.
+        extra = {**(storage_config.extra_config or {}), **(extra_config or {})}
+        name = extra.get("backend_name")
+        if not name or not isinstance(name, str):
+            raise ConfigError(
+                "the extra config needs backend_name: the hicache-storage backend to use "
+                f"(installed: {sorted(available_backends())})"
+            )
+        self.backend_name = name
+        self.extra_config = extra
+        self.backend: HiCacheStorage | None = None
+        self.mem_pool_host: Any = None
+        self._lock = threading.Lock()
+        self._metrics = StorageMetrics()
+        self._log = RateLimitedLog(logger)
+        if name.partition("@")[0] not in available_backends():
+            raise ConfigError(
+                f"unknown hicache-storage backend {name!r}; installed: {sorted(available_backends())}"
+            )
+
+    # ------------------------------------------------------------------ attach
+
+    def namespace_for(self, pool: Any) -> KVCacheNamespace:
+        """The namespace of this rank's pages for SGLang host pool ``pool``."""
+        cfg = self.storage_config
+        mla = bool(cfg.is_mla_model)
+        fields: dict[str, Any] = {
+            "model_id": cfg.model_name or "unnamed-model",
+            "dtype": normalize_dtype(pool.dtype),
+            "page_size": int(pool.page_size),
+            "object_layout": str(pool.layout),
+            "rank_replicated": mla,
+        }
+        heads = getattr(pool, "head_num", None)
+        if not mla and isinstance(heads, int) and heads > 0:
+            fields["total_kv_heads"] = heads * int(cfg.tp_size)
+            fields["kv_heads_per_shard"] = heads
+        # Context-parallel ranks hold different tokens of the same pages' positions: keep
+        # them apart (the shard covers TP and PP only).
+        apart = [
+            f"{what}{rank}of{size}"
+            for what, rank, size in (
+                ("cp", getattr(cfg, "attn_cp_rank", 0), getattr(cfg, "attn_cp_size", 1)),
+                ("dcp", getattr(cfg, "dcp_rank", 0), getattr(cfg, "dcp_size", 1)),
+            )
+            if int(size) > 1
+        ]
+        if apart:
+            fields["tenant"] = "-".join(apart)
+        return KVCacheNamespace(**fields)
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Attach SGLang's host pool and build the backend for its pages.
+
+        Raises (SGLang fails the attach) when the backend cannot take the pool: a layout
+        it does not support names the layouts it does.
+        """
+        namespace = self.namespace_for(mem_pool_host)
+        cfg = self.storage_config
+        config = StorageConfig(
+            namespace=namespace,
+            tp_rank=int(cfg.tp_rank),
+            tp_size=int(cfg.tp_size),
+            pp_rank=int(cfg.pp_rank),
+            pp_size=int(cfg.pp_size),
+            extra_config=self.extra_config,
+        )
+        backend = create_backend(self.backend_name, config)
+        try:
+            pool = (
+                mem_pool_host
+                if hasattr(mem_pool_host, "page_buffers")
+                else _PoolView(mem_pool_host, bool(cfg.is_mla_model))
+            )
+            backend.register_mem_pool_host(pool)
+        except BaseException:
+            backend.close()
+            raise
+        with self._lock:
+            old, self.backend, self.mem_pool_host = self.backend, backend, mem_pool_host
+        if old is not None:
+            old.close()
+
+    def _backend(self, op: str) -> HiCacheStorage | None:
+        backend = self.backend
+        if backend is None:
+            self._log(
+                "nopool:" + op,
+                "SGLangStorage.%s before register_mem_pool_host(): the call fails",
+                op,
+            )
+        return backend
+
+    # ------------------------------------------------------------------ pointer form
+
+    def _pointer_target(self, location: Any, size: Any) -> memoryview | None:
+        """A view of ``size`` bytes at address ``location``, if they lie inside the pool."""
+        try:
+            start, nbytes = int(location), int(size)
+        except (TypeError, ValueError):
+            return None
+        end = start + nbytes
+        if nbytes < 0 or self.mem_pool_host is None:
+            return None
+        for lo, hi in _buffer_ranges(getattr(self.mem_pool_host, "kv_buffer", None)):
+            if lo <= start and end <= hi:
+                return memoryview_at(start, nbytes, self.mem_pool_host)
+        self._log(
+            "pointer",
+            "SGLangStorage: %d bytes at %#x are outside the registered host pool; refused",
+            nbytes,
+            start,
+        )
+        return None
+
+    def _target(self, location: Any, size: Any) -> Any:
+        """The read target or write value SGLang passed: a tensor, or an address form."""
+        if location is None or hasattr(location, "data_ptr") or size is None:
+            return location
+        return self._pointer_target(location, size)
+
+    # ------------------------------------------------------------------ legacy calls
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """The page of ``key`` (into ``target_location`` when given), or None."""
+        backend = self._backend("get")
+        if backend is None:
+            return None
+        target = self._target(target_location, target_sizes)
+        if target is None and target_location is not None:
+            return None  # an address SGLang may not write through
+        got = backend.get(key, target)
+        if got is None:
+            return None
+        return target_location if target is not None and target_location is not None else got
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[Any]:
+        """``get`` of each key, one result per key."""
+        if target_locations is None:
+            return [self.get(k) for k in keys]
+        sizes = target_sizes if target_sizes is not None else [None] * len(keys)
+        return [self.get(k, t, s) for k, t, s in zip(keys, target_locations, sizes, strict=True)]
+
+    def set(
+        self,
+        key: str,
+        value: Any = None,
+        target_location: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store ``value`` (or the bytes at ``target_location``) under ``key``."""
+        backend = self._backend("set")
+        if backend is None:
+            return False
+        if value is None:
+            value = self._target(target_location, target_sizes)
+            if value is None:
+                return False
+        return bool(backend.set(key, value))
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store every value; True only if every one was stored (SGLang's contract)."""
+        n = len(keys)
+        t0 = time.perf_counter()
+        if values is not None:
+            results = [self.set(k, v) for k, v in zip(keys, values, strict=True)]
+        else:
+            locations = target_locations if target_locations is not None else [None] * n
+            sizes = target_sizes if target_sizes is not None else [None] * n
+            results = [
+                self.set(k, None, t, s) for k, t, s in zip(keys, locations, sizes, strict=True)
+            ]
+        self._note("backup", sum(results), 0, time.perf_counter() - t0)
+        return all(results) and len(results) == n
+
+    def exists(self, key: str) -> bool:
+        """True if ``key`` is stored."""
+        backend = self._backend("exists")
+        return bool(backend.exists(key)) if backend is not None else False
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """The number of leading keys stored."""
+        backend = self._backend("batch_exists")
+        return int(backend.batch_exists(keys)) if backend is not None else 0
+
+    # ------------------------------------------------------------------ zero-copy v1
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
+        """Read ``keys`` into the host pool at ``host_indices``; one bool per page."""
+        backend = self._backend("batch_get_v1")
+        if backend is None:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        out = backend.batch_get_v1(keys, host_indices)
+        self._note("prefetch", sum(out), self._page_bytes(), time.perf_counter() - t0)
+        return out
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
+        """Store the host-pool pages at ``host_indices`` under ``keys``; one bool per page."""
+        backend = self._backend("batch_set_v1")
+        if backend is None:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        out = backend.batch_set_v1(keys, host_indices)
+        self._note("backup", sum(out), self._page_bytes(), time.perf_counter() - t0)
+        return out
+
+    # ------------------------------------------------------------------ the rest
+
+    def clear(self) -> None:
+        """Remove this deployment's pages (this namespace only), if the backend can."""
+        backend = self._backend("clear")
+        if backend is not None and backend.capabilities.delete:
+            backend.clear()
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` since the last call (then reset), as its backends do."""
+        with self._lock:
+            metrics, self._metrics = self._metrics, StorageMetrics()
+        real = _metrics_class()
+        if real is StorageMetrics:
+            return metrics
+        out = real()
+        out.prefetch_pgs.extend(metrics.prefetch_pgs)
+        out.backup_pgs.extend(metrics.backup_pgs)
+        out.prefetch_bandwidth.extend(metrics.prefetch_bandwidth)
+        out.backup_bandwidth.extend(metrics.backup_bandwidth)
+        return out
+
+    def close(self) -> None:
+        """Close the backend; later calls fail cleanly."""
+        with self._lock:
+            backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.close()
+
+    def _page_bytes(self) -> int:
+        pool = self.mem_pool_host
+        per = getattr(pool, "page_bytes", None)
+        if isinstance(per, int):
+            return per
+        size = getattr(pool, "get_size_per_token", None)
+        try:
+            return int(size()) * int(pool.page_size) if callable(size) else 0
+        except Exception:  # noqa: BLE001 - a figure for the metrics only
+            return 0
+
+    def _note(self, kind: str, pages: int, page_bytes: int, seconds: float) -> None:
+        if not getattr(self.storage_config, "enable_storage_metrics", False):
+            return
+        gbps = pages * page_bytes / seconds / 1e9 if seconds > 0 and page_bytes else 0.0
+        with self._lock:
+            if kind == "prefetch":
+                self._metrics.prefetch_pgs.append(pages)
+                self._metrics.prefetch_bandwidth.append(gbps)
+            else:
+                self._metrics.backup_pgs.append(pages)
+                self._metrics.backup_bandwidth.append(gbps)

@@ -1,0 +1,226 @@
+"""The SGLang adapter inside the real SGLang package (0.5.23, in .venv-sglang).
+
+SGLang's own factory builds the adapter through its ``dynamic`` backend, for each of our
+node-local backends; the adapter then answers every call SGLang's controller makes, with
+SGLang's contract where our native API differs (one bool from ``batch_set``, the pointer
+form of ``get``/``set``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as SGLangHiCacheStorage
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+from hicache_storage import HostKVPool, page_hashes
+from hicache_storage.errors import ConfigError
+from hicache_storage.integrations.sglang import SGLangStorage
+
+MODULE = "hicache_storage.integrations.sglang"
+
+
+def sglang_config(
+    extra: dict[str, Any],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    metrics: bool = True,
+) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=True,
+        model_name="acme/llama-test", extra_config=extra,
+    )  # fmt: skip
+
+
+def options_for(name: str, tmp_path: Path) -> dict[str, Any]:
+    options: dict[str, dict[str, Any]] = {
+        "file": {"root": str(tmp_path / "file")},
+        "shm": {"directory": str(tmp_path / "shm")},
+        "mmap": {"path": str(tmp_path / "arena"), "capacity": "64MiB", "prefault": False},
+        "memory": {"store": f"sglang-{tmp_path.name}"},
+    }
+    return options[name]
+
+
+def make_pool(layout: str = "page_first", mla: bool = False) -> HostKVPool:
+    pool = HostKVPool(num_pages=16, page_size=4, layer_num=2, kv_heads=2, head_dim=16,
+                      dtype=torch.bfloat16, layout=layout, mla=mla)  # fmt: skip
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    return pool
+
+
+def build(name: str, tmp_path: Path, **config: Any) -> SGLangStorage:
+    extra = {"backend_name": name, "module_path": MODULE, "class_name": "SGLangStorage",
+             "interface_v1": True, "prefetch_threshold": 256, **options_for(name, tmp_path)}  # fmt: skip
+    backend = StorageBackendFactory.create_backend("dynamic", sglang_config(extra, **config), None)
+    assert isinstance(backend, SGLangStorage)
+    assert isinstance(backend, SGLangHiCacheStorage)  # a real subclass of SGLang's class
+    return backend
+
+
+BACKENDS = ["file", "shm", "mmap", "memory"]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_sglangs_factory_builds_it_and_v1_pages_round_trip_byte_exact(
+    name: str, layout: str, tmp_path: Path
+) -> None:
+    b = build(name, tmp_path)
+    pool = make_pool(layout)
+    b.register_mem_pool_host(pool)
+    keys = page_hashes(list(range(8 * 4)), 4)
+    src = torch.arange(0, 8 * 4)
+    dst = torch.arange(8 * 4, 16 * 4)
+    want = [p.tobytes() for p in pool.page_buffers(src)]
+    assert b.batch_set_v1(keys, src) == [True] * 8
+    assert b.batch_exists([*keys, "missing"]) == 8
+    assert b.batch_get_v1(keys, dst) == [True] * 8
+    assert [p.tobytes() for p in pool.page_buffers(dst)] == want
+    b.clear()
+    assert b.batch_exists(keys) == 0
+    b.close()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_batch_set_is_one_bool_false_when_any_page_failed(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = build(name, tmp_path)
+    b.register_mem_pool_host(make_pool())
+    ok = [torch.full((64,), i, dtype=torch.uint8) for i in range(3)]
+    assert b.batch_set(["a", "b", "c"], ok) is True
+    got = b.get("b")
+    assert got is not None and torch.equal(got, ok[1])
+    # One page the store refuses (a full store, a dead server): the batch is not done,
+    # whatever the others did. A list would be truthy here and count as a backup.
+    assert b.backend is not None
+    real_set = b.backend.set
+    monkeypatch.setattr(b.backend, "set", lambda key, value: key != "e" and real_set(key, value))
+    assert b.batch_set(["d", "e", "f"], ok) is False
+    assert b.exists("d") and not b.exists("e") and b.exists("f")
+    b.close()
+
+
+def test_the_pointer_form_reads_and_writes_only_inside_the_host_pool(tmp_path: Path) -> None:
+    b = build("memory", tmp_path)
+    pool = make_pool()
+    b.register_mem_pool_host(pool)
+    page = pool.page_buffers(torch.arange(0, 4))[0]
+    seg = page.segments[0]
+    assert b.set("k", None, seg.ptr, seg.nbytes) is True
+    stored = bytes(seg.memoryview)
+    other = pool.page_buffers(torch.arange(4, 8))[0].segments[0]
+    assert b.get("k", other.ptr, other.nbytes) == other.ptr
+    assert bytes(other.memoryview) == stored
+    # An address outside the pool: a failed call, and nothing written there.
+    outside = ctypes.create_string_buffer(b"\x11" * seg.nbytes, seg.nbytes)
+    address = ctypes.addressof(outside)
+    assert b.get("k", address, seg.nbytes) is None
+    assert outside.raw == b"\x11" * seg.nbytes
+    assert b.set("k2", None, address, seg.nbytes) is False
+    assert b.get("k", seg.ptr, seg.nbytes * 10**6) is None  # runs past the pool's end
+    b.close()
+
+
+def test_calls_before_the_pool_is_registered_fail_cleanly(tmp_path: Path) -> None:
+    b = build("memory", tmp_path)
+    assert b.get("k") is None
+    assert b.set("k", torch.ones(4, dtype=torch.uint8)) is False
+    assert b.batch_exists(["k"]) == 0
+    assert b.batch_get_v1(["k"], torch.arange(4)) == [False]
+    b.close()
+
+
+def test_an_unknown_backend_name_is_a_clear_error_at_construction() -> None:
+    extra = {"backend_name": "no-such-store", "module_path": MODULE, "class_name": "SGLangStorage"}
+    with pytest.raises(ConfigError, match="no-such-store"):
+        StorageBackendFactory.create_backend("dynamic", sglang_config(extra), None)
+    with pytest.raises(ConfigError, match="backend_name"):
+        SGLangStorage(sglang_config({}))
+
+
+def test_metrics_have_sglangs_shape_and_reset_on_read(tmp_path: Path) -> None:
+    b = build("memory", tmp_path)
+    b.register_mem_pool_host(make_pool())
+    keys = page_hashes(list(range(12)), 4)
+    b.batch_set_v1(keys, torch.arange(12))
+    b.batch_get_v1(keys, torch.arange(12, 24))
+    m = b.get_stats()
+    assert (m.backup_pgs, m.prefetch_pgs) == ([3], [3])
+    assert len(m.backup_bandwidth) == len(m.prefetch_bandwidth) == 1
+    assert b.get_stats().backup_pgs == []
+    b.close()
+
+
+def test_ranks_and_models_never_share_pages(tmp_path: Path) -> None:
+    pool = make_pool()
+    keys = page_hashes(list(range(4)), 4)
+    r0 = build("file", tmp_path, tp_rank=0, tp_size=2)
+    r1 = build("file", tmp_path, tp_rank=1, tp_size=2)
+    for b in (r0, r1):
+        b.register_mem_pool_host(pool)
+    assert r0.batch_set_v1(keys, torch.arange(4)) == [True]
+    assert r1.batch_exists(keys) == 0  # another rank's heads are other bytes
+    mla0 = build("file", tmp_path, tp_rank=0, tp_size=2, mla=True)
+    mla1 = build("file", tmp_path, tp_rank=1, tp_size=2, mla=True)
+    mla_pool = make_pool(mla=True)
+    for b in (mla0, mla1):
+        b.register_mem_pool_host(mla_pool)
+    assert mla0.batch_set_v1(keys, torch.arange(4)) == [True]
+    assert mla1.batch_exists(keys) == 1  # MLA pages are the same on every rank
+    assert r0.batch_exists(keys) == 1 and mla0.batch_exists(keys) == 1  # ...and apart
+    for b in (r0, r1, mla0, mla1):
+        b.close()
+
+
+def test_a_prefetch_and_a_backup_thread_on_one_adapter(tmp_path: Path) -> None:
+    """The controller's pattern: one thread backs pages up in batches while another
+    checks the leading run and prefetches it; every page read is the page written."""
+    b = build("file", tmp_path)
+    pool = HostKVPool(num_pages=512, page_size=4, layer_num=2, kv_heads=2, head_dim=16,
+                      dtype=torch.bfloat16)  # fmt: skip
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    b.register_mem_pool_host(pool)
+    keys = page_hashes(list(range(256 * 4)), 4)
+    want = {
+        k: p.tobytes() for k, p in zip(keys, pool.page_buffers(torch.arange(256 * 4)), strict=True)
+    }
+    errors: list[str] = []
+
+    def backup() -> None:
+        for start in range(0, 256, 128):
+            idx = torch.arange(start * 4, (start + 128) * 4)
+            if b.batch_set_v1(keys[start : start + 128], idx) != [True] * 128:
+                errors.append("backup failed")
+
+    def prefetch() -> None:
+        for _ in range(20):
+            n = b.batch_exists(keys[:128])
+            if n:
+                dst = torch.arange(256 * 4, (256 + n) * 4)
+                got = b.batch_get_v1(keys[:n], dst)
+                pages = pool.page_buffers(dst)
+                for k, ok, p in zip(keys[:n], got, pages, strict=True):
+                    if ok and p.tobytes() != want[k]:
+                        errors.append(f"wrong bytes for {k}")
+
+    threads = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert b.batch_exists(keys) == 256
+    b.close()
