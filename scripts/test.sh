@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The whole test suite, from nothing: set up .venv, lint, type-check, run pytest, then
-# the vendor smoke (the built wheel in a fresh venv passes the kit, about 15 s).
-# Extra arguments go to pytest (e.g. scripts/test.sh -k file -x) and skip the smoke.
+# The whole test suite, from nothing: set up .venv, lint, type-check, run pytest, then the
+# integration tests (tests/integrations/) in .venv-sglang with the real SGLang (built by
+# scripts/sglang_env.sh, about 50 s and 2.3 GB the first time), then the vendor smoke (the
+# built wheel in a fresh venv passes the kit, about 15 s).
+# Extra arguments go to the main pytest run (e.g. scripts/test.sh -k file -x) and skip the
+# integration tests and the smoke. The integration tests alone:
+#   bash scripts/sglang_env.sh && .venv-sglang/bin/python -m pytest tests/integrations
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -11,8 +15,13 @@ echo "== ruff" >&2
 echo "== mypy" >&2
 bash scripts/typecheck.sh
 echo "== pytest" >&2
-.venv/bin/python -m pytest "$@"
+# tests/conftest.py leaves tests/integrations out as well; a path named in the arguments
+# is still collected (pytest ignores --ignore for it), and its conftest then stops the run.
+.venv/bin/python -m pytest --ignore=tests/integrations "$@"
 if [ $# -eq 0 ]; then
+  echo "== integration tests (.venv-sglang)" >&2
+  bash scripts/sglang_env.sh
+  .venv-sglang/bin/python -m pytest -p no:cacheprovider tests/integrations
   echo "== vendor smoke" >&2
   bash scripts/vendor_smoke.sh
 fi

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Set up .venv-sglang, the second virtual environment the integration tests
+# (tests/integrations/) run in: the real SGLang package (sglang==0.5.23), the CPU torch
+# wheel, the packages SGLang's HiCache storage layer needs to import, this package
+# (editable) and pytest. Idempotent: a stamp file records what was installed, and a second
+# run with nothing changed returns at once.
+#
+# SGLang pins torch==2.14.1, whose resolution pulls a CUDA build and gigabytes of nvidia-*
+# wheels. So torch is installed first (the local CPU wheel), sglang with --no-deps, and
+# every later pip call carries constraints-sglang.txt (torch pinned there) and
+# constraints.txt. The list of packages below is the smallest set found that lets
+# sglang.srt.mem_cache.hicache_storage and sglang.srt.mem_cache.storage import; triton is
+# the real wheel (see constraints-sglang.txt for the exact versions).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${HICACHE_SGLANG_VENV:-.venv-sglang}
+PY=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "sglang_env: creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+
+stamp="$VENV/.hicache-sglang-env"
+want=$(cat pyproject.toml constraints.txt constraints-sglang.txt scripts/sglang_env.sh |
+  sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  echo "sglang_env: installing packages into $VENV" >&2
+  pip_q=("$VENV/bin/pip" install --quiet --disable-pip-version-check
+    -c constraints-sglang.txt -c constraints.txt)
+  # Drop the expected noise: the local indexes that lack a package print an "is ignored"
+  # line per lookup, and after sglang every pip call lists sglang's own requirements
+  # that --no-deps left out (the check at the end looks at the rest).
+  quiet() {
+    "$@" 2> >(grep -vE "is ignored|^sglang [0-9.]+ requires|^ERROR: pip's dependency resolver" >&2)
+  }
+  quiet "${pip_q[@]}" pip
+  # torch first, pinned, so pip takes the local CPU wheel and never a CUDA build.
+  quiet "${pip_q[@]}" torch==2.13.0
+  # sglang without its own requirements (they would replace torch; see above).
+  quiet "${pip_q[@]}" --no-deps sglang
+  quiet "${pip_q[@]}" numpy orjson psutil pybase64 requests triton packaging pillow \
+    starlette msgspec pydantic pyzmq tqdm IPython aiohttp
+  # This package, editable, and its runtime requirements without torch's resolution.
+  quiet "${pip_q[@]}" --no-deps -e .
+  quiet "${pip_q[@]}" numpy xxhash tqdm typing_extensions pytest pytest-timeout
+  # Refuse to stamp a venv whose torch was replaced after all, or where a package other
+  # than sglang lacks a requirement (sglang's own are left out on purpose).
+  "$VENV/bin/python" - <<'PY'
+import sys
+import torch
+if torch.version.cuda is not None or not torch.__version__.startswith("2.13.0"):
+    sys.exit(f"sglang_env: wrong torch {torch.__version__} (cuda {torch.version.cuda})")
+PY
+  broken=$("$VENV/bin/pip" check 2>&1 | grep -v "^sglang [0-9.]* has requirement" |
+    grep -v "^sglang [0-9.]* requires" || true)
+  if [ -n "$broken" ] && [ "$broken" != "No broken requirements found." ]; then
+    echo "sglang_env: broken requirements in $VENV:" >&2
+    echo "$broken" >&2
+    exit 1
+  fi
+  echo "$want" > "$stamp"
+fi

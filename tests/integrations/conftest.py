@@ -1,0 +1,24 @@
+"""Tests of the engine adapters inside the real engines (SGLang for now).
+
+They run in ``.venv-sglang``, the second venv that ``bash scripts/sglang_env.sh`` builds
+(``scripts/test.sh`` builds it and runs them there). Run from any other venv, this
+directory stops the whole run with a usage error instead of skipping: a skipped
+integration test would read as a pass.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+try:
+    import sglang
+except ImportError as exc:
+    raise pytest.UsageError(
+        f"tests/integrations needs the real SGLang package, and {sys.executable} cannot "
+        f"import it ({exc}). Build its venv with `bash scripts/sglang_env.sh`, then run "
+        "`.venv-sglang/bin/python -m pytest tests/integrations`."
+    ) from exc
+
+del sglang
