@@ -358,8 +358,16 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
     def clear(self) -> None:
         """Remove this deployment's pages (this namespace only), if the backend can."""
         backend = self._backend("clear")
-        if backend is not None and backend.capabilities.delete:
-            backend.clear()
+        if backend is None:
+            return
+        if not backend.capabilities.delete:
+            self._log(
+                "clear",
+                "SGLangStorage.clear: backend %r cannot delete; nothing removed",
+                self.backend_name,
+            )
+            return
+        backend.clear()
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call (then reset), as its backends do."""
