@@ -369,6 +369,59 @@ def _dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: Where SGLang's ``dynamic`` storage backend finds the adapter.
+SGLANG_ADAPTER = ("hicache_storage.integrations.sglang", "SGLangStorage")
+
+
+def sglang_flags(backend: str, options: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """SGLang's command-line flags for ``backend`` with ``options``, and the secret options.
+
+    The options are checked against the backend's options class (a typo fails here, not
+    in SGLang's worker). Secret options are left out of the flags: SGLang would print the
+    extra config in its logs and ``/server_info``. The backend reads each of them from its
+    environment variable (``HICACHE_STORAGE_<BACKEND>_<OPTION>``) instead.
+    """
+    from hicache_storage.config import CONTROLLER_KEYS, parse_options
+    from hicache_storage.registry import load_backend_class
+
+    cls = load_backend_class(backend)
+    name = getattr(cls, "name", "") or backend
+    options_class = getattr(cls, "options_class", None)
+    own = {k: v for k, v in options.items() if k not in CONTROLLER_KEYS}
+    if options_class is not None:
+        parse_options(options_class, name, own)  # unknown or bad options: ConfigError
+    secrets = sorted(k for k in own if is_secret_option(k, options_class))
+    extra = {
+        "backend_name": backend,
+        "module_path": SGLANG_ADAPTER[0],
+        "class_name": SGLANG_ADAPTER[1],
+        "interface_v1": True,
+        **{k: v for k, v in options.items() if k not in secrets},
+    }
+    flags = [
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend",
+        "dynamic",
+        "--hicache-storage-backend-extra-config",
+        json.dumps(extra, separators=(",", ":"), sort_keys=True),
+    ]
+    env_prefix = f"HICACHE_STORAGE_{name.upper().replace('-', '_')}_"
+    return flags, [env_prefix + k.upper() for k in secrets]
+
+
+def _cmd_sglang_args(args: argparse.Namespace) -> int:
+    import shlex
+
+    options = _load_options(args)
+    flags, env_vars = sglang_flags(args.backend, options)
+    print(" ".join(shlex.quote(f) for f in flags))
+    for var in env_vars:
+        print(
+            f"# set {var} in the server's environment (secret: not in the flags)", file=sys.stderr
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hicache-storage``."""
     parser = _ArgumentParser(prog="hicache-storage", description=__doc__.splitlines()[0])
@@ -425,6 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", default=None, help="only the checks matching this pytest -k expression")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed check")
     p.set_defaults(func=_cmd_conformance)
+
+    p = sub.add_parser(
+        "sglang-args",
+        help="print the SGLang server flags that run this backend as SGLang's HiCache L3",
+    )
+    _add_backend_args(p)
+    p.set_defaults(func=_cmd_sglang_args)
     return parser
 
 

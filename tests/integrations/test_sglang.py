@@ -224,3 +224,23 @@ def test_a_prefetch_and_a_backup_thread_on_one_adapter(tmp_path: Path) -> None:
     assert errors == []
     assert b.batch_exists(keys) == 256
     b.close()
+
+
+def test_the_printed_flags_build_a_working_backend_in_sglang(tmp_path: Path) -> None:
+    """``hicache-storage sglang-args`` output, as SGLang's server would parse it."""
+    import json
+
+    from hicache_storage.cli.main import sglang_flags
+
+    flags, env = sglang_flags("file", {"root": str(tmp_path / "kv")})
+    assert env == []
+    assert flags[flags.index("--hicache-storage-backend") + 1] == "dynamic"
+    extra = json.loads(flags[flags.index("--hicache-storage-backend-extra-config") + 1])
+    b = StorageBackendFactory.create_backend("dynamic", sglang_config(extra), None)
+    assert isinstance(b, SGLangStorage)
+    b.register_mem_pool_host(make_pool())
+    keys = page_hashes(list(range(8)), 4)
+    assert b.batch_set_v1(keys, torch.arange(8)) == [True, True]
+    assert b.batch_exists(keys) == 2
+    assert any((tmp_path / "kv").rglob("*"))  # the pages are where the flags said
+    b.close()
