@@ -1,0 +1,157 @@
+"""SGLang's own HiCacheFile next to our file backend through the SGLang adapter, one run.
+
+Run it in the SGLang test venv (``bash scripts/sglang_env.sh`` builds it)::
+
+    .venv-sglang/bin/python benchmarks/sglang_file.py [--pages 128] [--reps 5] [--dir /tmp]
+
+Same directory kind, same 2 MiB pages, batches of 128, repetitions interleaved (the order
+rotates each repetition), medians reported. Contenders:
+
+* ``HiCacheFile``: SGLang's file backend, its tensor path (``batch_set`` of page tensors,
+  ``batch_get`` into preallocated tensors); it verifies nothing on read;
+* ``adapter tensors``: our ``file`` backend behind ``SGLangStorage``, the same tensor path;
+* ``adapter v1``: the same through SGLang's zero-copy pair (``interface_v1``), pages moved
+  straight between a host pool and the files;
+* ``native v1``: our ``file`` backend's own ``batch_set_v1``/``batch_get_v1``, no adapter:
+  the adapter's cost is the difference to ``adapter v1``.
+
+Every read is checked byte for byte after it is timed. Writes land in the page cache and
+reads come from it (hot), as in SGLang's own use between prefetches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+
+from hicache_storage import HostKVPool, StorageConfig, create_backend
+from hicache_storage.integrations.sglang import SGLangStorage
+
+
+def sglang_config(extra: dict[str, Any] | None) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="bench-model", extra_config=extra,
+    )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dir", default="/tmp")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    n, batch = args.pages, 128
+    # A pool whose pages are 2 MiB: 16 tokens x 32 layers x 8 heads x 128 dim x bf16 x K/V.
+    pool = HostKVPool(num_pages=2 * n, page_size=16, layer_num=32, kv_heads=8, head_dim=128,
+                      dtype=torch.bfloat16, layout="page_first")  # fmt: skip
+    page_bytes = pool.page_bytes
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    src_idx = torch.arange(0, n * 16)
+    dst_idx = torch.arange(n * 16, 2 * n * 16)
+    src_pages = pool.page_buffers(src_idx)
+    want = [p.tobytes() for p in src_pages]
+    tensors = [torch.frombuffer(bytearray(w), dtype=torch.uint8) for w in want]
+    targets = [torch.empty(page_bytes, dtype=torch.uint8) for _ in range(n)]
+    work = tempfile.mkdtemp(prefix="sglang-bench-", dir=args.dir)
+
+    def run_tensors(store: Any, keys: list[str]) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        for i in range(0, n, batch):
+            assert store.batch_set(keys[i : i + batch], tensors[i : i + batch]) is True
+        t1 = time.perf_counter()
+        for i in range(0, n, batch):
+            got = store.batch_get(keys[i : i + batch], targets[i : i + batch])
+            assert all(g is not None for g in got)
+        t2 = time.perf_counter()
+        assert all(bytes(t.numpy()) == w for t, w in zip(targets, want, strict=True))
+        return t1 - t0, t2 - t1
+
+    def run_v1(store: Any, keys: list[str]) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        for i in range(0, n, batch):
+            sl = slice(i * 16, (i + batch) * 16)
+            assert store.batch_set_v1(keys[i : i + batch], src_idx[sl]) == [True] * min(
+                batch, n - i
+            )
+        t1 = time.perf_counter()
+        for i in range(0, n, batch):
+            sl = slice(i * 16, (i + batch) * 16)
+            assert store.batch_get_v1(keys[i : i + batch], dst_idx[sl]) == [True] * min(
+                batch, n - i
+            )
+        t2 = time.perf_counter()
+        assert [p.tobytes() for p in pool.page_buffers(dst_idx)] == want
+        return t1 - t0, t2 - t1
+
+    def hicache_file(root: str) -> Any:
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = root
+        return HiCacheFile(sglang_config(None))
+
+    def adapter(root: str) -> Any:
+        extra = {"backend_name": "file", "root": root, "interface_v1": True}
+        a = SGLangStorage(sglang_config(extra))
+        a.register_mem_pool_host(pool)
+        return a
+
+    def native(root: str) -> Any:
+        cfg = StorageConfig(
+            namespace=SGLangStorage(sglang_config({"backend_name": "file"})).namespace_for(pool)
+        )
+        b = create_backend("file", cfg, root=root)
+        b.register_mem_pool_host(pool)
+        return b
+
+    contenders: list[tuple[str, Callable[[str], Any], Callable[..., tuple[float, float]]]] = [
+        ("HiCacheFile", hicache_file, run_tensors),
+        ("adapter tensors", adapter, run_tensors),
+        ("adapter v1", adapter, run_v1),
+        ("native v1", native, run_v1),
+    ]
+    results: dict[str, dict[str, list[float]]] = {c[0]: {"set": [], "get": []} for c in contenders}
+    total = n * page_bytes
+    for rep in range(args.reps):
+        # Rotate the order each repetition: write-back of earlier writes slows whoever runs
+        # next, so a fixed order would favour the first contender.
+        order = contenders[rep % len(contenders) :] + contenders[: rep % len(contenders)]
+        for label, make, run in order:
+            root = os.path.join(work, f"{label.replace(' ', '-')}-{rep}")
+            os.makedirs(root)
+            store = make(root)
+            keys = [f"{rep:02d}{i:062x}" for i in range(n)]
+            set_s, get_s = run(store, keys)
+            results[label]["set"].append(total / set_s / 1e9)
+            results[label]["get"].append(total / get_s / 1e9)
+            if hasattr(store, "close"):
+                store.close()
+            shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"{n} pages of {page_bytes >> 20} MiB, batches of {batch}, {args.reps} reps, "
+          f"dir {args.dir}; GB/s, median [min-max]")  # fmt: skip
+    base = {k: statistics.median(results["HiCacheFile"][k]) for k in ("set", "get")}
+    ref = {k: statistics.median(results["native v1"][k]) for k in ("set", "get")}
+    for label, r in results.items():
+        cells = []
+        for k in ("set", "get"):
+            med = statistics.median(r[k])
+            cells.append(
+                f"{k} {med:5.2f} [{min(r[k]):.2f}-{max(r[k]):.2f}] "
+                f"{med / base[k]:.2f}x HiCacheFile, {med / ref[k]:.2f}x native"
+            )
+        print(f"{label:16s} " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
