@@ -56,6 +56,7 @@ CONTROLLER_KEYS = frozenset(
         "backend_name",
         "module_path",
         "class_name",
+        "allocator",  # SGLang's host-memory allocator of the dynamic backend ("shm")
     }
 )
 

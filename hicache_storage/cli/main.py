@@ -382,15 +382,29 @@ def sglang_flags(backend: str, options: dict[str, Any]) -> tuple[list[str], list
     environment variable (``HICACHE_STORAGE_<BACKEND>_<OPTION>``) instead.
     """
     from hicache_storage.config import CONTROLLER_KEYS, parse_options
+    from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
     from hicache_storage.registry import load_backend_class
 
+    reserved = sorted({"backend_name", "module_path", "class_name"} & set(options))
+    if reserved:
+        raise ConfigError(f"{reserved} are set by sglang-args itself, not options")
     cls = load_backend_class(backend)
     name = getattr(cls, "name", "") or backend
     options_class = getattr(cls, "options_class", None)
-    own = {k: v for k, v in options.items() if k not in CONTROLLER_KEYS}
+    own = {
+        k: v
+        for k, v in options.items()
+        if k not in CONTROLLER_KEYS and k not in SGLANG_ADAPTER_KEYS
+    }
     if options_class is not None:
         parse_options(options_class, name, own)  # unknown or bad options: ConfigError
-    secrets = sorted(k for k in own if is_secret_option(k, options_class))
+    # Secret by name, or a value that carries a secret (a URL with a password).
+    secrets = sorted(
+        k
+        for k in own
+        if is_secret_option(k, options_class)
+        or (isinstance(own[k], str) and redact_text(own[k]) != own[k])
+    )
     extra = {
         "backend_name": backend,
         "module_path": SGLANG_ADAPTER[0],

@@ -6,3 +6,10 @@
 Each adapter imports its engine when it is imported, never before: ``import
 hicache_storage`` imports no engine.
 """
+
+#: Extra-config keys the SGLang adapter itself reads (never passed to the backend):
+#: ``model_id`` when SGLang has no served model name; ``kv_cache_dtype`` when the host
+#: pool stores the KV cache as raw bytes (SGLang keeps every fp8 format as uint8);
+#: ``tenant`` and ``weights_fingerprint`` to keep apart deployments that share a model
+#: name but not their bytes (another checkpoint, other numerics).
+SGLANG_ADAPTER_KEYS = frozenset({"model_id", "kv_cache_dtype", "tenant", "weights_fingerprint"})

@@ -52,16 +52,23 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
 from hicache_storage.buffers import memoryview_at
 from hicache_storage.config import StorageConfig
 from hicache_storage.errors import ConfigError
+from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
 from hicache_storage.ratelimit import RateLimitedLog
-from hicache_storage.registry import available_backends, create_backend
+from hicache_storage.registry import available_backends, create_backend, load_backend_class
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from hicache_storage.protocol import HiCacheStorage
 
-__all__ = ["SGLangStorage", "StorageMetrics"]
+__all__ = ["ADAPTER_KEYS", "SGLangStorage", "StorageMetrics"]
+
+#: The keys the adapter reads itself (see :mod:`hicache_storage.integrations`).
+ADAPTER_KEYS = SGLANG_ADAPTER_KEYS
+
+#: SGLang's ``--kv-cache-dtype`` names of the fp8 formats, as torch names them.
+_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,17 @@ class StorageMetrics:
     backup_pgs: list[int] = field(default_factory=list)
     prefetch_bandwidth: list[float] = field(default_factory=list)
     backup_bandwidth: list[float] = field(default_factory=list)
+
+
+def _server_kv_cache_dtype() -> str | None:
+    """SGLang's ``--kv-cache-dtype`` in this server process, if it can be read."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        value = get_server_args().kv_cache_dtype
+    except Exception:  # noqa: BLE001 - not in a server (tests, tools): unknown
+        return None
+    return str(value) if value else None
 
 
 def _metrics_class() -> type:
@@ -95,10 +113,10 @@ class _PoolView:
     are resolved by the pool that owns them.
     """
 
-    def __init__(self, pool: Any, mla: bool) -> None:
+    def __init__(self, pool: Any, mla: bool, dtype: str) -> None:
         self.pool = pool
         self.page_size = int(pool.page_size)
-        self.dtype = pool.dtype
+        self.dtype = dtype  # the logical KV dtype (the pool's may be uint8 for fp8)
         self.layout = str(pool.layout)
         self.mla = mla
         self.kv_buffer = getattr(pool, "kv_buffer", pool)
@@ -149,31 +167,57 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._metrics = StorageMetrics()
         self._log = RateLimitedLog(logger)
-        if name.partition("@")[0] not in available_backends():
-            raise ConfigError(
-                f"unknown hicache-storage backend {name!r}; installed: {sorted(available_backends())}"
-            )
+        load_backend_class(name)  # an unknown name, NAME@DIST or module:Class fails here
 
     # ------------------------------------------------------------------ attach
+
+    def _kv_dtype(self, pool: Any) -> str:
+        """The logical KV dtype of ``pool``'s pages.
+
+        SGLang stores every fp8 KV cache as uint8, so the pool's dtype cannot tell
+        fp8_e4m3 from fp8_e5m2: then the ``kv_cache_dtype`` option, else SGLang's own
+        server arguments, say which; if neither does, the attach fails rather than mixing
+        two formats' pages.
+        """
+        stored = normalize_dtype(pool.dtype)
+        named = self.extra_config.get("kv_cache_dtype") or _server_kv_cache_dtype()
+        if stored not in ("uint8", "int8"):
+            return stored
+        if not named or named == "auto":
+            raise ConfigError(
+                f"the host pool stores the KV cache as {stored}: set kv_cache_dtype in the "
+                "extra config (e.g. fp8_e4m3 or fp8_e5m2), so formats never share pages"
+            )
+        return _FP8.get(str(named), normalize_dtype(named))
 
     def namespace_for(self, pool: Any) -> KVCacheNamespace:
         """The namespace of this rank's pages for SGLang host pool ``pool``."""
         cfg = self.storage_config
         mla = bool(cfg.is_mla_model)
+        model_id = self.extra_config.get("model_id") or cfg.model_name
+        if not model_id:
+            raise ConfigError(
+                "SGLang gives no served model name: set model_id in the extra config "
+                "(pages of different models must never share a namespace)"
+            )
         fields: dict[str, Any] = {
-            "model_id": cfg.model_name or "unnamed-model",
-            "dtype": normalize_dtype(pool.dtype),
+            "model_id": str(model_id),
+            "dtype": self._kv_dtype(pool),
             "page_size": int(pool.page_size),
             "object_layout": str(pool.layout),
             "rank_replicated": mla,
+            "weights_fingerprint": str(self.extra_config.get("weights_fingerprint") or ""),
         }
         heads = getattr(pool, "head_num", None)
         if not mla and isinstance(heads, int) and heads > 0:
             fields["total_kv_heads"] = heads * int(cfg.tp_size)
             fields["kv_heads_per_shard"] = heads
+        start, end = getattr(pool, "start_layer", None), getattr(pool, "end_layer", None)
+        if isinstance(start, int) and isinstance(end, int) and 0 <= start < end:
+            fields["layer_range"] = (start, end)  # a pipeline stage: the layers it holds
         # Context-parallel ranks hold different tokens of the same pages' positions: keep
         # them apart (the shard covers TP and PP only).
-        apart = [
+        apart = [str(self.extra_config.get("tenant") or "")] + [
             f"{what}{rank}of{size}"
             for what, rank, size in (
                 ("cp", getattr(cfg, "attn_cp_rank", 0), getattr(cfg, "attn_cp_size", 1)),
@@ -181,9 +225,24 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             )
             if int(size) > 1
         ]
-        if apart:
-            fields["tenant"] = "-".join(apart)
+        tenant = "-".join(a for a in apart if a)
+        if tenant:
+            fields["tenant"] = tenant
         return KVCacheNamespace(**fields)
+
+    def on_host_pools_registered(self) -> None:
+        """Fail the attach of a hybrid model's side pools (Mamba, SWA...): not supported yet.
+
+        SGLang calls this after registering them with ``register_mem_host_pool_v2``; the
+        v2 calls that would move their pages are not implemented, so attaching would
+        leave storage useless for that model while looking healthy.
+        """
+        names = [str(getattr(n, "value", n)) for n in getattr(self, "registered_pools", {}) or {}]
+        extra = [n for n in names if n != "kv"]
+        if extra:
+            raise NotImplementedError(
+                f"hicache-storage's SGLang adapter does not move hybrid-model pools yet: {extra}"
+            )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Attach SGLang's host pool and build the backend for its pages.
@@ -193,20 +252,32 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """
         namespace = self.namespace_for(mem_pool_host)
         cfg = self.storage_config
+        if (
+            str(mem_pool_host.layout) == "layer_first"
+            and not cfg.is_mla_model
+            and not self.extra_config.get("interface_v1")
+        ):
+            # SGLang's tensor path stores a layer_first page as every layer's K, then every
+            # layer's V; the v1 path as K0, V0, K1, V1... Same size, other bytes: one
+            # namespace must never hold both, so only v1 is offered for this layout.
+            raise ConfigError(
+                "layer_first pages need interface_v1 (true) in the extra config: "
+                "hicache-storage sglang-args sets it"
+            )
         config = StorageConfig(
             namespace=namespace,
             tp_rank=int(cfg.tp_rank),
             tp_size=int(cfg.tp_size),
             pp_rank=int(cfg.pp_rank),
             pp_size=int(cfg.pp_size),
-            extra_config=self.extra_config,
+            extra_config={k: v for k, v in self.extra_config.items() if k not in ADAPTER_KEYS},
         )
         backend = create_backend(self.backend_name, config)
         try:
             pool = (
                 mem_pool_host
                 if hasattr(mem_pool_host, "page_buffers")
-                else _PoolView(mem_pool_host, bool(cfg.is_mla_model))
+                else _PoolView(mem_pool_host, bool(cfg.is_mla_model), namespace.dtype)
             )
             backend.register_mem_pool_host(pool)
         except BaseException:
@@ -222,7 +293,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         if backend is None:
             self._log(
                 "nopool:" + op,
-                "SGLangStorage.%s before register_mem_pool_host(): the call fails",
+                "SGLangStorage.%s before register_mem_pool_host() or after close(): it fails",
                 op,
             )
         return backend
@@ -236,8 +307,8 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         except (TypeError, ValueError):
             return None
         end = start + nbytes
-        if nbytes < 0 or self.mem_pool_host is None:
-            return None
+        if nbytes <= 0 or self.mem_pool_host is None:
+            return None  # (an empty "page" would be stored and block the key for good)
         for lo, hi in _buffer_ranges(getattr(self.mem_pool_host, "kv_buffer", None)):
             if lo <= start and end <= hi:
                 return memoryview_at(start, nbytes, self.mem_pool_host)

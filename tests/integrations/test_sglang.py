@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 from hicache_storage import HostKVPool, page_hashes
-from hicache_storage.errors import ConfigError
+from hicache_storage.errors import ConfigError, UnknownBackendError
 from hicache_storage.integrations.sglang import SGLangStorage
 
 MODULE = "hicache_storage.integrations.sglang"
@@ -144,7 +144,7 @@ def test_calls_before_the_pool_is_registered_fail_cleanly(tmp_path: Path) -> Non
 
 def test_an_unknown_backend_name_is_a_clear_error_at_construction() -> None:
     extra = {"backend_name": "no-such-store", "module_path": MODULE, "class_name": "SGLangStorage"}
-    with pytest.raises(ConfigError, match="no-such-store"):
+    with pytest.raises(UnknownBackendError, match="no-such-store.*installed: file"):
         StorageBackendFactory.create_backend("dynamic", sglang_config(extra), None)
     with pytest.raises(ConfigError, match="backend_name"):
         SGLangStorage(sglang_config({}))
@@ -243,4 +243,119 @@ def test_the_printed_flags_build_a_working_backend_in_sglang(tmp_path: Path) -> 
     assert b.batch_set_v1(keys, torch.arange(8)) == [True, True]
     assert b.batch_exists(keys) == 2
     assert any((tmp_path / "kv").rglob("*"))  # the pages are where the flags said
+    b.close()
+
+
+# --------------------------------------------------------------------------- review round
+
+
+class EnginePool:
+    """What the adapter sees of SGLang's own host pool: no page_buffers, the engine's
+    get_page_buffer_meta, its attributes. Built over our pool for its memory."""
+
+    def __init__(self, inner: HostKVPool, *, dtype: Any = None, layers: tuple[int, int] | None = None,
+                 heads: int | None = 2) -> None:  # fmt: skip
+        self.inner = inner
+        self.page_size = inner.page_size
+        self.layout = inner.layout
+        self.dtype = dtype if dtype is not None else inner.dtype
+        self.kv_buffer = inner.kv_buffer
+        if heads is not None:
+            self.head_num = heads
+        if layers is not None:
+            self.start_layer, self.end_layer = layers
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        return self.inner.get_page_buffer_meta(indices)
+
+
+def test_fp8_formats_stored_as_uint8_never_share_pages(tmp_path: Path) -> None:
+    inner = make_pool()
+    raw = EnginePool(inner, dtype=torch.uint8)  # how SGLang keeps every fp8 KV cache
+    b = build("memory", tmp_path)
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        b.register_mem_pool_host(raw)  # which fp8 is it? refused, not guessed
+    extra = {"backend_name": "memory", "store": f"fp8-{tmp_path.name}"}
+    e4m3 = SGLangStorage(sglang_config({**extra, "kv_cache_dtype": "fp8_e4m3"}))
+    e5m2 = SGLangStorage(sglang_config({**extra, "kv_cache_dtype": "fp8_e5m2"}))
+    for a in (e4m3, e5m2):
+        a.register_mem_pool_host(raw)
+    assert e4m3.namespace_for(raw).dtype == "float8_e4m3fn"
+    keys = page_hashes(list(range(4)), 4)
+    assert e4m3.batch_set_v1(keys, torch.arange(4)) == [True]
+    assert e5m2.batch_exists(keys) == 0
+    for a in (b, e4m3, e5m2):
+        a.close()
+
+
+def test_layer_first_pages_are_refused_on_the_tensor_path(tmp_path: Path) -> None:
+    """SGLang's tensor path and v1 order an MHA layer_first page's bytes differently."""
+    extra = {"backend_name": "memory", "store": f"lf-{tmp_path.name}"}
+    tensor_path = SGLangStorage(sglang_config(extra))
+    with pytest.raises(ConfigError, match="interface_v1"):
+        tensor_path.register_mem_pool_host(make_pool("layer_first"))
+    v1 = SGLangStorage(sglang_config({**extra, "interface_v1": True}))
+    v1.register_mem_pool_host(make_pool("layer_first"))  # fine through v1
+    mla = SGLangStorage(sglang_config(extra, mla=True))
+    mla.register_mem_pool_host(make_pool("layer_first", mla=True))  # one order for MLA
+    for a in (tensor_path, v1, mla):
+        a.close()
+
+
+def test_pipeline_stages_are_named_by_the_layers_they_hold(tmp_path: Path) -> None:
+    inner = make_pool()
+    extra = {"backend_name": "memory", "store": f"pp-{tmp_path.name}", "interface_v1": True}
+    a = SGLangStorage(sglang_config(extra))
+    b = SGLangStorage(sglang_config(extra))
+    a.register_mem_pool_host(EnginePool(inner, layers=(16, 18)))
+    b.register_mem_pool_host(EnginePool(inner, layers=(20, 22)))  # another partition
+    keys = page_hashes(list(range(4)), 4)
+    assert a.batch_set_v1(keys, torch.arange(4)) == [True]
+    assert b.batch_exists(keys) == 0
+    assert a.namespace_for(EnginePool(inner, layers=(16, 18))).layer_range == (16, 18)
+    a.close()
+    b.close()
+
+
+def test_a_deployment_without_a_model_name_must_say_which_model(tmp_path: Path) -> None:
+    cfg = sglang_config({"backend_name": "memory", "store": f"nm-{tmp_path.name}"})
+    cfg.model_name = None
+    a = SGLangStorage(cfg)
+    with pytest.raises(ConfigError, match="model_id"):
+        a.register_mem_pool_host(make_pool())
+    cfg2 = sglang_config({"backend_name": "memory", "model_id": "acme/other"})
+    cfg2.model_name = None
+    b = SGLangStorage(cfg2)
+    b.register_mem_pool_host(make_pool())
+    assert b.backend is not None and b.backend.namespace.model_id == "acme/other"
+    b.close()
+
+
+def test_hybrid_side_pools_fail_the_attach_instead_of_failing_every_call(tmp_path: Path) -> None:
+    b = build("memory", tmp_path)
+    b.register_mem_pool_host(make_pool())
+    b.registered_pools = {"kv": object()}
+    b.on_host_pools_registered()  # the KV pool alone is fine
+    b.registered_pools = {"kv": object(), "mamba": object()}
+    with pytest.raises(NotImplementedError, match="mamba"):
+        b.on_host_pools_registered()
+    b.close()
+
+
+def test_sglangs_allocator_key_and_a_module_class_backend_are_accepted(tmp_path: Path) -> None:
+    extra = {"backend_name": "hicache_storage.backends._memory:MemoryBackend",
+             "allocator": "shm", "store": f"al-{tmp_path.name}", "interface_v1": True}  # fmt: skip
+    b = StorageBackendFactory.create_backend("dynamic", sglang_config({**extra, "module_path": MODULE, "class_name": "SGLangStorage"}), None)  # fmt: skip
+    b.register_mem_pool_host(make_pool())
+    assert b.batch_set_v1(page_hashes(list(range(4)), 4), torch.arange(4)) == [True]
+    b.close()
+
+
+def test_an_empty_pointer_write_is_refused(tmp_path: Path) -> None:
+    b = build("memory", tmp_path)
+    pool = make_pool()
+    b.register_mem_pool_host(pool)
+    seg = pool.page_buffers(torch.arange(0, 4))[0].segments[0]
+    assert b.set("k", None, seg.ptr, 0) is False
+    assert not b.exists("k")
     b.close()
