@@ -144,7 +144,7 @@ def test_calls_before_the_pool_is_registered_fail_cleanly(tmp_path: Path) -> Non
 
 def test_an_unknown_backend_name_is_a_clear_error_at_construction() -> None:
     extra = {"backend_name": "no-such-store", "module_path": MODULE, "class_name": "SGLangStorage"}
-    with pytest.raises(UnknownBackendError, match="no-such-store.*installed: file"):
+    with pytest.raises(UnknownBackendError, match=r"no-such-store.*installed: file"):
         StorageBackendFactory.create_backend("dynamic", sglang_config(extra), None)
     with pytest.raises(ConfigError, match="backend_name"):
         SGLangStorage(sglang_config({}))
