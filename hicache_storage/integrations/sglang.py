@@ -35,11 +35,13 @@ Importing this module needs SGLang; ``import hicache_storage`` never imports it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _SGLangHiCacheStorage
@@ -50,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
     ) from exc
 
 from hicache_storage.buffers import memoryview_at
-from hicache_storage.config import StorageConfig
+from hicache_storage.config import StorageConfig, scrub
 from hicache_storage.errors import ConfigError
 from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
@@ -71,6 +73,8 @@ ADAPTER_KEYS = SGLANG_ADAPTER_KEYS
 _FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass
@@ -103,6 +107,40 @@ def _metrics_class() -> type:
     except Exception:  # noqa: BLE001 - any import failure: the same shape, ours
         return StorageMetrics
     return Real  # type: ignore[no-any-return]
+
+
+def _failsafe(failure: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[[F], F]:
+    """Make an adapter method return ``failure(self, args)`` instead of raising.
+
+    The backend already turns store failures into failure results; what is left are the
+    SDK's argument errors (a key SGLang made that the SDK refuses, a tensor that is not
+    contiguous, lists of the wrong length). They are logged, and SGLang's prefetch and
+    backup threads get a failed call, never an exception.
+    """
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def guarded(self: SGLangStorage, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - SGLang's threads must not see it
+                self._log(
+                    "raise:" + fn.__name__,
+                    "SGLangStorage.%s failed (%s: %s); returning its failure result",
+                    fn.__name__,
+                    type(exc).__name__,
+                    scrub(str(exc), []),
+                )
+                return failure(self, args)
+
+        return cast("F", guarded)
+
+    return wrap
+
+
+def _n(args: tuple[Any, ...]) -> int:
+    keys = args[0] if args else ()
+    return len(keys) if isinstance(keys, Sized) else 0
 
 
 class _PoolView:
@@ -328,6 +366,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ legacy calls
 
+    @_failsafe(lambda self, args: None)
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         """The page of ``key`` (into ``target_location`` when given), or None."""
         backend = self._backend("get")
@@ -341,6 +380,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             return None
         return target_location if target is not None and target_location is not None else got
 
+    @_failsafe(lambda self, args: [None] * _n(args))
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[Any]:
@@ -350,6 +390,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         sizes = target_sizes if target_sizes is not None else [None] * len(keys)
         return [self.get(k, t, s) for k, t, s in zip(keys, target_locations, sizes, strict=True)]
 
+    @_failsafe(lambda self, args: False)
     def set(
         self,
         key: str,
@@ -367,6 +408,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
                 return False
         return bool(backend.set(key, value))
 
+    @_failsafe(lambda self, args: False)
     def batch_set(
         self,
         keys: list[str],
@@ -388,11 +430,13 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         self._note("backup", sum(results), 0, time.perf_counter() - t0)
         return all(results) and len(results) == n
 
+    @_failsafe(lambda self, args: False)
     def exists(self, key: str) -> bool:
         """True if ``key`` is stored."""
         backend = self._backend("exists")
         return bool(backend.exists(key)) if backend is not None else False
 
+    @_failsafe(lambda self, args: 0)
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """The number of leading keys stored."""
         backend = self._backend("batch_exists")
@@ -400,6 +444,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ zero-copy v1
 
+    @_failsafe(lambda self, args: [False] * _n(args))
     def batch_get_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
@@ -412,6 +457,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         self._note("prefetch", sum(out), self._page_bytes(), time.perf_counter() - t0)
         return out
 
+    @_failsafe(lambda self, args: [False] * _n(args))
     def batch_set_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:

@@ -359,3 +359,23 @@ def test_an_empty_pointer_write_is_refused(tmp_path: Path) -> None:
     assert b.set("k", None, seg.ptr, 0) is False
     assert not b.exists("k")
     b.close()
+
+
+def test_argument_errors_are_failed_calls_on_sglangs_threads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang's prefetch and backup threads get a failure result, never an exception."""
+    b = build("memory", tmp_path)
+    b.register_mem_pool_host(make_pool())
+    bad_key = "../../etc/passwd"
+    assert b.get(bad_key) is None
+    assert b.set(bad_key, torch.ones(4, dtype=torch.uint8)) is False
+    assert b.exists(bad_key) is False
+    assert b.batch_exists([bad_key]) == 0
+    assert b.batch_set_v1([bad_key], torch.arange(4)) == [False]
+    assert b.batch_get(["a", "b"], [torch.empty(4, dtype=torch.uint8)]) == [None, None]
+    strided = torch.empty(8, dtype=torch.uint8)[::2]
+    assert b.set("ok", torch.ones(4, dtype=torch.uint8)) is True
+    assert b.get("ok", strided) is None  # not contiguous: refused, not raised
+    assert "returning its failure result" in caplog.text
+    b.close()
