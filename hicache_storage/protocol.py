@@ -93,7 +93,6 @@ if TYPE_CHECKING:
     from hicache_storage.stats import StorageStats
 
 __all__ = [
-    "ALL_LAYOUTS",
     "Capabilities",
     "EngineHostPool",
     "HiCacheStorage",
@@ -102,9 +101,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Every host-pool layout the SDK knows, as a set (kept for code that imported it here).
-ALL_LAYOUTS: frozenset[str] = frozenset(LAYOUTS)
 
 
 @runtime_checkable
@@ -176,7 +172,7 @@ class Capabilities:
     persistent: bool = field(default=False, metadata={"claim": True})
     shared: bool = field(default=False, metadata={"claim": True})
     max_object_bytes: int | None = None
-    layouts: frozenset[str] = field(default_factory=lambda: ALL_LAYOUTS)
+    layouts: frozenset[str] = field(default_factory=lambda: frozenset(LAYOUTS))
     mla: bool = True
 
     def claimed(self) -> list[str]:

@@ -35,6 +35,7 @@ Importing this module needs SGLang; ``import hicache_storage`` never imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -449,25 +450,23 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
         """Read ``keys`` into the host pool at ``host_indices``; one bool per page."""
-        backend = self._backend("batch_get_v1")
-        if backend is None:
-            return [False] * len(keys)
-        t0 = time.perf_counter()
-        out = backend.batch_get_v1(keys, host_indices)
-        self._note("prefetch", sum(out), self._page_bytes(), time.perf_counter() - t0)
-        return out
+        return self._v1("batch_get_v1", "prefetch", keys, host_indices)
 
     @_failsafe(lambda self, args: [False] * _n(args))
     def batch_set_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
         """Store the host-pool pages at ``host_indices`` under ``keys``; one bool per page."""
-        backend = self._backend("batch_set_v1")
+        return self._v1("batch_set_v1", "backup", keys, host_indices)
+
+    def _v1(self, op: str, kind: str, keys: list[str], host_indices: Any) -> list[bool]:
+        """One v1 call on the backend, timed for the metrics."""
+        backend = self._backend(op)
         if backend is None:
             return [False] * len(keys)
         t0 = time.perf_counter()
-        out = backend.batch_set_v1(keys, host_indices)
-        self._note("backup", sum(out), self._page_bytes(), time.perf_counter() - t0)
+        out: list[bool] = getattr(backend, op)(keys, host_indices)
+        self._note(kind, sum(out), self._page_bytes(), time.perf_counter() - t0)
         return out
 
     # ------------------------------------------------------------------ the rest
@@ -494,10 +493,8 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         if real is StorageMetrics:
             return metrics
         out = real()
-        out.prefetch_pgs.extend(metrics.prefetch_pgs)
-        out.backup_pgs.extend(metrics.backup_pgs)
-        out.prefetch_bandwidth.extend(metrics.prefetch_bandwidth)
-        out.backup_bandwidth.extend(metrics.backup_bandwidth)
+        for f in dataclasses.fields(metrics):
+            getattr(out, f.name).extend(getattr(metrics, f.name))
         return out
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hicache_storage import Capabilities, HiCacheStorage, KVCacheNamespace, StorageConfig
-from hicache_storage.buffers import source_views, target_views
+from hicache_storage.buffers import copy_into, source_views, target_views
 from hicache_storage.conformance.data import make_pool, pool_namespace
 from hicache_storage.errors import (
     ContractViolationError,
@@ -42,14 +42,7 @@ class DictBackend(HiCacheStorage):
             return None
         if target is None:
             return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        views = target_views(target)
-        if sum(v.nbytes for v in views) != len(blob):
-            return None
-        off = 0
-        for v in views:
-            v[:] = blob[off : off + v.nbytes]
-            off += v.nbytes
-        return target
+        return target if copy_into(target_views(target), blob) else None
 
     def set(self, key: str, value: Any) -> bool:
         self.data.setdefault(key, b"".join(bytes(v) for v in source_views(value)))

@@ -19,7 +19,7 @@ import torch
 
 from hicache_storage import Capabilities, HiCacheStorage, HostKVPool, PageBuffer, StorageConfig
 from hicache_storage.backends import FileBackend
-from hicache_storage.buffers import is_tensor, source_views, target_views, total_nbytes
+from hicache_storage.buffers import copy_into, is_tensor, source_views, target_views, total_nbytes
 from hicache_storage.keys import ObjectName
 from hicache_storage.storekit.header import checksum, encode_header
 
@@ -28,14 +28,7 @@ _LOCK = threading.Lock()
 
 
 def _fill(target: Any, blob: bytes) -> Any:
-    views = target_views(target)
-    if total_nbytes(views) != len(blob):
-        return None
-    off = 0
-    for v in views:
-        v[:] = blob[off : off + v.nbytes]
-        off += v.nbytes
-    return target
+    return target if copy_into(target_views(target), blob) else None
 
 
 def _tensor(blob: bytes) -> torch.Tensor:
