@@ -72,7 +72,7 @@ from hicache_storage.errors import (
     InvalidArgumentError,
     InvalidKeyError,
 )
-from hicache_storage.layouts import LAYOUTS
+from hicache_storage.layouts import LAYOUTS, MLA_LAYOUTS, POOL_KIND_IDS, POOL_KINDS
 
 __all__ = ["BackendConformance", "requires"]
 
@@ -496,8 +496,7 @@ class BackendConformance:
 
     # ------------------------------------------------------------------ zero-copy v1
 
-    @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
-    @pytest.mark.parametrize("layout", LAYOUTS)
+    @pytest.mark.parametrize(("layout", "mla"), POOL_KINDS, ids=POOL_KIND_IDS)
     def test_v1_round_trip(self, kit: Kit, layout: str, mla: bool) -> None:
         """Pages stored by ``batch_set_v1`` read back byte for byte, in each claimed layout."""
         caps = kit.capabilities
@@ -553,7 +552,7 @@ class BackendConformance:
         caps = kit.capabilities
         if layout not in caps.layouts:
             pytest.skip(f"not claimed: layout {layout}")
-        for mla in (False, True) if caps.mla else (False,):
+        for mla in (False, True) if caps.mla and layout in MLA_LAYOUTS else (False,):
             what = f"{layout}, {'MLA' if mla else 'MHA'}"
             b, pool = kit.pool_backend(layout, mla)
             ps = pool.page_size
@@ -684,8 +683,7 @@ class BackendConformance:
             f"{'...' if len(wrong) > 8 else ''} (of {len(wrong)})",
         )
 
-    @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
-    @pytest.mark.parametrize("layout", LAYOUTS)
+    @pytest.mark.parametrize(("layout", "mla"), POOL_KINDS, ids=POOL_KIND_IDS)
     def test_engine_batches_v1(self, kit: Kit, layout: str, mla: bool) -> None:
         """Zero-copy batches of the engine's size (128 pages) with an engine-like page.
 

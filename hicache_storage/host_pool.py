@@ -10,13 +10,15 @@ layout                 MHA ``kv_buffer`` shape                              MLA 
 ``page_first``         ``(2, size, layer_num, kv_heads, head_dim)``         ``(size, layer_num, 1, head_dim)``
 ``page_first_direct``  ``(2, num_pages, layer_num, page_size, kv_heads,     ``(num_pages, layer_num, page_size,
                        head_dim)``                                          1, head_dim)``
+``page_head``          ``(2, num_pages, kv_heads, page_size, layer_num,     (none: MHA only)
+                       head_dim)``
 =====================  ==================================================  =====================
 
 ``size = num_pages * page_size`` tokens. Page ``p`` covers host indices
 ``[p * page_size, (p + 1) * page_size)``.
 
 Segments per page (what :meth:`HostKVPool.get_page_buffer_meta` returns): MHA
-``page_first``/``page_first_direct``: 2 (K, V); MHA ``layer_first``: ``2 * layer_num``
+``page_first``/``page_first_direct``/``page_head``: 2 (K, V); MHA ``layer_first``: ``2 * layer_num``
 (K of each layer, then V of each layer); MLA ``page_first``/``page_first_direct``: 1;
 MLA ``layer_first``: ``layer_num``.
 """
@@ -32,7 +34,7 @@ from typing_extensions import override
 
 from hicache_storage.buffers import PageBuffer, Segment, memoryview_at
 from hicache_storage.errors import ConfigError, HostIndicesError, InvalidTypeError
-from hicache_storage.layouts import LAYOUTS
+from hicache_storage.layouts import LAYOUTS, MLA_LAYOUTS
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -52,7 +54,7 @@ class HostKVPool:
         kv_heads: KV heads per token on this rank (ignored for MLA, which has 1).
         head_dim: head dimension (for MLA, the compressed KV dimension).
         dtype: element type of the KV cache.
-        layout: one of :data:`LAYOUTS`.
+        layout: one of :data:`LAYOUTS` (for MLA, of :data:`MLA_LAYOUTS`).
         mla: True for MLA (one latent vector per token and layer, no K/V split).
         pin_memory: pin the buffer; default: only when CUDA is available.
     """
@@ -80,6 +82,8 @@ class HostKVPool:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+        if mla and layout not in MLA_LAYOUTS:
+            raise ConfigError(f"an MLA pool has no {layout!r} layout; choose one of {MLA_LAYOUTS}")
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
         self.num_pages = num_pages
@@ -126,6 +130,7 @@ class HostKVPool:
             "layer_first": (2, L, S, H, D),
             "page_first": (2, S, L, H, D),
             "page_first_direct": (2, P, L, ps, H, D),
+            "page_head": (2, P, H, ps, L, D),
         }[self.layout]
 
     def _segment_plan(self) -> tuple[list[int], int]:
@@ -147,7 +152,7 @@ class HostKVPool:
                 for layer in range(L)
             ]
             return plan, seg
-        # page_first and page_first_direct: a page's tokens are contiguous per half.
+        # The page-major layouts: a page's tokens are contiguous per half.
         seg = ps * L * token_bytes
         return [kv * half_bytes for kv in range(halves)], seg
 

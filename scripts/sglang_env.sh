@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Set up .venv-sglang, the second virtual environment the integration tests
 # (tests/integrations/) run in: the real SGLang package (sglang==0.5.23), the CPU torch
-# wheel, the packages SGLang's HiCache storage layer needs to import, this package
+# wheel, the packages SGLang's HiCache storage layer and host pools need to import, this package
 # (editable) and pytest. Idempotent: a stamp file records what was installed, and a second
 # run with nothing changed returns at once.
 #
 # SGLang pins torch==2.14.1, whose resolution pulls a CUDA build and gigabytes of nvidia-*
 # wheels. So torch is installed first (the local CPU wheel), sglang with --no-deps, and
 # every later pip call carries constraints-sglang.txt (torch pinned there) and
-# constraints.txt. The list of packages below is the smallest set found that lets
-# sglang.srt.mem_cache.hicache_storage and sglang.srt.mem_cache.storage import; triton is
-# the real wheel (see constraints-sglang.txt for the exact versions).
+# constraints.txt. The lists of packages below are the smallest sets found that let
+# sglang.srt.mem_cache.hicache_storage and sglang.srt.mem_cache.storage import, then
+# SGLang's host-pool classes; triton is the real wheel (torch._dynamo, which the host-pool
+# chain imports, needs it). Exact versions are in constraints-sglang.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,6 +43,13 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   quiet "${pip_q[@]}" --no-deps sglang
   quiet "${pip_q[@]}" numpy orjson psutil pybase64 requests triton packaging pillow \
     starlette msgspec pydantic pyzmq tqdm IPython aiohttp
+  # SGLang's own host-pool classes (pool_host.mha, pool_host.mla), which the tests feed
+  # to the adapter, import transformers and SGLang's model configs and quantization
+  # modules; these are what those imports need. torchvision is not among them on
+  # purpose: PyPI's wheels are CUDA builds that do not load with the CPU torch (and break
+  # transformers' import); tests/integrations/conftest.py stands in for it instead.
+  quiet "${pip_q[@]}" transformers tokenizers compressed-tensors sentencepiece dill \
+    apache-tvm-ffi gguf
   # This package, editable, and its runtime requirements without torch's resolution.
   quiet "${pip_q[@]}" --no-deps -e .
   quiet "${pip_q[@]}" numpy xxhash tqdm typing_extensions pytest pytest-timeout

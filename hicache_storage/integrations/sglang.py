@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _SGLangHiCacheStorage
+    from sglang.srt.mem_cache.hicache_storage import PoolTransferResult as _PoolTransferResult
 except ImportError as exc:  # pragma: no cover - exercised by the packaging test's light import
     raise ImportError(
         "hicache_storage.integrations.sglang runs inside SGLang, which is not importable "
@@ -144,6 +145,14 @@ def _n(args: tuple[Any, ...]) -> int:
     return len(keys) if isinstance(keys, Sized) else 0
 
 
+def _v2_failure(args: tuple[Any, ...]) -> dict[Any, list[bool]]:
+    """Every page of every transfer in ``args[0]`` failed (or ``{}`` if unreadable)."""
+    try:
+        return {t.name: [False] * len(t.keys or []) for t in args[0] or ()}
+    except Exception:  # noqa: BLE001 - a malformed argument: nothing to report per pool
+        return {}
+
+
 class _PoolView:
     """SGLang's host pool as the SDK's protocol reads it.
 
@@ -161,9 +170,32 @@ class _PoolView:
         self.kv_buffer = getattr(pool, "kv_buffer", pool)
 
     def get_page_buffer_meta(self, indices: Any) -> tuple[Sequence[int], Sequence[int]]:
-        """SGLang's pointer and size of every segment of every page of ``indices``."""
-        ptrs, sizes = self.pool.get_page_buffer_meta(indices)
-        return list(ptrs), list(sizes)
+        """The pointer and size of every segment of every page of ``indices``.
+
+        SGLang's own answer, except for the order of an MHA ``layer_first`` page's
+        segments: SGLang lists them layer by layer (K0, V0, K1, V1...), while the SDK's
+        ``layer_first`` page, and SGLang's own tensor path (``get_data_page``), hold
+        every layer's K, then every layer's V. Each page's K segments (those in the first
+        half of the KV buffer) are put first, in their order, so a ``layer_first`` page
+        has one byte order whichever path or engine stored it.
+        """
+        ptrs, sizes = (list(x) for x in self.pool.get_page_buffer_meta(indices))
+        if self.layout != "layer_first" or self.mla or not ptrs:
+            return ptrs, sizes
+        buffer = self.kv_buffer
+        if not (hasattr(buffer, "data_ptr") and hasattr(buffer, "nbytes")):
+            return ptrs, sizes
+        v_start = int(buffer.data_ptr()) + int(buffer.nbytes) // 2
+        pages = len(indices) // self.page_size
+        per = len(ptrs) // pages if pages else 0
+        order: list[int] = []
+        for page in range(pages):
+            mine = range(page * per, (page + 1) * per)
+            order += [i for i in mine if ptrs[i] < v_start] + [
+                i for i in mine if ptrs[i] >= v_start
+            ]
+        order += range(len(order), len(ptrs))  # (a remainder SGLang would not send)
+        return [ptrs[i] for i in order], [sizes[i] for i in order]
 
 
 def _buffer_ranges(buffer: Any) -> list[tuple[int, int]]:
@@ -291,18 +323,6 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """
         namespace = self.namespace_for(mem_pool_host)
         cfg = self.storage_config
-        if (
-            str(mem_pool_host.layout) == "layer_first"
-            and not cfg.is_mla_model
-            and not self.extra_config.get("interface_v1")
-        ):
-            # SGLang's tensor path stores a layer_first page as every layer's K, then every
-            # layer's V; the v1 path as K0, V0, K1, V1... Same size, other bytes: one
-            # namespace must never hold both, so only v1 is offered for this layout.
-            raise ConfigError(
-                "layer_first pages need interface_v1 (true) in the extra config: "
-                "hicache-storage sglang-args sets it"
-            )
         config = StorageConfig(
             namespace=namespace,
             tp_rank=int(cfg.tp_rank),
@@ -468,6 +488,63 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         out: list[bool] = getattr(backend, op)(keys, host_indices)
         self._note(kind, sum(out), self._page_bytes(), time.perf_counter() - t0)
         return out
+
+    # ------------------------------------------------------------------ v2 (pool transfers)
+
+    # SGLang's v2 calls move a hybrid model's pools (KV plus Mamba, SWA, indexer...) in
+    # one call. The adapter moves the KV pool's pages (through v1) and answers every other
+    # pool as not found / not stored, logged: a clean "unsupported", never an exception
+    # on SGLang's threads. (A hybrid model's side pools already fail the attach, in
+    # on_host_pools_registered; these answers cover pools registered after it.)
+
+    def _v2_unsupported(self, op: str, names: list[str]) -> None:
+        if names:
+            self._log(
+                "v2:" + op,
+                "SGLangStorage.%s: pools %s are not supported (only the KV pool is); "
+                "answered as misses/failures",
+                op,
+                names,
+            )
+
+    @staticmethod
+    def _is_kv(transfer: Any) -> bool:
+        return str(getattr(transfer.name, "value", transfer.name)) == "kv"
+
+    @_failsafe(lambda self, args: _PoolTransferResult(kv_hit_pages=0, extra_pool_hit_pages={}))
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> Any:
+        """The KV pool's leading run of ``keys``; every other pool: no pages found."""
+        others = [t for t in pool_transfers or () if not self._is_kv(t)]
+        self._v2_unsupported("batch_exists_v2", [str(t.name) for t in others])
+        return _PoolTransferResult(
+            kv_hit_pages=self.batch_exists(keys, extra_info),
+            extra_pool_hit_pages={t.name: 0 for t in others},
+        )
+
+    def _v2_io(self, op: str, transfers: Any) -> dict[Any, list[bool]]:
+        out: dict[Any, list[bool]] = {}
+        others: list[str] = []
+        for t in transfers or ():
+            keys = list(t.keys or [])
+            if self._is_kv(t) and t.host_indices is not None:
+                out[t.name] = getattr(self, op)(keys, t.host_indices)
+            else:
+                others.append(str(t.name))
+                out[t.name] = [False] * len(keys)
+        self._v2_unsupported(op.replace("_v1", "_v2"), others)
+        return out
+
+    @_failsafe(lambda self, args: _v2_failure(args))
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Read each transfer's pages: the KV pool's through v1, other pools fail."""
+        return self._v2_io("batch_get_v1", transfers)
+
+    @_failsafe(lambda self, args: _v2_failure(args))
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Store each transfer's pages: the KV pool's through v1, other pools fail."""
+        return self._v2_io("batch_set_v1", transfers)
 
     # ------------------------------------------------------------------ the rest
 

@@ -23,7 +23,7 @@ from hicache_storage.backends import FileBackend
 from hicache_storage.conformance import BackendConformance, BackendSpec
 from hicache_storage.conformance.data import make_pool, pool_namespace, tree_files
 from hicache_storage.errors import ConfigError, InvalidKeyError
-from hicache_storage.layouts import LAYOUTS
+from hicache_storage.layouts import LAYOUTS, POOL_KIND_IDS, POOL_KINDS
 from hicache_storage.storekit.atomic import TEMP_PREFIX
 from hicache_storage.storekit.header import HEADER_SIZE
 
@@ -142,8 +142,7 @@ def test_batch_shapes(file_backend: FileBackend, n: int) -> None:
 # ------------------------------------------------------------------ zero-copy v1
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize(("layout", "mla"), POOL_KINDS, ids=POOL_KIND_IDS)
 def test_v1_round_trip_every_layout(make_file_backend: Factory, layout: str, mla: bool) -> None:
     pool = make_pool(layout, mla)
     b = make_file_backend(pool_namespace(pool))

@@ -8,7 +8,7 @@ import torch
 from hicache_storage import HostKVPool
 from hicache_storage.conformance.data import make_pool
 from hicache_storage.errors import ConfigError, HostIndicesError, InvalidTypeError
-from hicache_storage.layouts import LAYOUTS
+from hicache_storage.layouts import POOL_KIND_IDS, POOL_KINDS
 
 L, H, D, PS, P = 3, 2, 16, 4, 16  # the kit's pool shape (conformance.data.POOL_SHAPE)
 ITEM = 2  # bfloat16
@@ -20,8 +20,7 @@ def expected_segments(layout: str, mla: bool) -> int:
     return 1 if mla else 2
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize(("layout", "mla"), POOL_KINDS, ids=POOL_KIND_IDS)
 def test_shapes_and_segments(layout: str, mla: bool) -> None:
     pool = make_pool(layout, mla, num_pages=P, page_size=PS)
     heads = 1 if mla else H
@@ -29,6 +28,7 @@ def test_shapes_and_segments(layout: str, mla: bool) -> None:
         ("layer_first", False): (2, L, P * PS, H, D),
         ("page_first", False): (2, P * PS, L, H, D),
         ("page_first_direct", False): (2, P, L, PS, H, D),
+        ("page_head", False): (2, P, H, PS, L, D),
         ("layer_first", True): (L, P * PS, 1, D),
         ("page_first", True): (P * PS, L, 1, D),
         ("page_first_direct", True): (P, L, PS, 1, D),
@@ -42,8 +42,7 @@ def test_shapes_and_segments(layout: str, mla: bool) -> None:
     assert sum(sizes) == 2 * pool.page_bytes
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize(("layout", "mla"), POOL_KINDS, ids=POOL_KIND_IDS)
 def test_page_buffers_cover_exactly_the_tokens_of_the_page(layout: str, mla: bool) -> None:
     """Each page's segments hold exactly that page's elements, found by independent indexing."""
     pool = make_pool(layout, mla, num_pages=P, page_size=PS)
@@ -61,6 +60,7 @@ def test_page_buffers_cover_exactly_the_tokens_of_the_page(layout: str, mla: boo
             "layer_first": lambda: [kv[h, layer, tok] for h in range(2) for layer in range(L)],
             "page_first": lambda: [kv[h, tok] for h in range(2)],
             "page_first_direct": lambda: [kv[h, page] for h in range(2)],
+            "page_head": lambda: [kv[h, page] for h in range(2)],
         }[layout]()
     expected = b"".join(p.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for p in pieces)
     (buf,) = pool.page_buffers(torch.arange(page * PS, (page + 1) * PS))
@@ -129,7 +129,17 @@ def test_wrong_index_types_raise() -> None:
 def test_invalid_geometry_raises() -> None:
     with pytest.raises(ConfigError):
         HostKVPool(num_pages=0, page_size=4, layer_num=1, kv_heads=1, head_dim=1)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="choose one of"):
         HostKVPool(
-            num_pages=1, page_size=4, layer_num=1, kv_heads=1, head_dim=1, layout="page_head"
+            num_pages=1, page_size=4, layer_num=1, kv_heads=1, head_dim=1, layout="page_tail"
+        )
+    with pytest.raises(ConfigError, match="MLA pool has no 'page_head'"):
+        HostKVPool(
+            num_pages=1,
+            page_size=4,
+            layer_num=1,
+            kv_heads=1,
+            head_dim=1,
+            layout="page_head",
+            mla=True,
         )

@@ -24,7 +24,7 @@ from hicache_storage.errors import (
     NamespaceMismatchError,
 )
 from hicache_storage.keys import KEY_MAX_LEN, validate_key
-from hicache_storage.layouts import LAYOUTS
+from hicache_storage.layouts import POOL_KIND_IDS, POOL_KINDS
 
 H1 = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"
 H2 = "4ebfa8a1f3c341517621838c6e1b9aa350307e3f00b3cbd1a07ef740f54396d6"
@@ -224,8 +224,7 @@ def test_object_names() -> None:
 # --------------------------------------------------------------------------- for_pool
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize(("layout", "mla"), POOL_KINDS, ids=POOL_KIND_IDS)
 def test_for_pool_builds_the_namespace_register_mem_pool_host_accepts(
     tmp_path: Path, layout: str, mla: bool
 ) -> None:

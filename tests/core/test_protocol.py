@@ -23,7 +23,7 @@ from hicache_storage.errors import (
     NamespaceMismatchError,
     NotSupportedError,
 )
-from hicache_storage.layouts import LAYOUTS
+from hicache_storage.layouts import POOL_KIND_IDS, POOL_KINDS
 
 
 class DictBackend(HiCacheStorage):
@@ -212,8 +212,7 @@ def test_close_is_idempotent_and_later_calls_fail_cleanly() -> None:
 
 
 @pytest.mark.parametrize("cls", [DictBackend, NewTensorBackend])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize(("layout", "mla"), POOL_KINDS, ids=POOL_KIND_IDS)
 def test_default_v1_round_trip(cls: type[DictBackend], layout: str, mla: bool) -> None:
     pool = make_pool(layout, mla)
     b = cls(StorageConfig(namespace=pool_namespace(pool)))

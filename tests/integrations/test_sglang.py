@@ -288,18 +288,36 @@ def test_fp8_formats_stored_as_uint8_never_share_pages(tmp_path: Path) -> None:
         a.close()
 
 
-def test_layer_first_pages_are_refused_on_the_tensor_path(tmp_path: Path) -> None:
-    """SGLang's tensor path and v1 order an MHA layer_first page's bytes differently."""
-    extra = {"backend_name": "memory", "store": f"lf-{tmp_path.name}"}
-    tensor_path = SGLangStorage(sglang_config(extra))
-    with pytest.raises(ConfigError, match="interface_v1"):
-        tensor_path.register_mem_pool_host(make_pool("layer_first"))
-    v1 = SGLangStorage(sglang_config({**extra, "interface_v1": True}))
-    v1.register_mem_pool_host(make_pool("layer_first"))  # fine through v1
-    mla = SGLangStorage(sglang_config(extra, mla=True))
-    mla.register_mem_pool_host(make_pool("layer_first", mla=True))  # one order for MLA
-    for a in (tensor_path, v1, mla):
-        a.close()
+def test_a_layer_first_engine_pool_is_stored_in_the_sdks_byte_order(tmp_path: Path) -> None:
+    """An engine pool that lists a layer_first page's segments K0, V0, K1, V1 (as SGLang's
+    does) is stored as every layer's K, then every V: the SDK's (and SGLang's tensor
+    path's) order, so the layout name means one byte order."""
+    inner = make_pool("layer_first")
+
+    class Interleaved(EnginePool):
+        def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+            ptrs, sizes = self.inner.get_page_buffer_meta(indices)
+            per = self.inner.segments_per_page
+            out: list[int] = []
+            for p in range(0, len(ptrs), per):
+                ks, vs = ptrs[p : p + per // 2], ptrs[p + per // 2 : p + per]
+                out += [x for kv in zip(ks, vs, strict=True) for x in kv]
+            return out, sizes
+
+    engine = Interleaved(inner)
+    assert (
+        engine.get_page_buffer_meta(torch.arange(4))[0]
+        != inner.get_page_buffer_meta(torch.arange(4))[0]
+    )
+    extra = {"backend_name": "memory", "store": f"lf-{tmp_path.name}", "interface_v1": True}
+    a = SGLangStorage(sglang_config(extra))
+    a.register_mem_pool_host(engine)
+    keys = page_hashes(list(range(8)), 4)
+    assert a.batch_set_v1(keys, torch.arange(8)) == [True, True]
+    want = [p.tobytes() for p in inner.page_buffers(torch.arange(8))]
+    got = [a.get(k) for k in keys]
+    assert [bytes(g.numpy()) for g in got if g is not None] == want
+    a.close()
 
 
 def test_pipeline_stages_are_named_by_the_layers_they_hold(tmp_path: Path) -> None:

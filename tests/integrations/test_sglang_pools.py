@@ -1,0 +1,384 @@
+"""The adapter with SGLang's own host pools and SGLang's own controller code.
+
+The pools are SGLang's ``MHATokenToKVPoolHost`` (in its four layouts) and
+``MLATokenToKVPoolHost`` (three), built on CPU (tests/workers/sglang_pools.py). The
+controller is SGLang's ``HiCacheController``: its storage methods (``_storage_hit_query``,
+``_page_transfer``, ``_page_backup``, the zero-copy and the tensor page functions) run
+unchanged on an instance that holds only what they read (the adapter, the host pool,
+the page size, a queue), so the calls, batches and result handling are SGLang's own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.managers.cache_controller import (
+    HiCacheController,
+    PrefetchOperation,
+    StorageOperation,
+)
+from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
+    HiCacheStorageConfig,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang_pools import MHA_LAYOUTS, MLA_LAYOUTS, mha_pool, mla_pool, page_bytes
+from typing_extensions import override
+
+from hicache_storage.integrations.sglang import SGLangStorage
+from hicache_storage.protocol import HiCacheStorage
+from hicache_storage.wrapper import WrapperBackend
+
+MODULE = "hicache_storage.integrations.sglang"
+BACKENDS = ["file", "shm", "mmap", "memory"]
+KINDS = [(layout, False) for layout in MHA_LAYOUTS] + [(layout, True) for layout in MLA_LAYOUTS]
+KIND_IDS = [f"{layout}-{'mla' if mla else 'mha'}" for layout, mla in KINDS]
+
+
+def options_for(name: str, tmp_path: Path) -> dict[str, Any]:
+    options: dict[str, dict[str, Any]] = {
+        "file": {"root": str(tmp_path / "file")},
+        "shm": {"directory": str(tmp_path / "shm")},
+        "mmap": {"path": str(tmp_path / "arena"), "capacity": "64MiB", "prefault": False},
+        "memory": {"store": f"pools-{tmp_path.name}"},
+    }
+    return options[name]
+
+
+def build(
+    name: str, tmp_path: Path, *, v1: bool = True, mla: bool = False, tp_rank: int = 0,
+    tp_size: int = 1,
+) -> SGLangStorage:  # fmt: skip
+    """The adapter, built by SGLang's own factory from the controller's kind of config."""
+    extra = {"backend_name": name, "module_path": MODULE, "class_name": "SGLangStorage",
+             "interface_v1": v1, **options_for(name, tmp_path)}  # fmt: skip
+    cfg = HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
+        is_page_first_layout=True, model_name="acme/pool-test", extra_config=extra,
+    )  # fmt: skip
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, None)
+    assert isinstance(backend, SGLangStorage)
+    return backend
+
+
+def pool_for(layout: str, mla: bool, **geometry: Any) -> Any:
+    return mla_pool(layout, **geometry) if mla else mha_pool(layout, **geometry)
+
+
+def controller(storage: SGLangStorage, pool: Any, *, v1: bool = True) -> Any:
+    """SGLang's HiCacheController with only the state its storage methods read."""
+    c = HiCacheController.__new__(HiCacheController)
+    c.storage_backend = storage
+    c.storage_host_pool = c.mem_pool_host = pool
+    c.page_size = pool.page_size
+    c.storage_config = storage.storage_config
+    c.prefetch_sync_queue = queue.Queue()
+    c.page_get_func = c._page_get_zero_copy if v1 else c._generic_page_get
+    c.page_set_func = c._page_set_zero_copy if v1 else c._generic_page_set
+    return c
+
+
+def first_indices(indices: torch.Tensor, page_size: int) -> list[int]:
+    return [int(i) for i in indices[::page_size]]
+
+
+def prompt(pages: int, page_size: int, seed: int = 0) -> tuple[list[int], list[str]]:
+    """Token ids of ``pages`` full pages and SGLang's own storage keys for them."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 32000, (pages * page_size,), generator=g).tolist()
+    return tokens, list(get_storage_hash_str(tokens, None, page_size=page_size))
+
+
+# --------------------------------------------------------------------------- pages
+
+
+@pytest.mark.parametrize(("layout", "mla"), KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_sglangs_pools_round_trip_v1_byte_exact(
+    name: str, layout: str, mla: bool, tmp_path: Path
+) -> None:
+    pool = pool_for(layout, mla)
+    b = build(name, tmp_path, mla=mla)
+    b.register_mem_pool_host(pool)
+    ps = pool.page_size
+    keys = [f"{i:064x}" for i in range(1, 9)]
+    src, dst = pool.alloc(8 * ps), pool.alloc(8 * ps)
+    want = [page_bytes(pool, i) for i in first_indices(src, ps)]
+    before = pool.kv_buffer.view(-1).view(torch.uint8).clone()
+    assert b.batch_set_v1(keys, src) == [True] * 8
+    assert b.batch_exists([*keys, "f" * 64]) == 8
+    assert b.batch_get_v1(keys, dst) == [True] * 8
+    assert [page_bytes(pool, i) for i in first_indices(dst, ps)] == want
+    # Only the destination pages changed.
+    after = pool.kv_buffer.view(-1).view(torch.uint8)
+    changed = (before != after).nonzero().view(-1).tolist()
+    assert changed, "the destination pages held other random bytes before the read"
+    inside: set[int] = set()
+    base = pool.kv_buffer.data_ptr()
+    ptrs, sizes = pool.get_page_buffer_meta(dst)
+    for p, n in zip(ptrs, sizes, strict=True):
+        inside.update(range(p - base, p - base + n))
+    assert set(changed) <= inside
+    # The stored object is the page as SGLang's tensor path sees it: one byte order.
+    whole = b.get(keys[3])
+    assert whole is not None and bytes(whole.view(torch.uint8).numpy()) == want[3]
+    b.close()
+
+
+@pytest.mark.parametrize(("layout", "mla"), KINDS, ids=KIND_IDS)
+def test_the_tensor_path_and_v1_read_each_others_pages(
+    layout: str, mla: bool, tmp_path: Path
+) -> None:
+    """A deployment that switches interface_v1 on or off keeps its pages (same namespace,
+    same bytes): SGLang's tensor-path backup read back through v1, and the reverse."""
+    pool = pool_for(layout, mla)
+    tensor, v1 = build("file", tmp_path, v1=False, mla=mla), build("file", tmp_path, mla=mla)
+    for b in (tensor, v1):
+        b.register_mem_pool_host(pool)
+    assert tensor.namespace_for(pool) == v1.namespace_for(pool)
+    ps = pool.page_size
+    src = pool.alloc(6 * ps)
+    want = [page_bytes(pool, i) for i in first_indices(src, ps)]
+    tokens, keys = prompt(6, ps)
+    c_tensor, c_v1 = controller(tensor, pool, v1=False), controller(v1, pool)
+    c_tensor._page_backup(StorageOperation(src[: 3 * ps], tokens[: 3 * ps], hash_value=keys[:3]))
+    c_v1._page_backup(StorageOperation(src[3 * ps :], tokens[3 * ps :], hash_value=keys[3:]))
+    for c in (c_tensor, c_v1):
+        dst = pool.alloc(6 * ps)
+        op = PrefetchOperation("req", tokens)
+        op.hash_value, op.host_indices = keys, dst
+        assert c._page_transfer(op) == 6
+        assert [page_bytes(pool, i) for i in first_indices(dst, ps)] == want
+    tensor.close()
+    v1.close()
+
+
+# --------------------------------------------------------------------------- controller
+
+
+class FailFrom(WrapperBackend):
+    """Stores (``kind="set"``) or reads (``"get"``) the first ``ok`` pages it is asked
+    for, through the page or the tensor path, then fails every page."""
+
+    def __init__(self, inner: HiCacheStorage, kind: str, ok: int) -> None:
+        super().__init__(inner)
+        self.kind, self.left = kind, ok
+
+    def _take(self, kind: str, n: int) -> int:
+        if kind != self.kind:
+            return n
+        granted = max(0, min(self.left, n))
+        self.left -= granted
+        return granted
+
+    def _pages(self, kind: str, keys: list[str], pages: Any) -> list[bool]:
+        inner = getattr(self.inner, f"batch_{kind}_pages")
+        n = self._take(kind, len(keys))
+        head: list[bool] = inner(keys[:n], pages[:n]) if n else []
+        return head + [False] * (len(keys) - n)
+
+    @override
+    def batch_get_pages(self, keys: list[str], pages: Any) -> list[bool]:
+        return self._pages("get", keys, pages)
+
+    @override
+    def batch_set_pages(self, keys: list[str], pages: Any) -> list[bool]:
+        return self._pages("set", keys, pages)
+
+    @override
+    def get(self, key: str, target: Any = None) -> Any:
+        return self.inner.get(key, target) if self._take("get", 1) else None
+
+    @override
+    def set(self, key: str, value: Any) -> bool:
+        return bool(self._take("set", 1)) and self.inner.set(key, value)
+
+
+def test_the_controllers_prefetch_and_backup_threads_on_one_adapter(tmp_path: Path) -> None:
+    """SGLang's backup thread work (3 batches of up to 128 pages) and its prefetch thread
+    work (existence query stopping at the first miss, then the transfer) run at once on
+    one adapter; every page the prefetch loads is the page that was backed up."""
+    pool = mha_pool("page_first", device_tokens=2400, ratio=1.0)  # 600 pages
+    b = build("file", tmp_path)
+    b.register_mem_pool_host(pool)
+    ps, n = pool.page_size, 300
+    assert n > 2 * STORAGE_BATCH_SIZE
+    tokens, keys = prompt(n, ps)
+    src = pool.alloc(n * ps)
+    want = [page_bytes(pool, i) for i in first_indices(src, ps)]
+    c = controller(b, pool)
+    errors: list[str] = []
+    loaded: list[int] = []
+    backup = StorageOperation(src, tokens, hash_value=keys)
+
+    backed_up = threading.Event()
+
+    def prefetch() -> None:
+        dst = pool.alloc(n * ps)
+        last = False
+        while not last:  # until a pass that started after the backup had finished
+            last = backed_up.is_set()
+            op = PrefetchOperation("req", tokens)
+            hashes, hit_tokens = c._storage_hit_query(op)
+            if hit_tokens != len(hashes) * ps or hashes != keys[: len(hashes)]:
+                errors.append(f"hit query: {hit_tokens} tokens for {len(hashes)} keys")
+            op.hash_value, op.host_indices = hashes, dst[: len(hashes) * ps]
+            got = c._page_transfer(op)
+            loaded.append(got)
+            for i, first in enumerate(first_indices(dst[: got * ps], ps)):
+                if page_bytes(pool, first) != want[i]:
+                    errors.append(f"page {i} loaded wrong bytes")
+
+    def run_backup() -> None:
+        try:
+            c._page_backup(backup)
+        finally:
+            backed_up.set()
+
+    t_backup = threading.Thread(target=run_backup)
+    t_prefetch = threading.Thread(target=prefetch)
+    t_backup.start()
+    t_prefetch.start()
+    t_backup.join()
+    t_prefetch.join()
+    assert errors == []
+    assert backup.completed_tokens == n * ps
+    assert loaded == sorted(loaded) and loaded[-1] == n  # the leading run only grows
+    op = PrefetchOperation("req", tokens)
+    assert c._storage_hit_query(op) == (keys, n * ps)
+    # SGLang's prefetch acks: one per batch of each transfer, then the counts it saw.
+    acks = []
+    while not c.prefetch_sync_queue.empty():
+        acks.append(c.prefetch_sync_queue.get())
+    assert acks and all(a.completed_tokens % ps == 0 for a in acks)
+    b.close()
+
+
+@pytest.mark.parametrize("v1", [True, False], ids=["v1", "tensor"])
+def test_a_backend_failing_mid_batch(v1: bool, tmp_path: Path) -> None:
+    """Page 200 of 300 on (the second batch): SGLang's backup stops after the first batch
+    it saw fail, the existence query stops at the first page not stored, and a prefetch
+    whose reads fail from page 150 loads exactly the 150 pages before it, byte-exact."""
+    pool = mha_pool("page_first_direct", device_tokens=2400, ratio=1.0)
+    b = build("memory", tmp_path, v1=v1)
+    b.register_mem_pool_host(pool)
+    ps, n = pool.page_size, 300
+    tokens, keys = prompt(n, ps, seed=1)
+    src = pool.alloc(n * ps)
+    want = [page_bytes(pool, i) for i in first_indices(src, ps)]
+    assert b.backend is not None
+    b.backend = FailFrom(b.backend, "set", ok=200)
+    c = controller(b, pool, v1=v1)
+    backup = StorageOperation(src, tokens, hash_value=keys)
+    c._page_backup(backup)
+    assert backup.completed_tokens == STORAGE_BATCH_SIZE * ps  # batch 2 failed: stop
+    assert c._storage_hit_query(PrefetchOperation("req", tokens)) == (keys[:200], 200 * ps)
+    b.backend = FailFrom(b.backend.inner, "get", ok=150)
+    dst = pool.alloc(200 * ps)
+    op = PrefetchOperation("req", tokens)
+    op.hash_value, op.host_indices = keys[:200], dst
+    assert c._page_transfer(op) == 150
+    assert [page_bytes(pool, i) for i in first_indices(dst[: 150 * ps], ps)] == want[:150]
+    b.close()
+
+
+def test_mla_writer_election_and_direct_calls_on_every_rank(tmp_path: Path) -> None:
+    """SGLang's controller backs up MLA pages from the elected writer only
+    (``is_storage_writer``); every rank reads them, and a rank that is not the writer
+    still stores pages when called directly."""
+    pools = [mla_pool("page_first"), mla_pool("page_first")]
+    ranks = [build("file", tmp_path, mla=True, tp_rank=r, tp_size=2) for r in (0, 1)]
+    for b, pool in zip(ranks, pools, strict=True):
+        b.register_mem_pool_host(pool)
+    ctrls = [controller(b, pool) for b, pool in zip(ranks, pools, strict=True)]
+    assert [c.storage_config.is_storage_writer for c in ctrls] == [True, False]
+    ps = pools[0].page_size
+    tokens, keys = prompt(4, ps, seed=2)
+    src = [pool.alloc(4 * ps) for pool in pools]
+    pools[1].kv_buffer.view(-1).copy_(pools[0].kv_buffer.view(-1))  # MLA: same on every rank
+    want = [page_bytes(pools[0], i) for i in first_indices(src[0], ps)]
+    ops = [StorageOperation(s, tokens, hash_value=keys) for s in src]
+    for c, op in zip(ctrls, ops, strict=True):
+        if not c.backup_skip:  # SGLang's backup thread does exactly this
+            c._page_backup(op)
+    assert [op.completed_tokens for op in ops] == [4 * ps, 0]
+    dst = pools[1].alloc(4 * ps)
+    op = PrefetchOperation("req", tokens)
+    op.hash_value, op.host_indices = keys, dst
+    assert ctrls[1]._page_transfer(op) == 4  # rank 1 reads rank 0's pages
+    assert [page_bytes(pools[1], i) for i in first_indices(dst, ps)] == want
+    more = [f"{i:064x}" for i in range(100, 102)]
+    assert ranks[1].batch_set_v1(more, src[1][: 2 * ps]) == [True, True]
+    assert ranks[0].batch_exists(more) == 2
+    for b in ranks:
+        b.close()
+
+
+# --------------------------------------------------------------------------- v2 and stats
+
+
+def test_v2_moves_the_kv_pool_and_answers_other_pools_as_unsupported(tmp_path: Path) -> None:
+    pool = mha_pool("page_head")
+    b = build("shm", tmp_path)
+    b.register_mem_pool_host(pool)
+    b.register_mem_host_pool_v2(pool, PoolName.KV)
+    b.on_host_pools_registered()  # the KV pool alone: accepted
+    ps = pool.page_size
+    keys = [f"{i:064x}" for i in range(1, 4)]
+    src, dst = pool.alloc(3 * ps), pool.alloc(3 * ps)
+    want = [page_bytes(pool, i) for i in first_indices(src, ps)]
+    mamba = PoolTransfer(name=PoolName.MAMBA, host_indices=src[:ps], keys=keys[-1:])
+    out = b.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys), mamba])
+    assert out == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
+    hit = b.batch_exists_v2(keys, [mamba])
+    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (3, {PoolName.MAMBA: 0})
+    got = b.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=dst, keys=keys), mamba])
+    assert got == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
+    assert [page_bytes(pool, i) for i in first_indices(dst, ps)] == want
+    assert b.batch_get_v2("not transfers") == {}  # malformed: a failure, not an exception
+    b.register_mem_host_pool_v2(pool, PoolName.MAMBA)
+    with pytest.raises(NotImplementedError, match="mamba"):
+        b.on_host_pools_registered()  # a hybrid model's side pool fails the attach
+    b.close()
+
+
+def test_sglangs_pool_gives_the_namespace_its_facts(tmp_path: Path) -> None:
+    """Page size, dtype, layout, heads and layer range come from SGLang's pool."""
+    pool = mha_pool("page_head", heads=4, page_size=8, dtype=torch.float16, start_layer=5,
+                    device_tokens=128)  # fmt: skip
+    b = build("memory", tmp_path, tp_size=2)
+    ns = b.namespace_for(pool)
+    assert (ns.page_size, ns.dtype, ns.object_layout) == (8, "float16", "page_head")
+    assert (ns.total_kv_heads, ns.kv_heads_per_shard, ns.layer_range) == (8, 4, (5, 8))
+    b.register_mem_pool_host(pool)
+    src = pool.alloc(16)
+    assert b.batch_set_v1(["a" * 64, "b" * 64], src) == [True, True]
+    m = b.get_stats()
+    assert m.backup_pgs == [2] and m.backup_bandwidth[0] > 0  # SGLang pool's page size read
+    b.close()
+
+
+def test_pointer_form_against_sglangs_pool(tmp_path: Path) -> None:
+    pool = mha_pool("page_first")
+    b = build("memory", tmp_path)
+    b.register_mem_pool_host(pool)
+    src, dst = pool.alloc(pool.page_size), pool.alloc(pool.page_size)
+    ptrs_src, sizes = pool.get_page_buffer_meta(src)
+    ptrs_dst, _ = pool.get_page_buffer_meta(dst)
+    assert ctypes.string_at(ptrs_dst[0], sizes[0]) != ctypes.string_at(ptrs_src[0], sizes[0])
+    assert b.set("k", None, ptrs_src[0], sizes[0]) is True
+    assert b.get("k", ptrs_dst[0], sizes[0]) == ptrs_dst[0]
+    assert ctypes.string_at(ptrs_dst[0], sizes[0]) == ctypes.string_at(ptrs_src[0], sizes[0])
+    end = pool.kv_buffer.data_ptr() + pool.kv_buffer.nbytes
+    assert b.get("k", end - 8, sizes[0]) is None  # would run past the pool's end
+    b.close()

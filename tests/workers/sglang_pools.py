@@ -1,0 +1,114 @@
+"""SGLang's own host pools (0.5.23), built on CPU for the adapter's tests.
+
+``MHATokenToKVPoolHost`` and ``MLATokenToKVPoolHost`` take their geometry from a device
+pool's buffer description; on this CPU machine the "device" buffers are CPU tensors, and
+the host pool is built unpinned (pinning calls cudaHostRegister). Everything else is
+SGLang's code: the host ``kv_buffer`` in each layout, the allocator, ``get_data_page`` /
+``set_from_flat_data_page`` (the controller's tensor path) and ``get_page_buffer_meta``
+(its zero-copy path).
+
+Import this only where SGLang's host-pool chain can load (``.venv-sglang``, with the
+torchvision stand-in installed: tests/integrations/conftest.py does both).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.device_pool_info import (
+    KVBufferLayout,
+    KVBuffers,
+    MHABufferInfo,
+    MLABufferInfo,
+)
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+__all__ = [
+    "MHA_LAYOUTS",
+    "MLA_LAYOUTS",
+    "fill_random",
+    "mha_pool",
+    "mla_pool",
+    "page_bytes",
+]
+
+#: The layouts SGLang 0.5.23's host pools have (MLA has no page_head).
+MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def _ptrs(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+def mha_pool(
+    layout: str,
+    *,
+    layers: int = 3,
+    heads: int = 2,
+    head_dim: int = 16,
+    page_size: int = 4,
+    device_tokens: int = 64,
+    ratio: float = 2.0,
+    dtype: torch.dtype = torch.bfloat16,
+    start_layer: int = 0,
+) -> Any:
+    """SGLang's MHA host pool in ``layout``, with random contents."""
+    k = tuple(torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v),
+                          layout=KVBufferLayout.NHD),
+        page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
+        dtype=dtype, device=torch.device("cpu"),
+    )  # fmt: skip
+    pool = MHATokenToKVPoolHost(
+        info, host_to_device_ratio=ratio, host_size=0, page_size=page_size, layout=layout,
+        pin_memory=False, device="cpu", device_capacity_tokens=device_tokens,
+        start_layer=start_layer, end_layer=start_layer + layers,
+    )  # fmt: skip
+    return fill_random(pool)
+
+
+def mla_pool(
+    layout: str,
+    *,
+    layers: int = 3,
+    kv_lora_rank: int = 16,
+    rope_dim: int = 8,
+    page_size: int = 4,
+    device_tokens: int = 64,
+    ratio: float = 2.0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Any:
+    """SGLang's MLA host pool in ``layout``, with random contents."""
+    width = kv_lora_rank + rope_dim
+    bufs = tuple(torch.zeros(device_tokens, 1, width, dtype=dtype) for _ in range(layers))
+    info = MLABufferInfo(
+        buffers=bufs, data_ptrs=_ptrs(bufs), layer_indices=tuple(range(layers)),
+        device_layer_num=layers, page_size=page_size, kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=rope_dim, kv_cache_dim=width, dtype=dtype,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    pool = MLATokenToKVPoolHost(
+        info, host_to_device_ratio=ratio, host_size=0, page_size=page_size, layout=layout,
+        pin_memory=False, device="cpu", device_capacity_tokens=device_tokens,
+        start_layer=0, end_layer=layers, target_layer_num=layers,
+    )  # fmt: skip
+    return fill_random(pool)
+
+
+def fill_random(pool: Any, seed: int = 0) -> Any:
+    """Fill ``pool``'s whole KV buffer with random bytes; return the pool."""
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    g = torch.Generator().manual_seed(seed)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
+    return pool
+
+
+def page_bytes(pool: Any, first_index: int) -> bytes:
+    """The bytes of the page starting at host index ``first_index``, by SGLang's tensor path."""
+    page = pool.get_data_page(first_index, flat=True)
+    return bytes(page.contiguous().view(torch.uint8).numpy().tobytes())
