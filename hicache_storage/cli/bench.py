@@ -18,7 +18,7 @@ from hicache_storage.config import StorageConfig, redact_options
 from hicache_storage.errors import ConfigError, HiCacheStorageError
 from hicache_storage.host_pool import HostKVPool
 from hicache_storage.keys import KVCacheNamespace, page_hashes
-from hicache_storage.layouts import LAYOUTS
+from hicache_storage.layouts import LAYOUTS, MLA_LAYOUTS
 from hicache_storage.registry import create_backend
 
 if TYPE_CHECKING:
@@ -64,6 +64,10 @@ class BenchShape:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if self.layout not in LAYOUTS:
             raise ConfigError(f"unknown layout {self.layout!r}; choose one of {list(LAYOUTS)}")
+        if self.mla and self.layout not in MLA_LAYOUTS:
+            raise ConfigError(
+                f"an MLA pool has no {self.layout!r} layout; choose one of {list(MLA_LAYOUTS)}"
+            )
 
     @property
     def page_bytes(self) -> int:

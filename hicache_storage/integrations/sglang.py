@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _SGLangHiCacheStorage
+    from sglang.srt.mem_cache.hicache_storage import PoolName as _PoolName
     from sglang.srt.mem_cache.hicache_storage import PoolTransferResult as _PoolTransferResult
 except ImportError as exc:  # pragma: no cover - exercised by the packaging test's light import
     raise ImportError(
@@ -55,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
 
 from hicache_storage.buffers import memoryview_at
 from hicache_storage.config import StorageConfig, scrub
-from hicache_storage.errors import ConfigError
+from hicache_storage.errors import ConfigError, HostIndicesError
 from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
 from hicache_storage.ratelimit import RateLimitedLog
@@ -157,8 +158,12 @@ class _PoolView:
     """SGLang's host pool as the SDK's protocol reads it.
 
     It exposes the facts the backend checks against its namespace (``page_size``,
-    ``dtype``, ``layout``, ``mla``) and SGLang's own ``get_page_buffer_meta``, so v1 pages
-    are resolved by the pool that owns them.
+    ``dtype``, ``layout``, ``mla``) and SGLang's own ``get_page_buffer_meta``, checked
+    and put in the SDK's segment order, so v1 pages are resolved by the pool that owns
+    them and never reach outside it.
+
+    Raises :class:`ConfigError` for a pool whose KV buffer is not one CPU tensor (SGLang's
+    K-only and split-buffer pools): its pages could not be bounds-checked.
     """
 
     def __init__(self, pool: Any, mla: bool, dtype: str) -> None:
@@ -167,35 +172,57 @@ class _PoolView:
         self.dtype = dtype  # the logical KV dtype (the pool's may be uint8 for fp8)
         self.layout = str(pool.layout)
         self.mla = mla
-        self.kv_buffer = getattr(pool, "kv_buffer", pool)
+        buffer: Any = getattr(pool, "kv_buffer", None)
+        if not (hasattr(buffer, "data_ptr") and hasattr(buffer, "nbytes") and buffer.nbytes):
+            raise ConfigError(
+                f"{type(pool).__name__} keeps its KV in no single kv_buffer tensor; the "
+                "adapter moves pages of pools that do (SGLang's MHA and MLA host pools)"
+            )
+        self.kv_buffer = buffer
+        self._lo = int(buffer.data_ptr())
+        self._hi = self._lo + int(buffer.nbytes)
+        self._v_start = self._lo + int(buffer.nbytes) // 2  # MHA: K half, then V half
 
     def get_page_buffer_meta(self, indices: Any) -> tuple[Sequence[int], Sequence[int]]:
         """The pointer and size of every segment of every page of ``indices``.
 
-        SGLang's own answer, except for the order of an MHA ``layer_first`` page's
-        segments: SGLang lists them layer by layer (K0, V0, K1, V1...), while the SDK's
-        ``layer_first`` page, and SGLang's own tensor path (``get_data_page``), hold
+        SGLang's own answer, after two checks SGLang does not make: ``indices`` must be
+        whole pages (page-aligned runs of ``page_size``), and every segment must lie
+        inside the pool's KV buffer; otherwise :class:`HostIndicesError` (the call
+        fails, nothing is read or written). And one change of order: SGLang lists an MHA
+        ``layer_first`` page's segments layer by layer (K0, V0, K1, V1...), while the
+        SDK's ``layer_first`` page, and SGLang's own tensor path (``get_data_page``), hold
         every layer's K, then every layer's V. Each page's K segments (those in the first
         half of the KV buffer) are put first, in their order, so a ``layer_first`` page
         has one byte order whichever path or engine stored it.
         """
-        ptrs, sizes = (list(x) for x in self.pool.get_page_buffer_meta(indices))
-        if self.layout != "layer_first" or self.mla or not ptrs:
-            return ptrs, sizes
-        buffer = self.kv_buffer
-        if not (hasattr(buffer, "data_ptr") and hasattr(buffer, "nbytes")):
-            return ptrs, sizes
-        v_start = int(buffer.data_ptr()) + int(buffer.nbytes) // 2
-        pages = len(indices) // self.page_size
-        per = len(ptrs) // pages if pages else 0
-        order: list[int] = []
-        for page in range(pages):
-            mine = range(page * per, (page + 1) * per)
-            order += [i for i in mine if ptrs[i] < v_start] + [
-                i for i in mine if ptrs[i] >= v_start
-            ]
-        order += range(len(order), len(ptrs))  # (a remainder SGLang would not send)
-        return [ptrs[i] for i in order], [sizes[i] for i in order]
+        import torch
+
+        idx = torch.as_tensor(indices).reshape(-1).to(torch.int64)
+        ps = self.page_size
+        if idx.numel() == 0 or idx.numel() % ps:
+            raise HostIndicesError(f"{idx.numel()} host indices are not whole pages of {ps}")
+        rows = idx.view(-1, ps)
+        if bool(((rows[:, 0] % ps) != 0).any()) or bool(
+            (rows != rows[:, :1] + torch.arange(ps)).any()
+        ):
+            raise HostIndicesError("host indices are not page-aligned runs of page_size")
+        raw_ptrs, raw_sizes = self.pool.get_page_buffer_meta(idx)
+        ptrs = torch.as_tensor(list(raw_ptrs), dtype=torch.int64)
+        sizes = torch.as_tensor(list(raw_sizes), dtype=torch.int64)
+        if ptrs.numel() != sizes.numel() or ptrs.numel() == 0:
+            raise HostIndicesError("the pool gave no segments, or sizes that do not match")
+        if bool((sizes <= 0).any() | (ptrs < self._lo).any() | (ptrs + sizes > self._hi).any()):
+            raise HostIndicesError("host indices reach outside the host pool's KV buffer")
+        if self.layout == "layer_first" and not self.mla:
+            pages = rows.shape[0]
+            if ptrs.numel() % pages:
+                raise HostIndicesError("the pool gave a segment count that is not per page")
+            grid = ptrs.view(pages, -1)
+            order = torch.argsort((grid >= self._v_start).to(torch.int8), dim=1, stable=True)
+            ptrs = torch.gather(grid, 1, order).reshape(-1)
+            sizes = torch.gather(sizes.view(pages, -1), 1, order).reshape(-1)
+        return ptrs.tolist(), sizes.tolist()
 
 
 def _buffer_ranges(buffer: Any) -> list[tuple[int, int]]:
@@ -286,9 +313,20 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         start, end = getattr(pool, "start_layer", None), getattr(pool, "end_layer", None)
         if isinstance(start, int) and isinstance(end, int) and 0 <= start < end:
             fields["layer_range"] = (start, end)  # a pipeline stage: the layers it holds
+        # A pool that also holds a draft model's layers (speculative decoding) has pages
+        # of more layers than its range: other bytes, so another namespace.
+        layers = getattr(pool, "layer_num", None)
+        drafts = ""
+        if (
+            isinstance(layers, int)
+            and isinstance(start, int)
+            and isinstance(end, int)
+            and layers != end - start
+        ):
+            drafts = f"layers{layers}"
         # Context-parallel ranks hold different tokens of the same pages' positions: keep
         # them apart (the shard covers TP and PP only).
-        apart = [str(self.extra_config.get("tenant") or "")] + [
+        apart = [str(self.extra_config.get("tenant") or ""), drafts] + [
             f"{what}{rank}of{size}"
             for what, rank, size in (
                 ("cp", getattr(cfg, "attn_cp_rank", 0), getattr(cfg, "attn_cp_size", 1)),
@@ -323,6 +361,12 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """
         namespace = self.namespace_for(mem_pool_host)
         cfg = self.storage_config
+        if getattr(cfg, "should_split_heads", False):
+            logger.warning(
+                "SGLangStorage: SGLang asks for pages split by head group (tp_lcm_size), "
+                "which the adapter does not do: each TP rank stores its own heads, so "
+                "deployments of other TP sizes do not share pages (they miss, never mix)"
+            )
         config = StorageConfig(
             namespace=namespace,
             tp_rank=int(cfg.tp_rank),
@@ -511,17 +555,22 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
     def _is_kv(transfer: Any) -> bool:
         return str(getattr(transfer.name, "value", transfer.name)) == "kv"
 
-    @_failsafe(lambda self, args: _PoolTransferResult(kv_hit_pages=0, extra_pool_hit_pages={}))
+    @_failsafe(lambda self, args: _PoolTransferResult(0, {}, []))
     def batch_exists_v2(
         self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
     ) -> Any:
-        """The KV pool's leading run of ``keys``; every other pool: no pages found."""
+        """The usable prefix of ``keys``, as SGLang's own backends answer it.
+
+        The KV pool's leading run, cut to what every other pool holds, which is nothing
+        (they are not supported): ``kv_hit_pages`` is the minimum over the pools and
+        ``restorable_prefix_pages`` lists the usable prefix lengths.
+        """
         others = [t for t in pool_transfers or () if not self._is_kv(t)]
         self._v2_unsupported("batch_exists_v2", [str(t.name) for t in others])
-        return _PoolTransferResult(
-            kv_hit_pages=self.batch_exists(keys, extra_info),
-            extra_pool_hit_pages={t.name: 0 for t in others},
-        )
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict[Any, int] = {_PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = [] if others else list(range(1, kv_pages + 1))
+        return _PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
     def _v2_io(self, op: str, transfers: Any) -> dict[Any, list[bool]]:
         out: dict[Any, list[bool]] = {}

@@ -128,6 +128,17 @@ def test_errors_are_reported_with_exit_code_2(capsys: pytest.CaptureFixture[str]
     assert "unknown option" in capsys.readouterr().err
 
 
+def test_an_mla_page_head_pool_is_refused_before_any_backend_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = json.dumps({"root": str(tmp_path / "kv")})
+    args = ["bench", "--hicache-storage-backend-extra-config", extra, "--layout", "page_head",
+            "--mla", "--no-progress", *SMALL]  # fmt: skip
+    assert main(args) == 2
+    assert "an MLA pool has no 'page_head' layout" in capsys.readouterr().err
+    assert not (tmp_path / "kv").exists()
+
+
 def test_console_script(tmp_path: Path) -> None:
     exe = shutil.which("hicache-storage", path=str(Path(sys.executable).parent))
     assert exe is not None, "the console script is not installed"

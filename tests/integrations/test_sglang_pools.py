@@ -23,17 +23,20 @@ from sglang.srt.managers.cache_controller import (
     PrefetchOperation,
     StorageOperation,
 )
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
 from sglang.srt.mem_cache.hicache_storage import (
     STORAGE_BATCH_SIZE,
     HiCacheStorageConfig,
     PoolName,
     PoolTransfer,
 )
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
-from sglang_pools import MHA_LAYOUTS, MLA_LAYOUTS, mha_pool, mla_pool, page_bytes
+from sglang_pools import MHA_LAYOUTS, MLA_LAYOUTS, fill_random, mha_pool, mla_pool, page_bytes
 from typing_extensions import override
 
+from hicache_storage.errors import ConfigError
 from hicache_storage.integrations.sglang import SGLangStorage
 from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.wrapper import WrapperBackend
@@ -340,8 +343,14 @@ def test_v2_moves_the_kv_pool_and_answers_other_pools_as_unsupported(tmp_path: P
     mamba = PoolTransfer(name=PoolName.MAMBA, host_indices=src[:ps], keys=keys[-1:])
     out = b.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys), mamba])
     assert out == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
+    # With a pool the adapter cannot serve, no prefix is usable (SGLang's own backends
+    # answer the minimum over the pools); the KV pool alone: its leading run.
     hit = b.batch_exists_v2(keys, [mamba])
-    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (3, {PoolName.MAMBA: 0})
+    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages, hit.restorable_prefix_pages) == (
+        0, {PoolName.KV: 3}, [],
+    )  # fmt: skip
+    hit = b.batch_exists_v2([*keys, "f" * 64])
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (3, [1, 2, 3])
     got = b.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=dst, keys=keys), mamba])
     assert got == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
     assert [page_bytes(pool, i) for i in first_indices(dst, ps)] == want
@@ -381,4 +390,109 @@ def test_pointer_form_against_sglangs_pool(tmp_path: Path) -> None:
     assert ctypes.string_at(ptrs_dst[0], sizes[0]) == ctypes.string_at(ptrs_src[0], sizes[0])
     end = pool.kv_buffer.data_ptr() + pool.kv_buffer.nbytes
     assert b.get("k", end - 8, sizes[0]) is None  # would run past the pool's end
+    b.close()
+
+
+# --------------------------------------------------------------------------- review round
+
+
+@pytest.mark.parametrize("layout", MHA_LAYOUTS)
+def test_host_indices_outside_sglangs_pool_fail_and_touch_nothing(
+    layout: str, tmp_path: Path
+) -> None:
+    """SGLang's get_page_buffer_meta computes addresses from any indices it is given; the
+    adapter checks them: past the pool's end, not page-aligned, or not whole pages, the
+    call fails, nothing is stored, nothing in the pool changes."""
+    pool = mha_pool(layout)
+    b = build("memory", tmp_path)
+    b.register_mem_pool_host(pool)
+    ps, size = pool.page_size, pool.size
+    before = pool.kv_buffer.view(-1).view(torch.uint8).clone()
+    good = pool.alloc(ps)
+    key = "c" * 64
+    assert b.batch_set_v1([key], good) == [True]
+    bad = {
+        "past the end": torch.arange(size, size + ps),
+        "unaligned": torch.arange(size - ps - 2, size - 2),
+        "not a run": torch.tensor([0, 1, 2, 5] if ps == 4 else list(range(ps))[::-1]),
+        "part of a page": torch.arange(0, ps - 1),
+    }
+    for what, idx in bad.items():
+        assert b.batch_set_v1([f"{len(what):064x}"], idx) == [False], what
+        assert b.batch_get_v1([key], idx) == [False], what
+    assert b.batch_exists([f"{len(w):064x}" for w in bad]) == 0
+    assert torch.equal(pool.kv_buffer.view(-1).view(torch.uint8), before)
+    b.close()
+
+
+def _mha_info(layers: int, tokens: int = 64) -> MHABufferInfo:
+    k = tuple(torch.zeros(tokens, 2, 16, dtype=torch.bfloat16) for _ in range(layers))
+    v = tuple(torch.zeros(tokens, 2, 16, dtype=torch.bfloat16) for _ in range(layers))
+    ptrs = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64) for ts in (k, v)]
+    return MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs[0], v_data_ptrs=ptrs[1],
+                          layout=KVBufferLayout.NHD),
+        page_size=4, head_num=2, head_dim=16, v_head_dim=16, dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+
+
+def test_a_draft_models_layers_get_their_own_namespace(tmp_path: Path) -> None:
+    """Speculative decoding packs the draft model's layers into the host pool: its pages
+    are other bytes than the same model's without a draft."""
+    pools = [
+        fill_random(
+            MHATokenToKVPoolHost(
+                _mha_info(3),
+                host_to_device_ratio=2.0,
+                host_size=0,
+                page_size=4,
+                layout="page_first",
+                pin_memory=False,
+                device="cpu",
+                device_capacity_tokens=64,
+                start_layer=0,
+                end_layer=3,
+                draft_buffer_infos=tuple(_mha_info(1) for _ in range(d)),
+            ),
+            seed=d,
+        )
+        for d in (0, 1)
+    ]
+    assert [p.layer_num for p in pools] == [3, 4]
+    plain, spec = build("file", tmp_path), build("file", tmp_path)
+    assert plain.namespace_for(pools[0]) != spec.namespace_for(pools[1])
+    plain.register_mem_pool_host(pools[0])
+    spec.register_mem_pool_host(pools[1])
+    keys = [f"{i:064x}" for i in range(1, 3)]
+    assert plain.batch_set_v1(keys, pools[0].alloc(8)) == [True, True]
+    assert spec.batch_exists(keys) == 0
+    src = pools[1].alloc(8)
+    assert spec.batch_set_v1(keys, src) == [True, True]  # stored, not blocked
+    dst = pools[1].alloc(8)
+    assert spec.batch_get_v1(keys, dst) == [True, True]
+    assert page_bytes(pools[1], int(dst[0])) == page_bytes(pools[1], int(src[0]))
+    plain.close()
+    spec.close()
+
+
+def test_a_pool_without_one_kv_buffer_fails_the_attach(tmp_path: Path) -> None:
+    """SGLang's K-only and split-buffer pools keep no single kv_buffer tensor (the MLA
+    pool's split form sets it to None): their pages could not be bounds-checked."""
+    pool = mha_pool("page_first")
+    pool.kv_buffer = None
+    b = build("memory", tmp_path)
+    with pytest.raises(ConfigError, match="kv_buffer"):
+        b.register_mem_pool_host(pool)
+    assert b.backend is None
+    b.close()
+
+
+def test_split_heads_are_not_done_and_say_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    b = build("memory", tmp_path)
+    b.storage_config.should_split_heads = True
+    b.register_mem_pool_host(mha_pool("page_head"))
+    assert "split by head group" in caplog.text
     b.close()
