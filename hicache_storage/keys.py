@@ -41,6 +41,7 @@ __all__ = [
     "KEY_MAX_LEN",
     "KVCacheNamespace",
     "ObjectName",
+    "ObjectNamer",
     "normalize_dtype",
     "object_name",
     "page_hashes",
@@ -53,6 +54,11 @@ __all__ = [
 KEY_MAX_LEN = 200
 
 _KEY_RE = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
+# A whole batch at once: keys joined by newlines (a character no key may hold), each
+# within the length limit. ".." and the newline count are checked beside it.
+_KEYS_RE = re.compile(
+    rf"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{{0,{KEY_MAX_LEN - 1}}}(?:\n[A-Za-z0-9_\-][A-Za-z0-9_.\-]{{0,{KEY_MAX_LEN - 1}}})*"
+)
 _SHARD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9\-]{0,47}")
 _U32_MAX = 0xFFFFFFFF
 _U64_MAX = 0xFFFFFFFFFFFFFFFF
@@ -373,10 +379,29 @@ def validate_key(key: object) -> str:
 
 
 def validate_keys(keys: object) -> list[str]:
-    """Validate a batch of keys; return them as a list."""
+    """Validate a batch of keys; return them as a (new) list.
+
+    The rule is :func:`validate_key`'s. A batch of valid keys is checked in one pass
+    (one regular expression over the keys joined by newlines); a batch with a bad key is
+    checked key by key, so the error names the first bad one.
+    """
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
         raise InvalidTypeError(f"keys must be a list of str, got {type(keys).__name__}")
-    return [validate_key(k) for k in keys]
+    batch = list(keys)
+    if not batch:
+        return batch
+    try:
+        joined = "\n".join(batch)
+    except TypeError:
+        joined = None  # a key that is not a str: validate_key says which
+    if (
+        joined is not None
+        and _KEYS_RE.fullmatch(joined) is not None
+        and joined.count("\n") == len(batch) - 1  # no key holds the separator
+        and ".." not in joined
+    ):
+        return batch
+    return [validate_key(k) for k in batch]
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,15 +416,73 @@ class ObjectName:
     namespace: str
     fanout: str
     leaf: str
+    #: The full relative name, ``namespace/fanout/leaf`` (computed once).
+    path: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def path(self) -> str:
-        """The full relative name, ``namespace/fanout/leaf``."""
-        return f"{self.namespace}/{self.fanout}/{self.leaf}"
+    def __post_init__(self) -> None:
+        """Compute :attr:`path`."""
+        object.__setattr__(self, "path", f"{self.namespace}/{self.fanout}/{self.leaf}")
 
     @override
     def __str__(self) -> str:
         return self.path
+
+
+class ObjectNamer:
+    """:func:`object_name` for one namespace and shard, with recent names remembered.
+
+    The prefetch path names the same pages again and again; a remembered name costs a
+    dictionary lookup instead of a validation and a hash. A key is validated (and its
+    name computed) the first time it is seen, so an invalid key is never remembered and
+    always raises :class:`InvalidKeyError`, as with :func:`object_name`.
+
+    Args:
+        digest: a :attr:`KVCacheNamespace.digest`.
+        shard: the shard coordinate, or ``None`` (checked here, once).
+    """
+
+    __slots__ = ("_cache", "_digest", "_suffix")
+
+    #: Names remembered; the memory (about 10 MB when full) is cleared when full.
+    CACHE_LIMIT = 1 << 15
+
+    def __init__(self, digest: str, shard: str | None) -> None:
+        if shard is not None and _SHARD_RE.fullmatch(shard) is None:
+            raise InvalidArgumentError(f"invalid shard coordinate {shard!r}")
+        self._digest = digest
+        self._suffix = "" if shard is None else "~" + shard
+        self._cache: dict[str, tuple[ObjectName, str]] = {}
+
+    def _entry(self, key: str) -> tuple[ObjectName, str]:
+        leaf = key + self._suffix
+        entry = self._cache.get(leaf)
+        if entry is None:
+            validate_key(key)
+            fan = hashlib.blake2b(leaf.encode("ascii"), digest_size=1).hexdigest()
+            name = ObjectName(self._digest, fan, leaf)
+            entry = (name, name.path)
+            if len(self._cache) >= self.CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[leaf] = entry
+        return entry
+
+    def name(self, key: str) -> ObjectName:
+        """``object_name(digest, key, shard)``."""
+        return self._entry(key)[0]
+
+    def path(self, key: str) -> str:
+        """``object_name(digest, key, shard).path``."""
+        entry = self._cache.get(key + self._suffix)
+        return (entry if entry is not None else self._entry(key))[1]
+
+    def paths(self, keys: list[str], prefix: str = "") -> list[str]:
+        """``prefix + path(key)`` for every key (one call for a batch's hot loop)."""
+        get, suffix, entry = self._cache.get, self._suffix, self._entry
+        out = []
+        for key in keys:
+            found = get(key + suffix)
+            out.append(prefix + (found if found is not None else entry(key))[1])
+        return out
 
 
 def object_name(digest: str, page_hash: str, shard: str | None = None) -> ObjectName:

@@ -82,7 +82,7 @@ from hicache_storage.errors import (
 from hicache_storage.keys import (
     DEFAULT_NAMESPACE,
     ObjectName,
-    object_name,
+    ObjectNamer,
 )
 from hicache_storage.layouts import LAYOUTS
 
@@ -348,8 +348,31 @@ class HiCacheStorage(abc.ABC):
         return out
 
     def object_name(self, key: str) -> ObjectName:
-        """The stored name of ``key`` for this backend's namespace and shard."""
-        return object_name(self.namespace.digest, key, self.config.shard)
+        """The stored name of ``key`` for this backend's namespace and shard.
+
+        :func:`~hicache_storage.keys.object_name`, with recent names remembered
+        (:class:`~hicache_storage.keys.ObjectNamer`): an invalid key raises
+        :class:`~hicache_storage.errors.InvalidKeyError` every time.
+        """
+        return self.object_namer().name(key)
+
+    def object_namer(self) -> ObjectNamer:
+        """The :class:`~hicache_storage.keys.ObjectNamer` of this namespace and shard.
+
+        For a backend's batch loops: ``object_namer().paths(keys, prefix)`` names a whole
+        batch in one call. (Rebuilt when ``namespace`` or ``config`` is replaced.)
+        """
+        cached = self.__dict__.get("_object_namer")
+        namespace, config = self.namespace, self.config
+        if cached is None or cached[0] is not namespace or cached[1] is not config:
+            cached = (namespace, config, ObjectNamer(namespace.digest, config.shard))
+            self.__dict__["_object_namer"] = cached
+        namer: ObjectNamer = cached[2]
+        return namer
+
+    def object_path(self, key: str) -> str:
+        """``object_name(key).path`` (remembered, like the name itself)."""
+        return self.object_namer().path(key)
 
     @classmethod
     def overrides(cls, op: str) -> bool:

@@ -69,7 +69,7 @@ from hicache_storage.storekit.header import (
     checksum,
     decode_header,
     encode_header,
-    verify_payload,
+    new_hasher,
 )
 from hicache_storage.storekit.iopool import IOPool
 from hicache_storage.storekit.metacache import MetadataCache
@@ -155,6 +155,32 @@ def _holds_only_a_store(path: str) -> bool:
             return all(e.name.startswith(".") or _NAMESPACE_DIR.fullmatch(e.name) for e in entries)
     except OSError:
         return False
+
+
+#: Bytes read, then hashed, at a time when a read is verified (small enough to stay in
+#: the CPU's cache between the copy and the hash).
+_VERIFY_CHUNK = 256 << 10
+
+
+def _chunks(views: list[memoryview], size: int) -> list[list[memoryview]]:
+    """``views`` cut into consecutive runs of at most ``size`` bytes (at least one run)."""
+    out: list[list[memoryview]] = []
+    run: list[memoryview] = []
+    room = size
+    for view in views:
+        flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        start = 0
+        while start < flat.nbytes:
+            take = min(room, flat.nbytes - start)
+            run.append(flat[start : start + take])
+            start += take
+            room -= take
+            if room == 0:
+                out.append(run)
+                run, room = [], size
+    if run or not out:
+        out.append(run)
+    return out
 
 
 def _is_object_name(fanout: str, leaf: str) -> bool:
@@ -259,6 +285,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         self._configure(opts)
         self.root = check_path(self._location(opts), self.location_option)
         self.directory = os.path.join(self.root, self.namespace.digest)
+        self._root_prefix = os.path.join(self.root, "")  # root + "/" (the hot paths' paths)
         self._algorithm = algorithm_id(opts.checksum)
         self._meta = MetadataCache(opts.metadata_cache_ttl)
         self._log = RateLimitedLog(logger)
@@ -665,16 +692,32 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                 self._record(size_mismatches=1)
                 return None
             head = bytearray(HEADER_SIZE)
-            got = preadv_all(fd, [memoryview(head), *views], 0)
-            if got != st.st_size:
+            verify = self.options.verify_checksum
+            chunks = _chunks(views, _VERIFY_CHUNK) if verify else [views]
+            first = chunks[0]
+            got = preadv_all(fd, [memoryview(head), *first], 0)
+            offset = HEADER_SIZE + total_nbytes(first)
+            if got != (st.st_size if len(chunks) == 1 else offset):
                 raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
             header = decode_header(head, name.path)  # renamed or swapped: not this key's
             if header.payload_len != payload:
                 raise CorruptObjectError(
                     f"header says {header.payload_len} bytes, file holds {payload}"
                 )
-            if self.options.verify_checksum:
-                verify_payload(header, views)
+            # Verify while the bytes are hot: each chunk is hashed right after it is
+            # read, while it is still in the CPU cache.
+            hasher = new_hasher(header.algorithm) if verify else None
+            for i, chunk in enumerate(chunks):
+                if i:
+                    n = total_nbytes(chunk)
+                    if preadv_all(fd, chunk, offset) != n:
+                        raise CorruptObjectError(f"short read at {offset} of {st.st_size}")
+                    offset += n
+                if hasher is not None:
+                    for v in chunk:
+                        hasher.update(v)
+            if hasher is not None and hasher.intdigest() != header.checksum:
+                raise CorruptObjectError("payload checksum mismatch")
             self._record(bytes_read=payload)
             self._touch(name, path, st, fd)
         except UnsupportedFormatError as exc:
@@ -747,12 +790,14 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
 
     # ------------------------------------------------------------------ writes
 
-    def _exists(self, name: ObjectName, path: str) -> bool:
-        if self._meta.contains(path):
+    def _exists_at(self, path: str) -> bool:
+        meta = self._meta
+        if meta.enabled and meta.contains(path):
             return True
         if self._stored(path) is None:
             return False
-        self._meta.add(path)
+        if meta.enabled:
+            meta.add(path)
         return True
 
     def _on_disk(self, path: str) -> bool:
@@ -943,18 +988,47 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         return self._each_page("batch_set_pages", keys, pages, self._write)
 
+    @override
+    def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
+        # As batch_set_pages: the values' bytes straight to the files, on the I/O threads
+        # (the default would write them one by one in the caller's thread). A value of
+        # the wrong type raises before anything is written.
+        views = [source_views(v) for v in values]
+        names = [self.object_name(k) for k in keys]
+        return self._map_pages(
+            "batch_set", len(keys), lambda i: self._write(names[i], views[i]), self._io.map
+        )
+
     # ------------------------------------------------------------------ existence, delete
 
     @override
     def exists(self, key: str) -> bool:
-        name = self.object_name(key)
-        return self._exists(name, self._path(name))
+        return self._exists_at(self._root_prefix + self.object_path(key))
 
     @override
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        for i, key in enumerate(keys):
-            name = self.object_name(key)
-            if not self._exists(name, self._path(name)):
+        # The prefetch path's hot loop (every page of every prompt). The common case is
+        # inline: the path from the remembered name, one lstat, a regular file of ours
+        # that nobody else can write (the trust rule for a private store). Anything else
+        # (a metadata cache, a shared group, an odd file, an error) takes _exists_at.
+        paths, exists_at = self.object_namer().paths(keys, self._root_prefix), self._exists_at
+        if self._meta.enabled or self.group_id is not None:
+            for i, path in enumerate(paths):
+                if not exists_at(path):
+                    return i
+            return len(keys)
+        lstat, euid, is_reg = os.lstat, os.geteuid(), stat.S_ISREG
+        foreign = stat.S_IWGRP | stat.S_IWOTH
+        for i, path in enumerate(paths):
+            try:
+                st = lstat(path)
+            except FileNotFoundError:
+                return i
+            except OSError:
+                st = None
+            if (
+                st is None or not is_reg(st.st_mode) or st.st_uid != euid or st.st_mode & foreign
+            ) and not exists_at(path):
                 return i
         return len(keys)
 
