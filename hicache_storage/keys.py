@@ -366,6 +366,8 @@ def validate_key(key: object) -> str:
     """
     if not isinstance(key, str):
         raise InvalidKeyError(f"key must be str, got {type(key).__name__}")
+    if type(key) is not str:
+        key = str.__str__(key)  # the characters themselves: a subclass may lie about them
     if not key:
         raise InvalidKeyError("key must not be empty")
     if len(key) > KEY_MAX_LEN:
@@ -388,8 +390,8 @@ def validate_keys(keys: object) -> list[str]:
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
         raise InvalidTypeError(f"keys must be a list of str, got {type(keys).__name__}")
     batch = list(keys)
-    if not batch:
-        return batch
+    if len(batch) < 2 or set(map(type, batch)) != {str}:
+        return [validate_key(k) for k in batch]  # (str subclasses become plain str)
     try:
         joined = "\n".join(batch)
     except TypeError:
@@ -443,7 +445,7 @@ class ObjectNamer:
 
     __slots__ = ("_cache", "_digest", "_suffix")
 
-    #: Names remembered; the memory (about 10 MB when full) is cleared when full.
+    #: Names remembered (about 15 MB when full, for 64-character keys); cleared when full.
     CACHE_LIMIT = 1 << 15
 
     def __init__(self, digest: str, shard: str | None) -> None:
@@ -457,7 +459,7 @@ class ObjectNamer:
         leaf = key + self._suffix
         entry = self._cache.get(leaf)
         if entry is None:
-            validate_key(key)
+            leaf = validate_key(key) + self._suffix
             fan = hashlib.blake2b(leaf.encode("ascii"), digest_size=1).hexdigest()
             name = ObjectName(self._digest, fan, leaf)
             entry = (name, name.path)
@@ -496,7 +498,7 @@ def object_name(digest: str, page_hash: str, shard: str | None = None) -> Object
         shard: the shard coordinate (e.g. ``"h0-7"`` for KV heads 0..7), ``None`` when the
             object is rank-replicated.
     """
-    validate_key(page_hash)
+    page_hash = validate_key(page_hash)
     if shard is None:
         leaf = page_hash
     else:

@@ -684,12 +684,12 @@ class MmapBackend(HiCacheStorage):
         arena = self._arena_for(max(sizes))
         names = [self.object_path(key) for key, _, _ in items]
         results = [False] * len(items)
+        fits = [n <= arena.slot_size for n in sizes]
         first_of: dict[str, int] = {}
         for i, name in enumerate(names):
-            first_of.setdefault(name, i)  # a key twice in a batch is stored once
-        pending = [
-            i for i, n in enumerate(sizes) if n <= arena.slot_size and first_of[names[i]] == i
-        ]
+            if fits[i]:  # a key twice in a batch is stored once: its first value that fits
+                first_of.setdefault(name, i)
+        pending = [i for i, name in enumerate(names) if fits[i] and first_of[name] == i]
         oversized = sum(n > arena.slot_size for n in sizes)
         if oversized:
             if len(items) == 1:
@@ -750,8 +750,8 @@ class MmapBackend(HiCacheStorage):
             raise
         self._record(bytes_written=sum(sizes[i] for i in order if results[i]))
         for i, name in enumerate(names):
-            j = first_of[name]
-            if j != i:
+            j = first_of.get(name)
+            if fits[i] and j is not None and j != i:
                 results[i] = results[j]
         return results
 

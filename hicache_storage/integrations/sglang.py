@@ -198,7 +198,7 @@ class _PoolView:
         """
         import torch
 
-        idx = torch.as_tensor(indices).reshape(-1).to(torch.int64)
+        idx = torch.as_tensor(indices).reshape(-1).to(device="cpu", dtype=torch.int64)
         ps = self.page_size
         if idx.numel() == 0 or idx.numel() % ps:
             raise HostIndicesError(f"{idx.numel()} host indices are not whole pages of {ps}")
@@ -361,6 +361,14 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """
         namespace = self.namespace_for(mem_pool_host)
         cfg = self.storage_config
+        if int(getattr(cfg, "dcp_size", 1) or 1) > 1 and self.extra_config.get("interface_v1"):
+            # With decode context parallelism SGLang's host pool holds page_size/dcp_size
+            # tokens of each logical page, while the controller's host indices count the
+            # logical page: SGLang's zero-copy metadata and those indices disagree.
+            raise ConfigError(
+                "decode context parallelism (dcp_size > 1) works through SGLang's tensor "
+                "path only: set interface_v1 to false in the extra config"
+            )
         if getattr(cfg, "should_split_heads", False):
             logger.warning(
                 "SGLangStorage: SGLang asks for pages split by head group (tp_lcm_size), "

@@ -69,7 +69,7 @@ from hicache_storage.storekit.header import (
     checksum,
     decode_header,
     encode_header,
-    new_hasher,
+    verify_payload,
 )
 from hicache_storage.storekit.iopool import IOPool
 from hicache_storage.storekit.metacache import MetadataCache
@@ -155,32 +155,6 @@ def _holds_only_a_store(path: str) -> bool:
             return all(e.name.startswith(".") or _NAMESPACE_DIR.fullmatch(e.name) for e in entries)
     except OSError:
         return False
-
-
-#: Bytes read, then hashed, at a time when a read is verified (small enough to stay in
-#: the CPU's cache between the copy and the hash).
-_VERIFY_CHUNK = 256 << 10
-
-
-def _chunks(views: list[memoryview], size: int) -> list[list[memoryview]]:
-    """``views`` cut into consecutive runs of at most ``size`` bytes (at least one run)."""
-    out: list[list[memoryview]] = []
-    run: list[memoryview] = []
-    room = size
-    for view in views:
-        flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        start = 0
-        while start < flat.nbytes:
-            take = min(room, flat.nbytes - start)
-            run.append(flat[start : start + take])
-            start += take
-            room -= take
-            if room == 0:
-                out.append(run)
-                run, room = [], size
-    if run or not out:
-        out.append(run)
-    return out
 
 
 def _is_object_name(fanout: str, leaf: str) -> bool:
@@ -692,32 +666,16 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                 self._record(size_mismatches=1)
                 return None
             head = bytearray(HEADER_SIZE)
-            verify = self.options.verify_checksum
-            chunks = _chunks(views, _VERIFY_CHUNK) if verify else [views]
-            first = chunks[0]
-            got = preadv_all(fd, [memoryview(head), *first], 0)
-            offset = HEADER_SIZE + total_nbytes(first)
-            if got != (st.st_size if len(chunks) == 1 else offset):
+            got = preadv_all(fd, [memoryview(head), *views], 0)
+            if got != st.st_size:
                 raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
             header = decode_header(head, name.path)  # renamed or swapped: not this key's
             if header.payload_len != payload:
                 raise CorruptObjectError(
                     f"header says {header.payload_len} bytes, file holds {payload}"
                 )
-            # Verify while the bytes are hot: each chunk is hashed right after it is
-            # read, while it is still in the CPU cache.
-            hasher = new_hasher(header.algorithm) if verify else None
-            for i, chunk in enumerate(chunks):
-                if i:
-                    n = total_nbytes(chunk)
-                    if preadv_all(fd, chunk, offset) != n:
-                        raise CorruptObjectError(f"short read at {offset} of {st.st_size}")
-                    offset += n
-                if hasher is not None:
-                    for v in chunk:
-                        hasher.update(v)
-            if hasher is not None and hasher.intdigest() != header.checksum:
-                raise CorruptObjectError("payload checksum mismatch")
+            if self.options.verify_checksum:
+                verify_payload(header, views)
             self._record(bytes_read=payload)
             self._touch(name, path, st, fd)
         except UnsupportedFormatError as exc:
@@ -986,18 +944,33 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
 
     @override
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        return self._each_page("batch_set_pages", keys, pages, self._write)
+        return self._write_each("batch_set_pages", keys, [p.views for p in pages])
 
     @override
     def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
         # As batch_set_pages: the values' bytes straight to the files, on the I/O threads
         # (the default would write them one by one in the caller's thread). A value of
         # the wrong type raises before anything is written.
-        views = [source_views(v) for v in values]
-        names = [self.object_name(k) for k in keys]
-        return self._map_pages(
-            "batch_set", len(keys), lambda i: self._write(names[i], views[i]), self._io.map
+        return self._write_each("batch_set", keys, [source_views(v) for v in values])
+
+    def _write_each(self, op: str, keys: list[str], views: list[list[memoryview]]) -> list[bool]:
+        """Write every item on the I/O threads.
+
+        A key twice in the batch is written once, with its first value (first writer
+        wins, as in a serial loop).
+        """
+        first: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        unique = list(first.values())
+        names = [self.object_name(keys[i]) for i in unique]
+        done = self._map_pages(
+            op, len(unique), lambda j: self._write(names[j], views[unique[j]]), self._io.map
         )
+        if len(unique) == len(keys):
+            return done
+        by_key = {keys[i]: ok for i, ok in zip(unique, done, strict=True)}
+        return [by_key[k] for k in keys]
 
     # ------------------------------------------------------------------ existence, delete
 

@@ -34,7 +34,7 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -46,13 +46,11 @@ if TYPE_CHECKING:
 __all__ = [
     "ALGORITHMS",
     "HEADER_SIZE",
-    "Hasher",
     "ObjectHeader",
     "checksum",
     "decode_header",
     "encode_header",
     "name_digest",
-    "new_hasher",
     "verify_payload",
 ]
 
@@ -96,29 +94,6 @@ def checksum(views: Sequence[memoryview], algorithm: int) -> int:
         for v in views:
             h.update(v)
         return int(h.intdigest())
-    raise CorruptObjectError(f"unknown checksum algorithm id {algorithm}")
-
-
-class Hasher(Protocol):
-    """A running payload checksum (:func:`new_hasher`)."""
-
-    def update(self, data: memoryview) -> None:
-        """Add the next bytes of the payload."""
-
-    def intdigest(self) -> int:
-        """The checksum of everything added, as :func:`checksum` computes it."""
-
-
-def new_hasher(algorithm: int) -> Hasher | None:
-    """A running checksum for ``algorithm`` (None for 0: nothing to check).
-
-    Lets a reader hash each chunk of the payload right after reading it, while it is
-    still in the CPU cache, instead of the whole payload after the copy.
-    """
-    if algorithm == 0:
-        return None
-    if algorithm == 1:
-        return cast("Hasher", xxhash.xxh3_64())
     raise CorruptObjectError(f"unknown checksum algorithm id {algorithm}")
 
 

@@ -328,3 +328,94 @@ def test_for_pool_refuses_contradictions_and_missing_facts() -> None:
     assert type(ns.page_size) is int
     with pytest.raises(ConfigError, match="model_id"):
         KVCacheNamespace.for_pool(pool, model_id="")
+
+
+# --------------------------------------------------------------------------- hot paths
+
+
+def test_batch_validation_agrees_with_the_per_key_rule_on_random_batches() -> None:
+    """validate_keys checks a batch in one pass; it must accept exactly what
+    validate_key accepts, and name the same first bad key."""
+    import random
+
+    from hicache_storage.keys import validate_keys
+
+    rng = random.Random(7)
+    alphabet = "abcdef0123456789_-.\n\r\t /\x00\u2028\x85éK~" + "A" * 5
+    for _ in range(3000):
+        batch = []
+        for _ in range(rng.randint(2, 6)):
+            n = rng.choice([0, 1, 5, 64, KEY_MAX_LEN - 1, KEY_MAX_LEN, KEY_MAX_LEN + 1])
+            if rng.random() < 0.7:
+                batch.append("".join(rng.choice("0123456789abcdef") for _ in range(n)))
+            else:
+                batch.append("".join(rng.choice(alphabet) for _ in range(n)))
+        expected: Any
+        try:
+            expected = [validate_key(k) for k in batch]
+        except InvalidKeyError as exc:
+            expected = str(exc)
+        try:
+            got: Any = validate_keys(batch)
+        except InvalidKeyError as exc:
+            got = str(exc)
+        assert got == expected, batch
+
+
+def test_str_subclasses_are_judged_by_their_characters() -> None:
+    from hicache_storage.keys import object_name, validate_keys
+
+    class Lying(str):
+        def __len__(self) -> int:
+            return 1
+
+        def __contains__(self, item: object) -> bool:
+            return False
+
+        def __format__(self, spec: str) -> str:
+            return "../../etc"
+
+    with pytest.raises(InvalidKeyError):
+        validate_key(Lying("a" * (KEY_MAX_LEN + 1)))
+    with pytest.raises(InvalidKeyError):
+        validate_key(Lying("a..b"))
+    for checked in (validate_key(Lying("abc")), validate_keys([Lying("abc"), "def"])[0]):
+        assert type(checked) is str and checked == "abc"
+    assert object_name("ns", Lying("abc")).path.endswith("/abc")
+
+
+def test_the_object_namer_names_as_object_name_does_and_never_remembers_a_bad_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hicache_storage.keys import ObjectNamer, object_name
+
+    monkeypatch.setattr(ObjectNamer, "CACHE_LIMIT", 8)  # the clear-when-full path too
+    for shard in (None, "h0-7"):
+        namer = ObjectNamer("d" * 32, shard)
+        keys = [*page_hashes(list(range(4 * 30)), 4), "a.b", "x_y-z"]
+        for key in keys * 2:
+            want = object_name("d" * 32, key, shard)
+            assert namer.name(key) == want
+            assert namer.path(key) == want.path
+        assert namer.paths(keys, "/root/") == [f"/root/{object_name('d' * 32, k, shard).path}" for k in keys]  # fmt: skip
+        for bad in ("../x", "", "a/b", "a" * (KEY_MAX_LEN + 1)):
+            for _ in range(2):  # every time, not only the first
+                with pytest.raises(InvalidKeyError):
+                    namer.path(bad)
+    with pytest.raises(InvalidArgumentError):
+        ObjectNamer("d" * 32, "bad shard")
+
+
+def test_a_backend_renames_after_its_namespace_is_replaced(tmp_path: Path) -> None:
+    from hicache_storage.backends import FileBackend
+
+    b = FileBackend(
+        StorageConfig(namespace=KVCacheNamespace(model_id="m1", dtype="uint8", page_size=4)),
+        root=str(tmp_path),
+    )
+    key = page_hashes(list(range(4)), 4)[0]
+    first = b.object_path(key)
+    b.namespace = KVCacheNamespace(model_id="m2", dtype="uint8", page_size=4)
+    assert b.object_path(key) != first
+    assert b.object_path(key).startswith(b.namespace.digest + "/")
+    b.close()

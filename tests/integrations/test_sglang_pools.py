@@ -23,7 +23,12 @@ from sglang.srt.managers.cache_controller import (
     PrefetchOperation,
     StorageOperation,
 )
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.device_pool_info import (
+    KVBufferLayout,
+    KVBuffers,
+    MHABufferInfo,
+    MLABufferInfo,
+)
 from sglang.srt.mem_cache.hicache_storage import (
     STORAGE_BATCH_SIZE,
     HiCacheStorageConfig,
@@ -31,6 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
 )
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang_pools import MHA_LAYOUTS, MLA_LAYOUTS, fill_random, mha_pool, mla_pool, page_bytes
@@ -495,4 +501,53 @@ def test_split_heads_are_not_done_and_say_so(
     b.storage_config.should_split_heads = True
     b.register_mem_pool_host(mha_pool("page_head"))
     assert "split by head group" in caplog.text
+    b.close()
+
+
+def _dcp_pool(layout: str) -> Any:
+    """SGLang's MLA pool of one decode-context-parallel rank (2 ranks): it holds
+    page_size / 2 tokens of each 8-token logical page."""
+    layers, width = 3, 24
+    bufs = tuple(torch.zeros(64, 1, width, dtype=torch.bfloat16) for _ in range(layers))
+    info = MLABufferInfo(
+        buffers=bufs, data_ptrs=torch.tensor([t.data_ptr() for t in bufs], dtype=torch.uint64),
+        layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=8,
+        kv_lora_rank=16, qk_rope_head_dim=8, kv_cache_dim=width, dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    return fill_random(MLATokenToKVPoolHost(
+        info, host_to_device_ratio=2.0, host_size=0, page_size=8, layout=layout,
+        pin_memory=False, device="cpu", device_capacity_tokens=64, start_layer=0,
+        end_layer=layers, target_layer_num=layers, dcp_size=2, dcp_rank=1,
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_decode_context_parallel_pools_use_the_tensor_path(layout: str, tmp_path: Path) -> None:
+    """With dcp_size > 1 SGLang's zero-copy metadata counts physical pages while the
+    controller's host indices count logical ones: v1 fails the attach (naming the way
+    out), and the tensor path backs up and prefetches byte-exact."""
+    pool = _dcp_pool(layout)
+    assert pool.logical_page_size == 8 and pool.page_size == 4
+    v1 = build("memory", tmp_path, mla=True)
+    v1.storage_config.dcp_rank, v1.storage_config.dcp_size = 1, 2
+    with pytest.raises(ConfigError, match="interface_v1 to false"):
+        v1.register_mem_pool_host(pool)
+    b = build("memory", tmp_path, v1=False, mla=True)
+    b.storage_config.dcp_rank, b.storage_config.dcp_size = 1, 2
+    b.register_mem_pool_host(pool)
+    c = controller(b, pool, v1=False)
+    c.page_size = lps = pool.logical_page_size  # SGLang's controller counts logical pages
+    src = pool.alloc(3 * lps)
+    tokens, keys = prompt(3, lps)
+    want = [page_bytes(pool, i) for i in first_indices(src, lps)]
+    op = StorageOperation(src, tokens, hash_value=keys)
+    c._page_backup(op)
+    assert op.completed_tokens == 3 * lps
+    dst = pool.alloc(3 * lps)
+    fetch = PrefetchOperation("req", tokens)
+    fetch.hash_value, fetch.host_indices = keys, dst
+    assert c._page_transfer(fetch) == 3
+    assert [page_bytes(pool, i) for i in first_indices(dst, lps)] == want
+    v1.close()
     b.close()

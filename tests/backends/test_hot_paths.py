@@ -1,0 +1,153 @@
+"""The hot paths' fast loops keep every rule of the slow ones.
+
+``file``/``shm`` ``batch_exists`` checks a private store's trust rule inline, ``mmap``
+``batch_exists`` checks the leading run against the slot table in one read, and the
+native ``batch_set`` forms write a batch at once: each is checked here against what the
+per-key path does, on the inputs where a shortcut would go wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache_storage import KVCacheNamespace, StorageConfig, page_hashes
+from hicache_storage.backends import FileBackend, MmapBackend
+
+NS = KVCacheNamespace(model_id="hot-paths-test", dtype="uint8", page_size=4)
+
+
+def values(n: int, size: int = 64) -> list[torch.Tensor]:
+    return [torch.full((size,), i + 1, dtype=torch.uint8) for i in range(n)]
+
+
+def keys_of(n: int, seed: int = 0) -> list[str]:
+    return page_hashes(list(range(seed, seed + 4 * n)), 4)
+
+
+@pytest.fixture
+def file_backend(tmp_path: Path) -> Iterator[FileBackend]:
+    b = FileBackend(StorageConfig(namespace=NS), root=str(tmp_path / "kv"))
+    yield b
+    b.close()
+
+
+def path_of(b: FileBackend, key: str) -> str:
+    return b._path(b.object_name(key))
+
+
+@pytest.mark.parametrize("plant", ["symlink", "world-writable", "directory", "other-owner"])
+def test_file_batch_exists_stops_at_an_untrusted_object_mid_batch(
+    file_backend: FileBackend, plant: str
+) -> None:
+    """The inline check (a regular file of ours, writable by nobody else) must send
+    anything else to the full check: counted, a miss, the run stops there."""
+    b = file_backend
+    keys = keys_of(6)
+    assert b.batch_set(keys, values(6)) == [True] * 6
+    assert b.batch_exists(keys) == 6
+    victim = path_of(b, keys[3])
+    if plant == "symlink":  # pointing at another key's perfectly good page
+        os.unlink(victim)
+        os.symlink(path_of(b, keys[0]), victim)
+    elif plant == "world-writable":
+        os.chmod(victim, 0o666)
+    elif plant == "directory":
+        os.unlink(victim)
+        os.mkdir(victim)
+    else:
+        if os.geteuid() != 0:
+            pytest.fail("this check needs root (to give a file away); CI runs as root")
+        os.chown(victim, 54321, 54321)
+    assert b.batch_exists(keys) == 3
+    assert b.exists(keys[3]) is False
+    assert b.get_stats().corrupt_objects >= 1
+
+
+def test_file_batch_exists_fast_loop_matches_exists_key_by_key(
+    file_backend: FileBackend,
+) -> None:
+    b = file_backend
+    keys = keys_of(40)
+    stored = set(range(0, 40, 3)) | set(range(10))
+    for i in sorted(stored):
+        assert b.set(keys[i], values(1)[0]) is True
+    leading = next(i for i in range(40) if i not in stored)
+    assert b.batch_exists(keys) == leading == 10
+    assert [b.exists(k) for k in keys] == [i in stored for i in range(40)]
+
+
+def test_file_batch_set_writes_a_repeated_key_once_with_its_first_value(
+    file_backend: FileBackend,
+) -> None:
+    """The batch runs on the I/O threads; a key twice must still keep its first value,
+    as the serial per-key loop does (first writer wins), every time."""
+    b = file_backend
+    for round_ in range(8):
+        key = keys_of(1, seed=100 + round_)[0]
+        first, second = values(2)
+        assert b.batch_set([key, key], [first, second]) == [True, True]
+        got = b.get(key)
+        assert got is not None and torch.equal(got, first), round_
+
+
+def test_file_batch_set_refuses_a_bad_value_before_writing_anything(
+    file_backend: FileBackend,
+) -> None:
+    from hicache_storage.errors import InvalidTypeError
+
+    b = file_backend
+    keys = keys_of(3, seed=7)
+    with pytest.raises(InvalidTypeError):
+        b.batch_set(keys, [values(1)[0], 5, values(1)[0]])
+    assert b.batch_exists(keys) == 0
+
+
+@pytest.fixture
+def mmap_backend(tmp_path: Path) -> Iterator[MmapBackend]:
+    b = MmapBackend(StorageConfig(namespace=NS), path=str(tmp_path / "arena"),
+                    capacity="8MiB", slot_size="4KiB", prefault=False)  # fmt: skip
+    yield b
+    b.close()
+
+
+def test_mmap_batch_set_keeps_the_first_value_that_fits(mmap_backend: MmapBackend) -> None:
+    """``[k, k]`` with an oversized first value: the first fails, the second is stored,
+    as the per-key loop does."""
+    b = mmap_backend
+    key = keys_of(1, seed=3)[0]
+    big = torch.ones(5000, dtype=torch.uint8)
+    small = torch.full((10,), 7, dtype=torch.uint8)
+    assert b.batch_set([key, key], [big, small]) == [False, True]
+    got = b.get(key)
+    assert got is not None and torch.equal(got, small)
+    other = keys_of(1, seed=9)[0]
+    assert b.batch_set([other, other], [small, big]) == [True, False]
+
+
+def test_mmap_batch_exists_sees_another_instances_writes(tmp_path: Path) -> None:
+    """The vectorized check vouches only for what this instance's index holds; a page
+    another instance (another process, in production) stored since is found through the
+    log catch-up, as before."""
+    path = str(tmp_path / "arena")
+    a = MmapBackend(StorageConfig(namespace=NS), path=path, capacity="8MiB",
+                    slot_size="4KiB", prefault=False)  # fmt: skip
+    b = MmapBackend(StorageConfig(namespace=NS), path=path, capacity="8MiB",
+                    slot_size="4KiB", prefault=False)  # fmt: skip
+    try:
+        keys = keys_of(6, seed=20)
+        assert a.batch_set(keys[:3], values(3)) == [True] * 3
+        assert b.batch_exists(keys) == 3
+        assert a.batch_set(keys[3:], values(3)) == [True] * 3
+        assert b.batch_exists(keys) == 6  # b's index catches up from the log
+        assert a.delete(keys[1]) is True
+        assert b.batch_exists(keys) == 1  # the slot table says the entry is gone
+    finally:
+        a.close()
+        b.close()
+        shutil.rmtree(tmp_path, ignore_errors=True)
