@@ -164,6 +164,9 @@ def _pool_page_bytes(pool: Any) -> int:
 DEFAULT_SLOT = 4 * 2**20
 # The enums' values as plain ints: they are compared and stored once or twice per page on
 # the hot path, where looking an enum member up costs more than the comparison.
+#: Mean object size from which a batch's copies run on the I/O threads.
+_THREADED_BYTES = 64 << 10
+
 _FREE, _WRITING, _COMMITTED, _RETIRED = (
     int(SlotState.FREE),
     int(SlotState.WRITING),
@@ -710,7 +713,12 @@ class MmapBackend(HiCacheStorage):
             return checksum(views, self._algorithm) if self._algorithm else 0
 
         try:
-            sums = self._io.map(copy, len(order))
+            # Small objects are copied in the caller's thread: handing a 4 KiB copy to a
+            # worker costs more than the copy.
+            if sum(sizes[i] for i in order) >= _THREADED_BYTES * max(1, len(order)):
+                sums = self._io.map(copy, len(order))
+            else:
+                sums = [copy(k) for k in range(len(order))]
             _fence()
             with self._writer_lock():
                 self._log.catch_up()
@@ -860,12 +868,13 @@ class MmapBackend(HiCacheStorage):
 
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        big = sum(p.nbytes for p in pages) >= _THREADED_BYTES * max(1, len(pages))
         with self._in_flight():
             return self._map_pages(
                 "batch_get_pages",
                 len(keys),
                 lambda i: self._read(keys[i], pages[i].views, pages[i]),
-                self._io.map,
+                self._io.map if big else None,
             )
 
     @override

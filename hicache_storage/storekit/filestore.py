@@ -1059,7 +1059,16 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         except ConfigError as exc:
             raise BackendError(str(exc)) from exc
         if trash:
-            shutil.rmtree(trash, ignore_errors=True)
+            # The namespace is gone for every reader once renamed; its files are deleted
+            # in the background, so clear() returns at once however many it held. A
+            # process that dies first leaves the trash directory to the next start-up.
+            threading.Thread(
+                target=shutil.rmtree,
+                args=(trash,),
+                kwargs={"ignore_errors": True},
+                name="hicache-storage-clear",
+                daemon=True,
+            ).start()
 
     @override
     def close(self) -> None:

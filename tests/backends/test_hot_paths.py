@@ -23,7 +23,7 @@ NS = KVCacheNamespace(model_id="hot-paths-test", dtype="uint8", page_size=4)
 
 
 def values(n: int, size: int = 64) -> list[torch.Tensor]:
-    return [torch.full((size,), i + 1, dtype=torch.uint8) for i in range(n)]
+    return [torch.full((size,), (i + 1) % 256, dtype=torch.uint8) for i in range(n)]
 
 
 def keys_of(n: int, seed: int = 0) -> list[str]:
@@ -151,3 +151,25 @@ def test_mmap_batch_exists_sees_another_instances_writes(tmp_path: Path) -> None
         a.close()
         b.close()
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_file_clear_hides_the_namespace_at_once_and_deletes_its_files_later(
+    file_backend: FileBackend,
+) -> None:
+    """clear() renames the namespace away (every reader misses at once) and deletes the
+    files on a background thread; the directory is gone in the end, the store usable."""
+    import time
+
+    b = file_backend
+    keys = keys_of(300, seed=50)
+    assert all(b.batch_set(keys, values(300, size=16)))
+    b.clear()
+    assert b.batch_exists(keys) == 0
+    assert all(b.get(k) is None for k in keys[:5])
+    assert b.set(keys[0], values(1)[0]) is True  # usable at once
+    root = b.root
+    deadline = time.monotonic() + 60
+    while any(n.startswith(".trash.") for n in os.listdir(root)):
+        assert time.monotonic() < deadline, "the cleared files were never deleted"
+        time.sleep(0.05)
+    assert b.batch_exists(keys[:1]) == 1
