@@ -168,19 +168,17 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
         xs = [p["objects"] for p in r["points"]]
-        axes[0].plot(
+        (line,) = axes[0].plot(
             xs, [p["exists_us_per_key"] for p in r["points"]], marker="o", label=r["backend"]
         )
-        axes[0].plot(
-            xs,
-            [p["raw_exists_us_per_key"] for p in r["points"]],
-            ls=":",
-            marker=".",
-            label=f"{r['backend']} raw",
-        )
-        axes[1].plot(
+        axes[0].plot(xs, [p["raw_exists_us_per_key"] for p in r["points"]], ls=":",
+                     marker=".", color=line.get_color(), label=f"{r['backend']} raw")  # fmt: skip
+        (line,) = axes[1].plot(
             xs, [p["get_us_per_object"] for p in r["points"]], marker="o", label=r["backend"]
         )
+        if any("raw_get_us_per_object" in p for p in r["points"]):
+            axes[1].plot(xs, [p["raw_get_us_per_object"] for p in r["points"]], ls=":",
+                         marker=".", color=line.get_color(), label=f"{r['backend']} raw")  # fmt: skip
     for ax, title in zip(
         axes, ("batch_exists(128): us per key", "batch_get(128): us per object"), strict=True
     ):
@@ -203,7 +201,12 @@ def main() -> int:
     p.add_argument("--dir", default="/tmp")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
+    p.add_argument("--replot", default=None, help="only draw --png from this --json file")
     args = p.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f)["results"], args.png or "scale.png")
+        return 0
     gc.freeze()  # the fill makes millions of objects: keep full collections out of timings
     where = tempfile.mkdtemp(prefix="hicache-scale-", dir=args.dir)
     results = []
