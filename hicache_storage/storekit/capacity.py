@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from operator import itemgetter
 from typing import TYPE_CHECKING, Self
 
 from hicache_storage.errors import ConfigError
@@ -215,12 +216,24 @@ class CapacityTracker:
     def load(self, entries: Iterable[tuple[str, int, float]]) -> None:
         """Add existing objects ``(name, nbytes, last_use_time)``, oldest use first."""
         with self._lock:
+            if not self._lru:  # the start-up load: build the order in one go
+                ordered = sorted(entries, key=itemgetter(2))
+                self._lru = OrderedDict(
+                    zip(map(itemgetter(0), ordered), map(itemgetter(1), ordered), strict=True)
+                )
+                self._used = sum(self._lru.values())
+                return
             for name, nbytes, _ in sorted(entries, key=lambda e: e[2]):
                 old = self._lru.pop(name, None)
                 if old is not None:
                     self._used -= old
                 self._lru[name] = nbytes
                 self._used += nbytes
+
+    def items_oldest_first(self) -> list[tuple[str, int]]:
+        """Committed ``(name, nbytes)``, least recently used first."""
+        with self._lock:
+            return list(self._lru.items())
 
     def names_oldest_first(self) -> list[str]:
         """Committed names, least recently used first."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
@@ -157,6 +158,14 @@ def _holds_only_a_store(path: str) -> bool:
         return False
 
 
+#: Hidden files in the root where an instance leaves what it scanned (see _load_snapshot).
+_SNAPSHOT_PREFIX = ".hicache-scan."
+_SNAPSHOT_VERSION = 1
+_SNAPSHOT_MAX_BYTES = 1 << 30
+#: A directory changed less than this long before it was scanned is scanned again next
+#: time (timestamps are coarse: a change in the same tick would leave the mtime as seen).
+_SCAN_QUIET_NS = 1_000_000_000
+
 #: Mean object size from which a batch of writes runs on the I/O threads.
 _THREADED_BYTES = 64 << 10
 
@@ -270,13 +279,23 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         self._dirs: set[str] = set()
         self._tree_ok = False  # root and namespace directory checked since the last forget
         self._dirs_lock = threading.Lock()
+        self._reclaims: list[threading.Thread] = []  # clear()'s deletions in progress
         self._space_mutex = threading.Lock()
         self._space_lock_stuck_until = 0.0  # monotonic; see SPACE_LOCK_COOLDOWN
         self._ensure_tree()  # ConfigError: refuse to start on an unsafe or unusable root
         self._io = IOPool(opts.io_threads, f"hicache-{self.name}")
+        # Fan-out directories scanned before: (the directory's mtime then, what it held).
+        # Fan-out directories as last scanned (quiet ones): their mtime then. And, until
+        # the start-up scan has used them, the entries the last instance left for them.
+        self._scan_dirs: dict[str, int] = {}
+        self._scan_cache: dict[str, tuple[int, list[Any]]] = {}
+        scope = "root" if self.capacity_per_root else f"{self.namespace.digest}.{self.config.shard}"
+        self._snapshot_path = os.path.join(self.root, f"{_SNAPSHOT_PREFIX}{scope}.json")
         try:
-            self._remove_leftovers()
             max_size, min_free = self._limits(opts)
+            # With a cap or a floor the start-up scan sweeps dead writers' temporaries,
+            # directory by directory; without one, nothing scans: sweep them here.
+            self._remove_leftovers(temporaries=max_size is None and not min_free)
             self._tracker = CapacityTracker(
                 max_size,
                 self._evict,
@@ -287,10 +306,8 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                 refresh=self._scan,
                 shared_cap=self.capacity_per_root,
             )
-            if self._tracker.shared_cap:
-                self._tracker.refresh_if_due()  # the first scan, timed: it sets the schedule
-            elif self._tracker.enabled:
-                self._tracker.load(self._scan())
+            if self._tracker.enabled:
+                self._load_tracker()
         except BaseException:
             self._io.close()
             raise
@@ -371,15 +388,18 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
     def _path(self, name: ObjectName) -> str:
         return os.path.join(self.root, name.namespace, name.fanout, name.leaf)
 
-    def _remove_leftovers(self) -> None:
+    def _remove_leftovers(self, temporaries: bool = True) -> None:
         """Delete temporaries of dead writers and directories left by an interrupted clear().
 
         Those of this namespace; with :attr:`capacity_per_root` (one budget for the root),
-        the directories of an interrupted clear() of any namespace, and the start-up scan
-        (:meth:`_scan`) removes the temporaries of dead writers in every namespace (an
-        interrupted recycle leaves its temporary in the evicted page's namespace).
+        the directories of an interrupted clear() of any namespace. The start-up scan
+        (:meth:`_scan`, when there is a cap) removes the temporaries of dead writers in
+        every directory it scans (with :attr:`capacity_per_root`, of every namespace: an
+        interrupted recycle leaves its temporary in the evicted page's namespace); without
+        a scan (``temporaries``), this namespace's are removed here.
         """
-        remove_stale_temporaries(self.directory, self.options.stale_temp_age)
+        if temporaries:
+            remove_stale_temporaries(self.directory, self.options.stale_temp_age)
         prefix = f"{_TRASH_PREFIX}{'' if self.capacity_per_root else self.namespace.digest}"
         for entry in os.scandir(self.root):
             if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
@@ -416,7 +436,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         else:
             namespaces = [self.namespace.digest]
             every_shard = False
-        sweep = self.capacity_per_root
+        max_age, now = self.options.stale_temp_age, time.time()
         for ns in namespaces:
             try:
                 with os.scandir(os.path.join(self.root, ns)) as fans:
@@ -428,13 +448,30 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
             except OSError:
                 continue  # removed meanwhile
             for fan in fan_names:
+                rel_dir = f"{ns}/{fan}"
                 try:
+                    # A directory's mtime changes with every name made or removed in it:
+                    # one that has not changed since it was last scanned (and was already
+                    # quiet then) holds what it held. Its stat comes before the scan, so a
+                    # change during the scan shows next time.
+                    seen = os.stat(os.path.join(self.root, ns, fan), follow_symlinks=False)
+                    cached = self._scan_cache.get(rel_dir)
+                    if cached is not None and cached[0] == seen.st_mtime_ns:
+                        found.extend(cached[1])
+                        self._scan_dirs[rel_dir] = seen.st_mtime_ns
+                        continue
+                    quiet = seen.st_mtime_ns < time.time_ns() - _SCAN_QUIET_NS
                     with os.scandir(os.path.join(self.root, ns, fan)) as files:
                         for f in files:
                             name = f.name
                             if name.startswith("."):
-                                if sweep and is_temporary(name) and writer_is_dead(name):
-                                    self._remove_dead_temporary(f.path)
+                                if is_temporary(name):
+                                    # A writer's: swept once stale; until then the
+                                    # directory is scanned again each time (when the
+                                    # writer dies, nothing changes the directory).
+                                    quiet = False
+                                    if self._stale_temporary(f, name, now, max_age):
+                                        self._remove_dead_temporary(f.path)
                                 continue
                             if not every_shard and not self._owns(name):
                                 continue
@@ -446,9 +483,137 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                                 continue
                             if stat.S_ISREG(st.st_mode) and is_trusted(st, self.group_id):
                                 found.append((f"{ns}/{fan}/{name}", st.st_size, st.st_mtime))
+                    if quiet:
+                        self._scan_dirs[rel_dir] = seen.st_mtime_ns
+                    else:
+                        self._scan_dirs.pop(rel_dir, None)
                 except OSError:
+                    self._scan_dirs.pop(rel_dir, None)
                     continue
         return found
+
+    # ------------------------------------------------------------------ scan snapshot
+
+    def _load_tracker(self) -> None:
+        """The start-up scan, from what the last instance scanned where nothing changed."""
+        self._load_snapshot()
+        for attempt in (0, 1):
+            try:
+                if self._tracker.shared_cap:
+                    self._tracker.refresh_if_due()  # the first scan, timed: sets the schedule
+                else:
+                    self._tracker.load(self._scan())
+                # Later scans (the shared cap's re-scans) read every file: they also catch
+                # other processes' uses, which change files' mtimes and no directory's.
+                self._scan_cache = {}
+                return
+            except (TypeError, ValueError, IndexError):
+                if attempt or not self._scan_cache:
+                    raise
+                # A snapshot with bad figures in it: forget it, scan everything.
+                self._log("snapshot", "ignoring a malformed scan snapshot %s", self._snapshot_path)
+                self._scan_cache = {}
+                self._tracker.clear()
+
+    def _load_snapshot(self) -> None:
+        """Seed the scan cache from the snapshot the last instance left (if any, and good).
+
+        The snapshot only saves scanning: a directory is taken from it when its mtime
+        is the one recorded, so anything made or removed since (by any process, before
+        or after a crash) is scanned again. A snapshot that is not this user's regular
+        file, not private, or not well formed is ignored.
+
+        Format (JSON): ``version``, ``root``, ``dirs`` (relative directory -> its mtime in
+        ns when last scanned), ``names`` (every object's relative name, newline-joined,
+        least recently used first) and ``sizes`` (their bytes, in the same order).
+        """
+        try:
+            fd, st = open_regular_stat(self._snapshot_path, os.O_RDONLY)
+        except (OSError, NotRegularFileError):
+            return
+        try:
+            if not is_trusted(st, self.group_id) or st.st_size > _SNAPSHOT_MAX_BYTES:
+                return
+            raw = os.read(fd, st.st_size + 1)
+        finally:
+            os.close(fd)
+        try:
+            data = json.loads(raw)
+            if data.get("version") != _SNAPSHOT_VERSION or data.get("root") != self.root:
+                return
+            dirs: dict[str, int] = {}
+            for rel_dir, mtime_ns in data["dirs"].items():
+                ns, _, fan = str(rel_dir).partition("/")
+                if (
+                    type(mtime_ns) is not int
+                    or _NAMESPACE_DIR.fullmatch(ns) is None
+                    or _FANOUT_DIR.fullmatch(fan) is None
+                ):
+                    raise ValueError(f"directory {rel_dir!r}")
+                dirs[rel_dir] = mtime_ns
+            names, sizes = data["names"].split("\n"), data["sizes"]
+            if not names[-1]:
+                names = []  # no objects at all
+            if type(sizes) is not list or len(sizes) != len(names):
+                raise ValueError("names and sizes do not match")
+            cache: dict[str, tuple[int, list[Any]]] = {d: (m, []) for d, m in dirs.items()}
+            base, step = time.time() - 1e-6 * len(names), 1e-6  # ranks: oldest first
+            for i, (name, nbytes) in enumerate(zip(names, sizes, strict=True)):
+                rel_dir, _, leaf = name.rpartition("/")
+                # A name stays inside a directory of the store (eviction unlinks it).
+                if not leaf or leaf[0] == "." or type(nbytes) is not int or nbytes < 0:
+                    raise ValueError(f"entry {i}")
+                cache[rel_dir][1].append((name, nbytes, base + i * step))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            self._log("snapshot", "ignoring a malformed scan snapshot %s", self._snapshot_path)
+            return
+        self._scan_cache = cache
+
+    def _save_snapshot(self) -> None:
+        """Leave what this instance knows for the next one (best effort, atomically).
+
+        For each directory that was quiet when last scanned: its mtime then; and every
+        object the tracker holds in those directories now, in the tracker's LRU order.
+        Where this instance changed a directory since, its mtime differs and the next
+        instance scans it again.
+        """
+        if not self._tracker.enabled or not self._scan_dirs:
+            return
+        quiet = self._scan_dirs
+        kept = [
+            (n, b) for n, b in self._tracker.items_oldest_first() if n.rpartition("/")[0] in quiet
+        ]
+        data = {
+            "version": _SNAPSHOT_VERSION,
+            "root": self.root,
+            "dirs": quiet,
+            "names": "\n".join(n for n, _ in kept),
+            "sizes": [b for _, b in kept],
+        }
+        payload = json.dumps(data, separators=(",", ":")).encode()
+        tmp = ""
+        try:
+            tmp, fd = open_temp(self.root, mode=self.file_mode, gid=self.group_id)
+            try:
+                writev_all(fd, [payload])
+            finally:
+                os.close(fd)
+            os.replace(tmp, self._snapshot_path)  # replaces the last one, in one step
+        except OSError as exc:
+            self._log("snapshot", "cannot save the scan snapshot %s: %s", self._snapshot_path, exc)
+            if tmp:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    @staticmethod
+    def _stale_temporary(entry: os.DirEntry[str], name: str, now: float, max_age: float) -> bool:
+        """The rule of remove_stale_temporaries: a dead writer's, or older than max_age."""
+        if writer_is_dead(name):
+            return True
+        try:
+            return now - entry.stat(follow_symlinks=False).st_mtime > max_age
+        except OSError:
+            return False
 
     def _remove_dead_temporary(self, path: str) -> None:
         try:
@@ -1062,17 +1227,25 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
             # The namespace is gone for every reader once renamed; its files are deleted
             # in the background, so clear() returns at once however many it held. A
             # process that dies first leaves the trash directory to the next start-up.
-            threading.Thread(
+            reclaim = threading.Thread(
                 target=shutil.rmtree,
                 args=(trash,),
                 kwargs={"ignore_errors": True},
                 name="hicache-storage-clear",
                 daemon=True,
-            ).start()
+            )
+            reclaim.start()
+            with self._dirs_lock:
+                self._reclaims = [t for t in self._reclaims if t.is_alive()] + [reclaim]
 
     @override
     def close(self) -> None:
         self._io.close()
+        self._save_snapshot()
+        with self._dirs_lock:
+            reclaims, self._reclaims = self._reclaims, []
+        for reclaim in reclaims:  # the files of cleared namespaces: gone when close returns
+            reclaim.join()
 
     # ------------------------------------------------------------------ introspection
 

@@ -8,10 +8,13 @@ per-key path does, on the inputs where a shortcut would go wrong.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -158,8 +161,6 @@ def test_file_clear_hides_the_namespace_at_once_and_deletes_its_files_later(
 ) -> None:
     """clear() renames the namespace away (every reader misses at once) and deletes the
     files on a background thread; the directory is gone in the end, the store usable."""
-    import time
-
     b = file_backend
     keys = keys_of(300, seed=50)
     assert all(b.batch_set(keys, values(300, size=16)))
@@ -173,3 +174,97 @@ def test_file_clear_hides_the_namespace_at_once_and_deletes_its_files_later(
         assert time.monotonic() < deadline, "the cleared files were never deleted"
         time.sleep(0.05)
     assert b.batch_exists(keys[:1]) == 1
+
+
+# --------------------------------------------------------------------------- start-up scan
+
+
+def capped(root: Path) -> FileBackend:
+    return FileBackend(StorageConfig(namespace=NS), root=str(root), max_size="1GiB")
+
+
+def age_directories(root: Path, seconds: float = 30) -> None:
+    """Make every directory look quiet (changed long ago), as in a store at rest."""
+    past = time.time() - seconds
+    for dirpath, _, _ in os.walk(root):
+        os.utime(dirpath, (past, past))
+
+
+def test_reopening_from_the_snapshot_accounts_exactly_what_is_there(tmp_path: Path) -> None:
+    """The second instance takes quiet directories from the first one's snapshot and
+    scans the rest: whatever changed after the snapshot (another writer, a deletion, a
+    crash with no snapshot written) is accounted as a full scan would."""
+    root = tmp_path / "kv"
+    a = capped(root)
+    keys = keys_of(200, seed=300)
+    assert all(a.batch_set(keys, values(200, size=100)))
+    a.close()  # no directory was quiet at the last scan: a snapshot of nothing
+    age_directories(root)
+    b = capped(root)  # scans everything; directories are quiet now
+    full = b.usage()
+    assert full["objects"] == 200
+    b.close()  # leaves the snapshot
+    snapshots = [n for n in os.listdir(root) if n.startswith(".hicache-scan.")]
+    assert len(snapshots) == 1
+    real_scandir, scanned = os.scandir, []
+
+    def counting(path: Any = ".") -> Any:
+        scanned.append(str(path))
+        return real_scandir(path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "scandir", counting)
+        c = capped(root)
+    fan_dirs = [p for p in scanned if os.path.relpath(p, root).count("/") == 1]
+    assert fan_dirs == []  # every quiet directory came from the snapshot
+    assert c.usage() == full
+    c.close()
+    # Changes behind the snapshot's back: one page deleted, two stored by another instance
+    # of another process's kind (no snapshot update), then a reopen.
+    os.unlink(path_of(c, keys[5]))
+    other = capped(root)
+    extra = keys_of(2, seed=900)
+    assert all(other.batch_set(extra, values(2, size=300)))
+    del other  # "killed": no close, so no snapshot of its own
+    d = capped(root)
+    fresh = d.usage()
+    d._scan_dirs.clear()
+    d._scan_cache = {}
+    d._tracker.clear()
+    d._tracker.load(d._scan())
+    assert fresh == d.usage()
+    assert fresh["objects"] == 201
+    d.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "escaping name", "bad size", "world-writable"])
+def test_a_damaged_or_untrusted_snapshot_is_ignored(tmp_path: Path, damage: str) -> None:
+    root = tmp_path / "kv"
+    a = capped(root)
+    keys = keys_of(20, seed=400)
+    assert all(a.batch_set(keys, values(20)))
+    a.close()
+    age_directories(root)
+    b = capped(root)
+    b.close()
+    (snap,) = [root / n for n in os.listdir(root) if n.startswith(".hicache-scan.")]
+    text = snap.read_text()
+    data = json.loads(text)
+    names = data["names"].split("\n")
+    assert len(names) == len(data["sizes"]) == 20
+    if damage == "garbage":
+        snap.write_text(text[: len(text) // 2])
+    elif damage == "escaping name":
+        names[0] = names[0].rpartition("/")[0] + "/../../../x"  # never unlinked outside
+        data["names"] = "\n".join(names)
+        snap.write_text(json.dumps(data))
+    elif damage == "bad size":
+        data["sizes"][0] = "112"
+        snap.write_text(json.dumps(data))
+    else:
+        os.chmod(snap, 0o666)
+    assert snap.read_text() != text or damage == "world-writable"
+    c = capped(root)
+    assert c.usage()["objects"] == 20  # as a full scan finds
+    assert c.batch_exists(keys) == 20
+    c.close()

@@ -534,8 +534,10 @@ def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
 
     import hicache_storage.backends._mmap.backend as mm  # where _copy_in is looked up
 
-    pool = make_pool(num_pages=32, page_size=4)
-    a = arena(StorageConfig(namespace=pool_namespace(pool)), capacity="1MiB", slot_size="64KiB",
+    # Pages of 192 KiB: a batch of pages that large is copied on the I/O threads.
+    pool = make_pool(num_pages=32, page_size=4, head_dim=2048)
+    assert pool.page_bytes >= 64 << 10
+    a = arena(StorageConfig(namespace=pool_namespace(pool)), capacity="8MiB", slot_size="256KiB",
               io_threads=2, reuse_delay=0)  # fmt: skip
     a.register_mem_pool_host(pool)
     b = arena(io_threads=1, reuse_delay=0)
