@@ -456,6 +456,8 @@ class ObjectNamer:
         self._cache: dict[str, tuple[ObjectName, str]] = {}
 
     def _entry(self, key: str) -> tuple[ObjectName, str]:
+        if type(key) is not str:
+            key = validate_key(key)  # InvalidKeyError for a non-str; a subclass's characters
         leaf = key + self._suffix
         entry = self._cache.get(leaf)
         if entry is None:
@@ -474,6 +476,8 @@ class ObjectNamer:
 
     def path(self, key: str) -> str:
         """``object_name(digest, key, shard).path``."""
+        if type(key) is not str:
+            return self._entry(key)[1]
         entry = self._cache.get(key + self._suffix)
         return (entry if entry is not None else self._entry(key))[1]
 
@@ -482,7 +486,7 @@ class ObjectNamer:
         get, suffix, entry = self._cache.get, self._suffix, self._entry
         out = []
         for key in keys:
-            found = get(key + suffix)
+            found = get(key + suffix) if type(key) is str else None
             out.append(prefix + (found if found is not None else entry(key))[1])
         return out
 

@@ -162,11 +162,11 @@ def _pool_page_bytes(pool: Any) -> int:
 
 
 DEFAULT_SLOT = 4 * 2**20
-# The enums' values as plain ints: they are compared and stored once or twice per page on
-# the hot path, where looking an enum member up costs more than the comparison.
 #: Mean object size from which a batch's copies run on the I/O threads.
 _THREADED_BYTES = 64 << 10
 
+# The enums' values as plain ints: they are compared and stored once or twice per page on
+# the hot path, where looking an enum member up costs more than the comparison.
 _FREE, _WRITING, _COMMITTED, _RETIRED = (
     int(SlotState.FREE),
     int(SlotState.WRITING),

@@ -280,6 +280,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         self._tree_ok = False  # root and namespace directory checked since the last forget
         self._dirs_lock = threading.Lock()
         self._reclaims: list[threading.Thread] = []  # clear()'s deletions in progress
+        self._starting = False  # the start-up scan is running
         self._space_mutex = threading.Lock()
         self._space_lock_stuck_until = 0.0  # monotonic; see SPACE_LOCK_COOLDOWN
         self._ensure_tree()  # ConfigError: refuse to start on an unsafe or unusable root
@@ -400,6 +401,16 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         """
         if temporaries:
             remove_stale_temporaries(self.directory, self.options.stale_temp_age)
+        now = time.time()
+        with os.scandir(self.root) as entries:  # a snapshot's temporary, interrupted
+            stale = [
+                e.path
+                for e in entries
+                if is_temporary(e.name)
+                and self._stale_temporary(e, e.name, now, self.options.stale_temp_age)
+            ]
+        for path in stale:
+            self._remove_dead_temporary(path)
         prefix = f"{_TRASH_PREFIX}{'' if self.capacity_per_root else self.namespace.digest}"
         for entry in os.scandir(self.root):
             if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
@@ -470,7 +481,9 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                                     # directory is scanned again each time (when the
                                     # writer dies, nothing changes the directory).
                                     quiet = False
-                                    if self._stale_temporary(f, name, now, max_age):
+                                    if self._stale_temporary(
+                                        f, name, now, max_age if self._starting else None
+                                    ):
                                         self._remove_dead_temporary(f.path)
                                 continue
                             if not every_shard and not self._owns(name):
@@ -497,6 +510,13 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
     def _load_tracker(self) -> None:
         """The start-up scan, from what the last instance scanned where nothing changed."""
         self._load_snapshot()
+        self._starting = True
+        try:
+            self._load_tracker_scan()
+        finally:
+            self._starting = False
+
+    def _load_tracker_scan(self) -> None:
         for attempt in (0, 1):
             try:
                 if self._tracker.shared_cap:
@@ -557,7 +577,9 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
             if type(sizes) is not list or len(sizes) != len(names):
                 raise ValueError("names and sizes do not match")
             cache: dict[str, tuple[int, list[Any]]] = {d: (m, []) for d, m in dirs.items()}
-            base, step = time.time() - 1e-6 * len(names), 1e-6  # ranks: oldest first
+            # Ranks, oldest first, all older than any file's mtime: a directory scanned
+            # again (it changed) holds the newest writes, which must stay newest.
+            base, step = 0.0, 1e-6
             for i, (name, nbytes) in enumerate(zip(names, sizes, strict=True)):
                 rel_dir, _, leaf = name.rpartition("/")
                 # A name stays inside a directory of the store (eviction unlinks it).
@@ -606,10 +628,19 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                     os.unlink(tmp)
 
     @staticmethod
-    def _stale_temporary(entry: os.DirEntry[str], name: str, now: float, max_age: float) -> bool:
-        """The rule of remove_stale_temporaries: a dead writer's, or older than max_age."""
+    def _stale_temporary(
+        entry: os.DirEntry[str], name: str, now: float, max_age: float | None
+    ) -> bool:
+        """The rule of remove_stale_temporaries: a dead writer's, or older than ``max_age``.
+
+        The age rule (for writers on other hosts) applies at start-up only (``max_age``
+        None otherwise): a recycled page's temporary keeps the page's old mtime while a
+        live writer rewrites it.
+        """
         if writer_is_dead(name):
             return True
+        if max_age is None:
+            return False
         try:
             return now - entry.stat(follow_symlinks=False).st_mtime > max_age
         except OSError:
@@ -1037,11 +1068,25 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _reserve(self, name: ObjectName, nbytes: int) -> Reservation:
-        """Room for a new file of ``nbytes`` (evicting LRU objects), or CapacityError."""
+        """Room for a new file of ``nbytes`` (evicting LRU objects), or CapacityError.
+
+        When there is no room while a clear() is still deleting files (the space it frees
+        is not free yet), the write waits for those deletions and tries once more.
+        """
         reservation = self._tracker.reserve(name.path, nbytes)
+        if reservation is None and self._wait_for_reclaims():
+            reservation = self._tracker.reserve(name.path, nbytes)
         if reservation is None:
             raise CapacityError(f"no room for {nbytes} bytes under max_size/min_free_space")
         return reservation
+
+    def _wait_for_reclaims(self) -> bool:
+        """Wait for clear()'s background deletions; True if there were any."""
+        with self._dirs_lock:
+            reclaims, self._reclaims = self._reclaims, []
+        for reclaim in reclaims:
+            reclaim.join()
+        return bool(reclaims)
 
     def _recycle(
         self,
@@ -1141,7 +1186,9 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         names = [self.object_name(keys[i]) for i in unique]
         # Small objects go faster in the caller's thread: a thread hand-off costs more
         # than their system calls (measured: 4 KiB objects, 1.6x faster serially).
-        big = sum(total_nbytes(v) for v in views) >= _THREADED_BYTES * len(views)
+        big = self.options.fsync or sum(total_nbytes(v) for v in views) >= _THREADED_BYTES * len(
+            views
+        )
         done = self._map_pages(
             op,
             len(unique),
@@ -1242,10 +1289,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
     def close(self) -> None:
         self._io.close()
         self._save_snapshot()
-        with self._dirs_lock:
-            reclaims, self._reclaims = self._reclaims, []
-        for reclaim in reclaims:  # the files of cleared namespaces: gone when close returns
-            reclaim.join()
+        self._wait_for_reclaims()  # the files of cleared namespaces: gone when close returns
 
     # ------------------------------------------------------------------ introspection
 

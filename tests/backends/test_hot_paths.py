@@ -93,7 +93,7 @@ def test_file_batch_set_writes_a_repeated_key_once_with_its_first_value(
     b = file_backend
     for round_ in range(8):
         key = keys_of(1, seed=100 + round_)[0]
-        first, second = values(2)
+        first, second = values(2, size=128 << 10)  # large: the batch runs on the I/O threads
         assert b.batch_set([key, key], [first, second]) == [True, True]
         got = b.get(key)
         assert got is not None and torch.equal(got, first), round_
@@ -268,3 +268,54 @@ def test_a_damaged_or_untrusted_snapshot_is_ignored(tmp_path: Path, damage: str)
     assert c.usage()["objects"] == 20  # as a full scan finds
     assert c.batch_exists(keys) == 20
     c.close()
+
+
+def test_a_write_right_after_clear_waits_for_the_space_clear_frees(
+    small_tmpfs: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """clear() returns before its files are deleted; a write that needs their space must
+    not be refused meanwhile (the floor would see a full disk): it waits for them."""
+    import hicache_storage.storekit.filestore as fs
+
+    real_rmtree = shutil.rmtree
+
+    def slow_rmtree(path: str, ignore_errors: bool = False) -> None:
+        time.sleep(0.5)  # a large namespace: the deletion is still running
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    b = FileBackend(StorageConfig(namespace=NS), root=os.path.join(small_tmpfs, "kv"),
+                    min_free_space="256KiB")  # fmt: skip
+    try:
+        keys = keys_of(300, seed=600)
+        assert all(b.batch_set(keys, values(300, size=4096)))  # about 1.2 MiB of 2 MiB
+        monkeypatch.setattr(fs.shutil, "rmtree", slow_rmtree)  # type: ignore[attr-defined]
+        b.clear()
+        big = keys_of(1, seed=999)[0]
+        assert b.set(big, torch.ones(1 << 20, dtype=torch.uint8)) is True
+    finally:
+        b.close()
+
+
+def test_an_interrupted_snapshot_write_leaves_no_temporary(tmp_path: Path) -> None:
+    from hicache_storage.storekit.atomic import temp_path
+
+    root = tmp_path / "kv"
+    capped(root).close()
+    leftover = temp_path(str(root))  # as _save_snapshot names its temporary
+    Path(leftover).write_bytes(b"{")
+    past = time.time() - 7200
+    os.utime(leftover, (past, past))
+    b = FileBackend(StorageConfig(namespace=NS), root=str(root), stale_temp_age=60)
+    assert not os.path.exists(leftover)
+    b.close()
+
+
+def test_delete_of_a_key_that_is_not_a_string_is_a_typed_error(
+    file_backend: FileBackend,
+) -> None:
+    from hicache_storage.errors import InvalidKeyError
+
+    with pytest.raises(InvalidKeyError):
+        file_backend.delete(1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidKeyError):
+        file_backend.object_path(None)  # type: ignore[arg-type]

@@ -126,7 +126,7 @@ def canary_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "report_text": report.read_text() if report.exists() else "",
         "markdown": markdown.read_text() if markdown.exists() else "",
         "log": log.read_text() if log.exists() else "",
-        "traces": [json.loads(p.read_text()) for p in sorted(traces.iterdir())],
+        "traces": [json.loads(p.read_text()) for p in sorted(traces.glob("*.json"))],
         "scanned": seen,
     }
 

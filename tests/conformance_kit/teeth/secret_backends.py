@@ -71,8 +71,9 @@ class CanaryFile(FileBackend):
                 "auth": digest(opts.auth),
             }
             path = os.path.join(opts.trace_dir, f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
-            with open(path, "w") as f:
+            with open(path + ".part", "w") as f:  # a worker killed meanwhile leaves no trace
                 json.dump(trace, f)
+            os.replace(path + ".part", path)
         if opts.workers_unreachable and worker:
             raise ConnectionError(
                 f"Error 111 connecting to {opts.upstream}. Connection refused "
