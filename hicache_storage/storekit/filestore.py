@@ -251,6 +251,9 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
     #: Refresh a file's mtime when it is read (at most once per :data:`RECENCY_STEP`), so
     #: LRU order survives a restart and is seen by other processes' re-scans.
     persist_recency: bool = True
+    #: Fewer objects than this and close() leaves no scan snapshot: scanning them at
+    #: start-up is cheap (about 0.1 s), and the snapshot would only take room.
+    snapshot_min_objects: int = 10_000
     #: Objects of this store may be evicted by overwriting their file in place with another
     #: object of the same size (see :meth:`_recycle`); readers then lock and re-check.
     #: Every instance of a store type must agree, so this is per class; whether an
@@ -599,7 +602,11 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         Where this instance changed a directory since, its mtime differs and the next
         instance scans it again.
         """
-        if not self._tracker.enabled or not self._scan_dirs:
+        if (
+            not self._tracker.enabled
+            or not self._scan_dirs
+            or len(self._tracker) < self.snapshot_min_objects
+        ):
             return
         quiet = self._scan_dirs
         kept = [
