@@ -162,9 +162,6 @@ def _pool_page_bytes(pool: Any) -> int:
 
 
 DEFAULT_SLOT = 4 * 2**20
-#: Mean object size from which a batch's copies run on the I/O threads.
-_THREADED_BYTES = 64 << 10
-
 # The enums' values as plain ints: they are compared and stored once or twice per page on
 # the hot path, where looking an enum member up costs more than the comparison.
 _FREE, _WRITING, _COMMITTED, _RETIRED = (
@@ -715,7 +712,7 @@ class MmapBackend(HiCacheStorage):
         try:
             # Small objects are copied in the caller's thread: handing a 4 KiB copy to a
             # worker costs more than the copy.
-            if sum(sizes[i] for i in order) >= _THREADED_BYTES * max(1, len(order)):
+            if self._io.worth_threads(sum(sizes[i] for i in order), len(order)):
                 sums = self._io.map(copy, len(order))
             else:
                 sums = [copy(k) for k in range(len(order))]
@@ -868,7 +865,7 @@ class MmapBackend(HiCacheStorage):
 
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        big = sum(p.nbytes for p in pages) >= _THREADED_BYTES * max(1, len(pages))
+        big = self._io.worth_threads(sum(p.nbytes for p in pages), len(pages))
         with self._in_flight():
             return self._map_pages(
                 "batch_get_pages",

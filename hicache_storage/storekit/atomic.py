@@ -15,6 +15,7 @@ the leftovers of dead writers at start-up without touching a live writer's file.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import itertools
 import logging
@@ -27,12 +28,13 @@ from typing import TYPE_CHECKING
 from hicache_storage.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
 __all__ = [
     "TEMP_PREFIX",
     "commit_temp",
     "fsync_dir",
+    "is_stale_temporary",
     "is_temporary",
     "open_temp",
     "preadv_all",
@@ -308,6 +310,24 @@ def writer_is_dead(name: str) -> bool:
     return started not in ("", "0") and current != started
 
 
+def is_stale_temporary(
+    name: str, mtime: Callable[[], float], now: float, max_age: float | None
+) -> bool:
+    """True if the temporary ``name`` is stale.
+
+    Stale: its writer (same host) no longer runs, or (unless ``max_age`` is None) it is
+    older than ``max_age`` seconds, for writers on other hosts sharing the filesystem.
+    ``mtime()`` is asked only when needed.
+    """
+    if writer_is_dead(name):
+        return True
+    return max_age is not None and now - mtime() > max_age
+
+
+def _mtime(path: str) -> float:
+    return os.stat(path).st_mtime
+
+
 def remove_stale_temporaries(root: str, max_age: float = 3600.0) -> int:
     """Delete temporaries under ``root`` left by dead writers; return how many.
 
@@ -322,8 +342,7 @@ def remove_stale_temporaries(root: str, max_age: float = 3600.0) -> int:
                 continue
             path = os.path.join(dirpath, name)
             try:
-                stale = writer_is_dead(name) or now - os.stat(path).st_mtime > max_age
-                if stale:
+                if is_stale_temporary(name, functools.partial(_mtime, path), now, max_age):
                     os.unlink(path)
                     removed += 1
             except FileNotFoundError:

@@ -54,13 +54,13 @@ from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.storekit.atomic import (
     commit_temp,
     fsync_dir,
+    is_stale_temporary,
     is_temporary,
     open_temp,
     preadv_all,
     publish,
     remove_stale_temporaries,
     temp_path,
-    writer_is_dead,
     writev_all,
 )
 from hicache_storage.storekit.capacity import CapacityTracker, Reservation
@@ -165,9 +165,6 @@ _SNAPSHOT_MAX_BYTES = 1 << 30
 #: A directory changed less than this long before it was scanned is scanned again next
 #: time (timestamps are coarse: a change in the same tick would leave the mtime as seen).
 _SCAN_QUIET_NS = 1_000_000_000
-
-#: Mean object size from which a batch of writes runs on the I/O threads.
-_THREADED_BYTES = 64 << 10
 
 
 def _is_object_name(fanout: str, leaf: str) -> bool:
@@ -638,18 +635,16 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
     def _stale_temporary(
         entry: os.DirEntry[str], name: str, now: float, max_age: float | None
     ) -> bool:
-        """The rule of remove_stale_temporaries: a dead writer's, or older than ``max_age``.
+        """:func:`is_stale_temporary` of a directory entry (not stale if it cannot be read).
 
         The age rule (for writers on other hosts) applies at start-up only (``max_age``
         None otherwise): a recycled page's temporary keeps the page's old mtime while a
         live writer rewrites it.
         """
-        if writer_is_dead(name):
-            return True
-        if max_age is None:
-            return False
         try:
-            return now - entry.stat(follow_symlinks=False).st_mtime > max_age
+            return is_stale_temporary(
+                name, lambda: entry.stat(follow_symlinks=False).st_mtime, now, max_age
+            )
         except OSError:
             return False
 
@@ -950,7 +945,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         On the I/O threads, unless the pages are small.
         """
         names = [self.object_name(k) for k in keys]
-        big = sum(p.nbytes for p in pages) >= _THREADED_BYTES * len(pages)
+        big = self._io.worth_threads(sum(p.nbytes for p in pages), len(pages))
         return self._map_pages(
             op, len(keys), lambda i: io(names[i], pages[i].views), self._io.map if big else None
         )
@@ -1193,8 +1188,8 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         names = [self.object_name(keys[i]) for i in unique]
         # Small objects go faster in the caller's thread: a thread hand-off costs more
         # than their system calls (measured: 4 KiB objects, 1.6x faster serially).
-        big = self.options.fsync or sum(total_nbytes(v) for v in views) >= _THREADED_BYTES * len(
-            views
+        big = self.options.fsync or self._io.worth_threads(
+            sum(total_nbytes(v) for v in views), len(views)
         )
         done = self._map_pages(
             op,

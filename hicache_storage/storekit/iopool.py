@@ -16,9 +16,13 @@ from hicache_storage.errors import BackendClosedError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["IOPool"]
+__all__ = ["THREADED_BYTES", "IOPool"]
 
 T = TypeVar("T")
+
+
+#: Mean item size from which a batch runs on the I/O threads (see IOPool.worth_threads).
+THREADED_BYTES = 64 << 10
 
 
 class IOPool:
@@ -36,6 +40,16 @@ class IOPool:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._closing = False
+
+    @staticmethod
+    def worth_threads(nbytes: int, n: int) -> bool:
+        """True if ``n`` items of ``nbytes`` bytes in all are worth the worker threads.
+
+        Items of :data:`THREADED_BYTES` or more on average: smaller ones go faster in the
+        caller's thread, where no hand-off costs more than their system calls (4 KiB
+        objects: 16.6k/s serially against 10.7k/s on the threads, ext4).
+        """
+        return nbytes >= THREADED_BYTES * max(1, n)
 
     def map(self, fn: Callable[[int], T], n: int) -> list[T]:
         """``[fn(0), ..., fn(n - 1)]``, computed in parallel when worth it."""
