@@ -18,6 +18,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as SGLangHiCacheStorage
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang_pools import backend_options
 
 from hicache_storage import HostKVPool, page_hashes
 from hicache_storage.errors import ConfigError, UnknownBackendError
@@ -41,16 +42,6 @@ def sglang_config(
     )  # fmt: skip
 
 
-def options_for(name: str, tmp_path: Path) -> dict[str, Any]:
-    options: dict[str, dict[str, Any]] = {
-        "file": {"root": str(tmp_path / "file")},
-        "shm": {"directory": str(tmp_path / "shm")},
-        "mmap": {"path": str(tmp_path / "arena"), "capacity": "64MiB", "prefault": False},
-        "memory": {"store": f"sglang-{tmp_path.name}"},
-    }
-    return options[name]
-
-
 def make_pool(layout: str = "page_first", mla: bool = False) -> HostKVPool:
     pool = HostKVPool(num_pages=16, page_size=4, layer_num=2, kv_heads=2, head_dim=16,
                       dtype=torch.bfloat16, layout=layout, mla=mla)  # fmt: skip
@@ -61,7 +52,7 @@ def make_pool(layout: str = "page_first", mla: bool = False) -> HostKVPool:
 
 def build(name: str, tmp_path: Path, **config: Any) -> SGLangStorage:
     extra = {"backend_name": name, "module_path": MODULE, "class_name": "SGLangStorage",
-             "interface_v1": True, "prefetch_threshold": 256, **options_for(name, tmp_path)}  # fmt: skip
+             "interface_v1": True, "prefetch_threshold": 256, **backend_options(name, tmp_path)}  # fmt: skip
     backend = StorageBackendFactory.create_backend("dynamic", sglang_config(extra, **config), None)
     assert isinstance(backend, SGLangStorage)
     assert isinstance(backend, SGLangHiCacheStorage)  # a real subclass of SGLang's class

@@ -39,7 +39,15 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
-from sglang_pools import MHA_LAYOUTS, MLA_LAYOUTS, fill_random, mha_pool, mla_pool, page_bytes
+from sglang_pools import (
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    backend_options,
+    fill_random,
+    mha_pool,
+    mla_pool,
+    page_bytes,
+)
 from typing_extensions import override
 
 from hicache_storage.errors import ConfigError
@@ -53,23 +61,13 @@ KINDS = [(layout, False) for layout in MHA_LAYOUTS] + [(layout, True) for layout
 KIND_IDS = [f"{layout}-{'mla' if mla else 'mha'}" for layout, mla in KINDS]
 
 
-def options_for(name: str, tmp_path: Path) -> dict[str, Any]:
-    options: dict[str, dict[str, Any]] = {
-        "file": {"root": str(tmp_path / "file")},
-        "shm": {"directory": str(tmp_path / "shm")},
-        "mmap": {"path": str(tmp_path / "arena"), "capacity": "64MiB", "prefault": False},
-        "memory": {"store": f"pools-{tmp_path.name}"},
-    }
-    return options[name]
-
-
 def build(
     name: str, tmp_path: Path, *, v1: bool = True, mla: bool = False, tp_rank: int = 0,
     tp_size: int = 1,
 ) -> SGLangStorage:  # fmt: skip
     """The adapter, built by SGLang's own factory from the controller's kind of config."""
     extra = {"backend_name": name, "module_path": MODULE, "class_name": "SGLangStorage",
-             "interface_v1": v1, **options_for(name, tmp_path)}  # fmt: skip
+             "interface_v1": v1, **backend_options(name, tmp_path)}  # fmt: skip
     cfg = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
@@ -99,6 +97,18 @@ def controller(storage: SGLangStorage, pool: Any, *, v1: bool = True) -> Any:
 
 def first_indices(indices: torch.Tensor, page_size: int) -> list[int]:
     return [int(i) for i in indices[::page_size]]
+
+
+def transfer(c: Any, tokens: list[int], keys: list[str], dst: torch.Tensor) -> int:
+    """SGLang's prefetch transfer of ``keys`` into host indices ``dst``: pages loaded."""
+    op = PrefetchOperation("req", tokens)
+    op.hash_value, op.host_indices = keys, dst
+    return int(c._page_transfer(op))
+
+
+def pages_at(pool: Any, indices: torch.Tensor, page_size: int) -> list[bytes]:
+    """The bytes of each page of ``indices``, by SGLang's tensor path."""
+    return [page_bytes(pool, i) for i in first_indices(indices, page_size)]
 
 
 def prompt(pages: int, page_size: int, seed: int = 0) -> tuple[list[int], list[str]]:
@@ -164,10 +174,8 @@ def test_the_tensor_path_and_v1_read_each_others_pages(
     c_v1._page_backup(StorageOperation(src[3 * ps :], tokens[3 * ps :], hash_value=keys[3:]))
     for c in (c_tensor, c_v1):
         dst = pool.alloc(6 * ps)
-        op = PrefetchOperation("req", tokens)
-        op.hash_value, op.host_indices = keys, dst
-        assert c._page_transfer(op) == 6
-        assert [page_bytes(pool, i) for i in first_indices(dst, ps)] == want
+        assert transfer(c, tokens, keys, dst) == 6
+        assert pages_at(pool, dst, ps) == want
     tensor.close()
     v1.close()
 
@@ -294,10 +302,8 @@ def test_a_backend_failing_mid_batch(v1: bool, tmp_path: Path) -> None:
     assert c._storage_hit_query(PrefetchOperation("req", tokens)) == (keys[:200], 200 * ps)
     b.backend = FailFrom(b.backend.inner, "get", ok=150)
     dst = pool.alloc(200 * ps)
-    op = PrefetchOperation("req", tokens)
-    op.hash_value, op.host_indices = keys[:200], dst
-    assert c._page_transfer(op) == 150
-    assert [page_bytes(pool, i) for i in first_indices(dst[: 150 * ps], ps)] == want[:150]
+    assert transfer(c, tokens, keys[:200], dst) == 150
+    assert pages_at(pool, dst[: 150 * ps], ps) == want[:150]
     b.close()
 
 
@@ -322,10 +328,8 @@ def test_mla_writer_election_and_direct_calls_on_every_rank(tmp_path: Path) -> N
             c._page_backup(op)
     assert [op.completed_tokens for op in ops] == [4 * ps, 0]
     dst = pools[1].alloc(4 * ps)
-    op = PrefetchOperation("req", tokens)
-    op.hash_value, op.host_indices = keys, dst
-    assert ctrls[1]._page_transfer(op) == 4  # rank 1 reads rank 0's pages
-    assert [page_bytes(pools[1], i) for i in first_indices(dst, ps)] == want
+    assert transfer(ctrls[1], tokens, keys, dst) == 4  # rank 1 reads rank 0's pages
+    assert pages_at(pools[1], dst, ps) == want
     more = [f"{i:064x}" for i in range(100, 102)]
     assert ranks[1].batch_set_v1(more, src[1][: 2 * ps]) == [True, True]
     assert ranks[0].batch_exists(more) == 2
@@ -545,9 +549,7 @@ def test_decode_context_parallel_pools_use_the_tensor_path(layout: str, tmp_path
     c._page_backup(op)
     assert op.completed_tokens == 3 * lps
     dst = pool.alloc(3 * lps)
-    fetch = PrefetchOperation("req", tokens)
-    fetch.hash_value, fetch.host_indices = keys, dst
-    assert c._page_transfer(fetch) == 3
-    assert [page_bytes(pool, i) for i in first_indices(dst, lps)] == want
+    assert transfer(c, tokens, keys, dst) == 3
+    assert pages_at(pool, dst, lps) == want
     v1.close()
     b.close()

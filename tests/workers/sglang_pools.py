@@ -13,6 +13,7 @@ torchvision stand-in installed: tests/integrations/conftest.py does both).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 __all__ = [
     "MHA_LAYOUTS",
     "MLA_LAYOUTS",
+    "backend_options",
     "fill_random",
     "mha_pool",
     "mla_pool",
@@ -112,3 +114,14 @@ def page_bytes(pool: Any, first_index: int) -> bytes:
     """The bytes of the page starting at host index ``first_index``, by SGLang's tensor path."""
     page = pool.get_data_page(first_index, flat=True)
     return bytes(page.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def backend_options(name: str, tmp_path: Path) -> dict[str, Any]:
+    """Options of each node-local backend, in ``tmp_path``, for the adapter's extra config."""
+    options: dict[str, dict[str, Any]] = {
+        "file": {"root": str(tmp_path / "file")},
+        "shm": {"directory": str(tmp_path / "shm")},
+        "mmap": {"path": str(tmp_path / "arena"), "capacity": "64MiB", "prefault": False},
+        "memory": {"store": f"sglang-{tmp_path.name}"},
+    }
+    return options[name]
