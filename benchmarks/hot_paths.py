@@ -40,6 +40,9 @@ N = 128
 SMALL = 4096
 
 
+SHM_DIRS: list[str] = []  # the shm stores' directories, removed at the end
+
+
 def namespace() -> KVCacheNamespace:
     return KVCacheNamespace(model_id="hot-paths", dtype="bfloat16", page_size=16,
                             tenant="t" + secrets.token_hex(4))  # fmt: skip
@@ -52,12 +55,17 @@ def backends(base: str) -> dict[str, Callable[[], HiCacheStorage]]:
     def arena() -> str:
         return os.path.join(base, "arena-" + secrets.token_hex(3))
 
+    def shm_dir() -> str:
+        path = "/dev/shm/hot-" + secrets.token_hex(4)
+        SHM_DIRS.append(path)
+        return path
+
     return {
         "mmap": lambda: MmapBackend(
             cfg(), path=arena(), capacity="256MiB", slot_size="8KiB", prefault=False
         ),
         "memory": lambda: MemoryBackend(cfg(), store="hot-" + secrets.token_hex(4)),
-        "shm": lambda: ShmBackend(cfg(), directory="/dev/shm/hot-" + secrets.token_hex(4)),
+        "shm": lambda: ShmBackend(cfg(), directory=shm_dir()),
         "file": lambda: FileBackend(cfg(), root=os.path.join(base, "file-" + secrets.token_hex(3))),
     }
 
@@ -190,6 +198,8 @@ def main() -> int:
         sets = part_small_sets(base, args.reps, args.batches)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        for path in SHM_DIRS:
+            shutil.rmtree(path, ignore_errors=True)
     out = {"exists_us_per_key": exists, "small_set_objects_per_s": sets,
            "reps": args.reps, "dir": args.dir}  # fmt: skip
     if args.json:

@@ -47,6 +47,8 @@ from hicache_storage import HiCacheStorage, KVCacheNamespace, StorageConfig
 from hicache_storage.backends import FileBackend, MemoryBackend, MmapBackend, ShmBackend
 
 BATCH = 128
+# The tmpfs directory of this run's shm stores and mmap arenas (removed at the end).
+SHM_BASE = ["/dev/shm"]
 
 
 def make(name: str, where: str, n_max: int, nbytes: int, tenant: str) -> HiCacheStorage:
@@ -56,10 +58,10 @@ def make(name: str, where: str, n_max: int, nbytes: int, tenant: str) -> HiCache
     if name == "file":
         return FileBackend(cfg, root=os.path.join(where, "file"), max_size=big)
     if name == "shm":
-        return ShmBackend(cfg, directory=os.path.join("/dev/shm", "scale-" + tenant), max_size=big)
+        return ShmBackend(cfg, directory=os.path.join(SHM_BASE[0], "shm-" + tenant), max_size=big)
     if name == "mmap":
         slots = f"{(n_max + 4 * BATCH) * 4096 * 5 // 4 >> 20}MiB"
-        return MmapBackend(cfg, path=os.path.join("/dev/shm", "scale-arena-" + tenant),
+        return MmapBackend(cfg, path=os.path.join(SHM_BASE[0], "arena-" + tenant),
                            capacity=slots, slot_size="4KiB", prefault=False)  # fmt: skip
     return MemoryBackend(cfg, store="scale-" + tenant)
 
@@ -225,6 +227,7 @@ def main() -> int:
         return 0
     gc.freeze()  # the fill makes millions of objects: keep full collections out of timings
     where = tempfile.mkdtemp(prefix="hicache-scale-", dir=args.dir)
+    SHM_BASE[0] = tempfile.mkdtemp(prefix="hicache-scale-", dir="/dev/shm")
     results = []
     try:
         for name in args.backends.split(","):
@@ -233,6 +236,7 @@ def main() -> int:
             gc.collect()
     finally:
         shutil.rmtree(where, ignore_errors=True)
+        shutil.rmtree(SHM_BASE[0], ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"object_bytes": args.object_bytes, "results": results}, f, indent=1)

@@ -5,7 +5,8 @@ Files (``path`` is the arena):
 ``<path>``            superblock (4 KiB, with a random creation nonce), slot table (64 B
                       per slot), then the slots; writers lock this file (``flock``)
 ``<path>.index``      a header naming the arena's nonce, then an append-only log of PUT /
-                      DEL records, each with a CRC-32
+                      DEL / CLEAR records and, after a compaction, BULK records (many
+                      PUTs in columns), each with a CRC-32
 
 A page lives in one fixed-size slot. A write reserves a free slot (marking it *writing*
 with its token in the shared slot table, under the lock), copies the page into the mapping

@@ -102,6 +102,18 @@ def _new_generation(old: int) -> int:
             return gen
 
 
+def _new_generations(old: Any) -> Any:
+    """:func:`_new_generation` for a numpy array of generations (one new value each)."""
+    import numpy as np
+
+    n = len(old)
+    gens = (np.frombuffer(secrets.token_bytes(8 * n), "<u8") >> np.uint64(1)) + np.uint64(1)
+    clash = np.flatnonzero(gens == old)
+    for i in clash.tolist():  # about never: one chance in 2**63 each
+        gens[i] = _new_generation(int(old[i]))
+    return gens
+
+
 def _link_or_open(tmp: str, fd: int, path: str) -> int:
     """Publish the complete temporary ``tmp`` (open as ``fd``) as ``path``; first creator wins.
 

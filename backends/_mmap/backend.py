@@ -32,10 +32,17 @@ from hicache_storage.backends._mmap.arena import (
     _copy_out,
     _fence,
     _new_generation,
+    _new_generations,
     _pointers,
     _round_up,
 )
-from hicache_storage.backends._mmap.index_log import IndexLog, Record, RecordKind, _Entry
+from hicache_storage.backends._mmap.index_log import (
+    _NO_ENTRY,
+    IndexLog,
+    Record,
+    RecordKind,
+    _Entry,
+)
 from hicache_storage.buffers import PageBuffer, source_views, target_views, total_nbytes
 from hicache_storage.config import Size, StorageConfig, parse_options
 from hicache_storage.errors import (
@@ -320,10 +327,22 @@ class MmapBackend(HiCacheStorage):
         holds the slot; otherwise the key is dropped (a miss), never served from bytes
         that may be another key's.
         """
-        for name, entry in list(self._log.index.items()):
-            row = arena.slots[entry.slot]
-            if int(row["generation"]) == entry.generation and int(row["state"]) == _COMMITTED:
-                continue
+        import numpy as np
+
+        log = self._log
+        if not log.by_slot:
+            return
+        live = np.fromiter(log.by_slot, np.int64, len(log.by_slot))
+        table = arena.slots
+        bad = live[
+            (table["generation"][live] != log.generations[live])
+            | (table["state"][live] != _COMMITTED)
+        ]
+        for slot in bad.tolist():  # rows that disagree with the log: one at a time
+            name = log.by_slot[slot]
+            entry = log.entry(name)
+            assert entry is not None
+            row = arena.slots[slot]
             if (
                 entry.algorithm
                 and self._slot_lock(arena, entry.slot, take=True)
@@ -450,10 +469,10 @@ class MmapBackend(HiCacheStorage):
             if not os.path.exists(self.path):
                 return None
             arena = self._open_arena(DEFAULT_SLOT, lazy=True)
-        entry = self._log.index.get(name)
+        entry = self._log.entry(name)
         if entry is None or int(arena.slots[entry.slot]["generation"]) != entry.generation:
             self._log.catch_up()
-            entry = self._log.index.get(name)
+            entry = self._log.entry(name)
         if entry is None:
             return None
         row = arena.slots[entry.slot]
@@ -469,18 +488,18 @@ class MmapBackend(HiCacheStorage):
         state = slots["state"]
         resting = self._resting(arena)
         usable = (state == _FREE) | ((state == _RETIRED) & ~resting)
-        hint = [int(i) for i in np.flatnonzero(usable)]
-        if not hint:
-            live = np.zeros(arena.nslots, dtype=bool)
-            by_slot = self._log.by_slot
-            if by_slot:
-                live[np.fromiter(by_slot, dtype=np.int64)] = True
-            # Orphans: committed in the table but never logged (a crash between the two),
-            # or reserved by a writer that died (its slot lock is gone).
-            mine = slots["token"] == self._token
-            writing = state == _WRITING
-            orphans = ((state == _COMMITTED) | (writing & ~mine)) & ~live
-            hint = [int(i) for i in np.flatnonzero(orphans)]
+        live = np.zeros(arena.nslots, dtype=bool)
+        by_slot = self._log.by_slot
+        if by_slot:
+            live[np.fromiter(by_slot, np.int64, len(by_slot))] = True
+        # Orphans: committed in the table but in no record (a crash between the two, or
+        # between a CLEAR record and the retirement of its slots), or reserved by a writer
+        # that died (its slot lock is gone; _reserve_slot skips those of live writers).
+        # They are free slots too: counted in the hint, they keep the eviction ahead
+        # from evicting live pages while they last.
+        mine = slots["token"] == self._token
+        orphans = ((state == _COMMITTED) | ((state == _WRITING) & ~mine)) & ~live
+        hint = np.flatnonzero(usable | orphans).tolist()
         hint.reverse()  # pop() from the end takes the lowest slot first
         self._free_hint = hint
 
@@ -574,21 +593,35 @@ class MmapBackend(HiCacheStorage):
         count = min(len(live), count)
         access = arena.slots["last_access"][live]
         victims = [int(s) for s in live[np.argsort(access, kind="stable")[:count]]]
-        records: list[Record] = [
-            (RecordKind.DEL, log.by_slot[s], log.index[log.by_slot[s]]) for s in victims
-        ]
+        records: list[Record] = []
+        for s in victims:
+            entry = log.entry(log.by_slot[s])
+            assert entry is not None
+            records.append((RecordKind.DEL, log.by_slot[s], entry))
         log.append(records)  # logged first: a crash here leaves them deleted, never half
         self._retire(arena, victims)
         self._record(evictions=len(victims))
 
     @staticmethod
     def _retire(arena: _Arena, slots: list[int]) -> None:
+        """Retire slots: new generations, resting from now (vectorized for many)."""
         now = time.time()
-        for slot in slots:
-            row = arena.slots[slot]
-            row["generation"] = _new_generation(int(row["generation"]))
-            row["state"] = _RETIRED
-            row["since"] = now
+        if len(slots) < 64:
+            for slot in slots:
+                row = arena.slots[slot]
+                row["generation"] = _new_generation(int(row["generation"]))
+                row["state"] = _RETIRED
+                row["since"] = now
+            return
+        import numpy as np
+
+        idx = np.asarray(slots, dtype=np.int64)
+        old = arena.slots["generation"][idx]
+        gens = _new_generations(old)
+        # The generation first: a reader re-checking it after its copy sees the change.
+        arena.slots["generation"][idx] = gens
+        arena.slots["state"][idx] = _RETIRED
+        arena.slots["since"][idx] = now
 
     def _still_mine(self, arena: _Arena, slot: int, gen: int) -> bool:
         row = arena.slots[slot]
@@ -657,10 +690,15 @@ class MmapBackend(HiCacheStorage):
                         else:
                             slots[i] = reserved
                     if pending:
-                        # Evict what this batch will use, beyond the slots resting already.
-                        resting = int(self._resting(arena).sum())
+                        # Evict what this batch will use, beyond the slots resting already
+                        # and those whose rest ended since the hint was filled (the next
+                        # round takes them).
+                        resting = self._resting(arena)
+                        state = arena.slots["state"]
+                        usable = (state == _FREE) | ((state == _RETIRED) & ~resting)
+                        spare = int(resting.sum()) + int(usable.sum())
                         mine = {s for s, _ in slots.values()}
-                        self._evict_some(arena, len(pending) - resting, frozenset(keep | mine))
+                        self._evict_some(arena, len(pending) - spare, frozenset(keep | mine))
                 if pending:
                     if time.monotonic() > deadline:
                         raise CapacityError("no slot became free in time (all busy or resting)")
@@ -849,17 +887,19 @@ class MmapBackend(HiCacheStorage):
         import numpy as np
 
         get = self._log.index.get
-        entries = []
+        slots: list[int] = []
+        gens_: list[int] = []
         for path in self.object_namer().paths(keys):
-            entry = get(path)
-            if entry is None:
+            found = get(path)
+            if found is None:
                 break
-            entries.append(entry)
-        if not entries:
+            slots.append(found & 0xFFFFFFFF)  # index_log.unpack, inline on the hot path
+            gens_.append(found >> 32)
+        if not slots:
             return 0
-        n = len(entries)
-        rows = arena.slots[np.fromiter((e.slot for e in entries), np.int64, n)]
-        gens = np.fromiter((e.generation for e in entries), np.uint64, n)
+        n = len(slots)
+        rows = arena.slots[np.array(slots, np.int64)]
+        gens = np.array(gens_, np.uint64)
         bad = np.flatnonzero((rows["generation"] != gens) | (rows["state"] != _COMMITTED))
         return n if bad.size == 0 else int(bad[0])
 
@@ -888,7 +928,7 @@ class MmapBackend(HiCacheStorage):
             arena = self._arena_for(0)
             with self._writer_lock():
                 self._log.catch_up()
-                entry = self._log.index.get(name)
+                entry = self._log.entry(name)
                 if entry is None:
                     return False
                 self._log.append([(RecordKind.DEL, name, entry)])
@@ -905,10 +945,13 @@ class MmapBackend(HiCacheStorage):
             arena = self._arena_for(0)
             with self._writer_lock():
                 self._log.catch_up()
-                mine = [(n, e) for n, e in self._log.index.items() if n.startswith(prefix)]
-                if mine:
-                    self._log.append([(RecordKind.DEL, n, e) for n, e in mine])
-                    self._retire(arena, [e.slot for _, e in mine])
+                if any(n.startswith(prefix) for n in self._log.index):
+                    # One record clears the namespace (the commit point), then its slots
+                    # are retired; a crash between the two leaves them committed in the
+                    # slot table but in no index: orphans, reclaimed by later writers.
+                    self._log.append([(RecordKind.CLEAR, prefix, _NO_ENTRY)])
+                    self._retire(arena, self._log.dropped)
+                    self._log.dropped = []
 
     @override
     def close(self) -> None:
@@ -917,11 +960,27 @@ class MmapBackend(HiCacheStorage):
             while self._inflight:
                 self._gate.wait()
         self._io.close()
+        if self._arena is not None and self._log.detached is None:
+            self._compact_at_close()
         with self._log.lock:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
             self._log.close()
+
+    def _compact_at_close(self) -> None:
+        """Rewrite the index log in its compact form if much was appended to it.
+
+        The next process to open the arena then loads its index in a few vectorized
+        passes instead of decoding a record per object. Best effort: a failure is logged.
+        """
+        try:
+            with self._writer_lock():
+                self._log.catch_up()
+                if self._log.detached is None and self._log.worth_compacting():
+                    self._log.compact(reread=False)
+        except (OSError, BackendError) as exc:
+            self._warn("compact", "could not compact %s at close: %s", self.index_path, exc)
 
     # ------------------------------------------------------------------ introspection
 

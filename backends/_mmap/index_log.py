@@ -5,16 +5,16 @@ so a log left by another arena is never applied to this one::
 
     offset size field
     0      8    magic         b"HCSMLOG1"
-    8      4    version       1
+    8      4    version       2 (1: written before BULK and CLEAR records; still read)
     12     4    flags         0 (reserved)
     16     8    nonce         the nonce in the superblock of the arena it describes
     24     4    crc           CRC-32 of bytes 0..23
 
-Records follow, appended one after the other (36 bytes, the name, a CRC)::
+Records follow, appended one after the other (36 bytes, a body, a CRC)::
 
     offset  size  field
     0       4     magic       b"HIDX"
-    4       1     kind        a RecordKind: 1 PUT, 2 DEL
+    4       1     kind        a RecordKind: 1 PUT, 2 DEL, 3 BULK, 4 CLEAR
     5       1     algorithm   payload checksum algorithm (0 none, 1 xxh3-64)
     6       2     name_len    bytes of the name
     8       4     slot        the slot holding the object
@@ -26,12 +26,24 @@ Records follow, appended one after the other (36 bytes, the name, a CRC)::
 
 A PUT makes the name live at (slot, generation), replacing its earlier incarnation and
 whatever other name that slot held; a DEL removes the name only if it names the same
-(slot, generation). A record is applied only if it is intact: magic, CRC, and fields that
-fit the arena. A damaged record costs only itself (reading resumes at the next intact
-record); a bad record with no intact one after it is a torn or in-flight tail, left for a
-later read and cut by the next writer. The log is compacted (live PUTs written to a
-temporary, renamed over it) when it holds over four times the live records, and over
-1024; other processes notice the new inode and read it from the start.
+(slot, generation). A CLEAR (``name`` a namespace prefix, the other fields 0) removes
+every name with that prefix put before it. A BULK record is many PUTs in columns, written
+by compaction so that a large index loads in a few vectorized passes: its ``slot`` field
+holds the number of entries *c*, ``length`` the bytes of the body that follows (instead
+of a name; ``name_len``, ``generation``, ``checksum`` and ``algorithm`` are 0), and the
+CRC covers the 36 bytes and the body. The body holds, column after column: ``slot``
+(c x u32), ``generation``, ``length``, ``checksum`` (c x u64 each), ``algorithm``
+(c x u8), then the c names, UTF-8, joined by newlines (which object names never hold).
+
+A record is applied only if it is intact: magic, CRC, and fields that fit the arena. A
+damaged record costs only itself (reading resumes at the next intact record; a damaged
+BULK record loses its entries); a bad record with no intact one after it is a torn or
+in-flight tail, left for a later read and cut by the next writer. The log is compacted
+(the live entries written as BULK records to a temporary, renamed over it) when it holds
+over four times the live entries (and over 1024), when the records appended since the
+last compaction reach the live entries (and 65,536), and by ``close()`` when over 4,096
+(and a sixteenth of the live entries) were appended; other processes notice the new
+inode and read it from the start.
 """
 
 from __future__ import annotations
@@ -41,9 +53,8 @@ import os
 import struct
 import threading
 import zlib
-from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hicache_storage.backends._mmap.arena import _CRC, _Arena, _link_or_open
 from hicache_storage.errors import BackendError, ConfigError
@@ -52,18 +63,23 @@ from hicache_storage.storekit.header import ALGORITHMS
 from hicache_storage.storekit.pathsafety import NotRegularFileError, check_file, open_regular
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
 # magic, version, flags, arena nonce; a CRC-32 follows
 _LOG_HEAD = struct.Struct("<8sIIQ")
 _LOG_MAGIC = b"HCSMLOG1"
-_LOG_VERSION = 1
+_LOG_VERSION = 2
+_READABLE = (1, 2)  # version 1 logs hold PUT and DEL records only: a subset of version 2
 _ANCHOR = 8  # bytes before the read position re-checked on every read of the log
 # magic, kind, algorithm, name length, slot, generation, length, checksum
 _REC = struct.Struct("<4sBBHIQQQ")
 _REC_MAGIC = b"HIDX"
+# Bytes per entry of a BULK body's columns: slot, generation, length, checksum, algorithm.
+_BULK_ROW = 4 + 8 + 8 + 8 + 1
+_BULK_CHUNK = 1 << 16  # entries per BULK record: a damaged one loses at most these
+_ALGORITHM_IDS = sorted(set(ALGORITHMS.values()))
 
 
 class RecordKind(IntEnum):
@@ -71,10 +87,16 @@ class RecordKind(IntEnum):
 
     PUT = 1
     DEL = 2
+    BULK = 3
+    CLEAR = 4
 
 
-@dataclass
-class _Entry:
+# The kinds as plain ints, for the decoding loop (an enum lookup per record costs more
+# than decoding it).
+_PUT, _DEL, _BULK, _CLEAR = (int(k) for k in RecordKind)
+
+
+class _Entry(NamedTuple):
     """Where a live object is: slot, slot generation, length and payload checksum."""
 
     slot: int
@@ -84,7 +106,32 @@ class _Entry:
     algorithm: int
 
 
+_NO_ENTRY = _Entry(0, 0, 0, 0, 0)  # the fields of a CLEAR record
+_SLOT_MASK = 0xFFFFFFFF
+
+
+def pack(slot: int, generation: int) -> int:
+    """``(slot, generation)`` as one int: the value of a name in :attr:`IndexLog.index`."""
+    return slot | generation << 32
+
+
+def unpack(packed: int) -> tuple[int, int]:
+    """The ``(slot, generation)`` of a packed index value."""
+    return packed & _SLOT_MASK, packed >> 32
+
+
 Record = tuple[RecordKind, str, _Entry]
+
+
+class _Columns(NamedTuple):
+    """The entries of a BULK record: their names, and numpy columns of their fields."""
+
+    names: list[str]
+    slots: Any
+    generations: Any
+    lengths: Any
+    checksums: Any
+    algorithms: Any
 
 
 def _log_header(nonce: int) -> bytes:
@@ -98,15 +145,15 @@ def _log_nonce(head: bytes) -> int | None:
         return None
     magic, version, _flags, nonce = _LOG_HEAD.unpack_from(head)
     (crc,) = _CRC.unpack_from(head, _LOG_HEAD.size)
-    if magic != _LOG_MAGIC or version != _LOG_VERSION or zlib.crc32(head[: _LOG_HEAD.size]) != crc:
+    if magic != _LOG_MAGIC or version not in _READABLE or zlib.crc32(head[: _LOG_HEAD.size]) != crc:
         return None
     return int(nonce)
 
 
 def _decode_record(
     data: bytes, off: int, arena: _Arena
-) -> tuple[RecordKind, str, _Entry, int] | None:
-    """The intact record at ``off``: (kind, name, entry, end offset), or None.
+) -> tuple[int, str, _Entry | _Columns, int] | None:
+    """The intact record at ``off``: (kind, name, entry or columns, end offset), or None.
 
     Intact means: magic, CRC, and fields that make sense for this arena (a slot it has,
     a length that fits a slot, a known record kind and checksum algorithm).
@@ -114,21 +161,89 @@ def _decode_record(
     if off + _REC.size + _CRC.size > len(data):
         return None
     magic, kind, algo, name_len, slot, gen, length, csum = _REC.unpack_from(data, off)
-    end = off + _REC.size + name_len
-    if magic != _REC_MAGIC or end + _CRC.size > len(data):
+    if magic != _REC_MAGIC:
+        return None
+    start = off + _REC.size
+    end = start + (length if kind == _BULK else name_len)
+    if end + _CRC.size > len(data):
         return None
     (crc,) = _CRC.unpack_from(data, end)
-    if zlib.crc32(data[off:end]) != crc:
+    if zlib.crc32(memoryview(data)[off:end]) != crc:
         return None
-    if kind not in (RecordKind.PUT, RecordKind.DEL) or slot >= arena.nslots:
-        return None
-    if length > arena.slot_size or algo not in ALGORITHMS.values():
-        return None
+    if kind == _BULK:
+        if name_len or gen or csum or algo:
+            return None
+        cols = _decode_columns(data, start, end, slot, arena)
+        return None if cols is None else (kind, "", cols, end + _CRC.size)
     try:
-        name = data[off + _REC.size : end].decode("utf-8")
+        name = data[start:end].decode("utf-8")
     except UnicodeDecodeError:
         return None
-    return RecordKind(kind), name, _Entry(slot, gen, length, csum, algo), end + _CRC.size
+    if kind == _CLEAR:
+        if not name or slot or gen or length or csum or algo:
+            return None
+        return kind, name, _NO_ENTRY, end + _CRC.size
+    if kind not in (_PUT, _DEL) or slot >= arena.nslots:
+        return None
+    if length > arena.slot_size or algo not in _ALGORITHM_IDS:
+        return None
+    return kind, name, _Entry(slot, gen, length, csum, algo), end + _CRC.size
+
+
+def _decode_columns(
+    data: bytes, start: int, end: int, count: int, arena: _Arena
+) -> _Columns | None:
+    """The body of a BULK record of ``count`` entries at ``data[start:end]``, or None.
+
+    None if the body does not make sense for this arena (the CRC was right: written by
+    something else, or for another geometry).
+    """
+    import numpy as np
+
+    if not 0 < count <= arena.nslots or end - start < count * _BULK_ROW:
+        return None
+    off = start
+    columns = []
+    for dtype, width in (("<u4", 4), ("<u8", 8), ("<u8", 8), ("<u8", 8), ("u1", 1)):
+        columns.append(np.frombuffer(data, dtype, count, off))
+        off += count * width
+    slots, gens, lengths, csums, algos = columns
+    if int(slots.max()) >= arena.nslots or int(lengths.max()) > arena.slot_size:
+        return None
+    if not np.isin(algos, _ALGORITHM_IDS).all():
+        return None
+    try:
+        names = data[off:end].decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        return None
+    if len(names) != count:
+        return None
+    return _Columns(names, slots, gens, lengths, csums, algos)
+
+
+def _encode_columns(names: list[str], slots: Any, log: IndexLog) -> bytes:
+    """BULK records holding the entries of ``names`` at ``slots`` (a numpy array).
+
+    Object names never hold a newline (keys are checked); if one did, the reader would
+    count one name too many and reject the record as damaged: misses, never wrong pages.
+    """
+    out = []
+    for lo in range(0, len(names), _BULK_CHUNK):
+        chunk = slots[lo : lo + _BULK_CHUNK]
+        text = "\n".join(names[lo : lo + _BULK_CHUNK])
+        body = b"".join(
+            [
+                chunk.astype("<u4").tobytes(),
+                log.generations[chunk].astype("<u8").tobytes(),
+                log.lengths[chunk].astype("<u8").tobytes(),
+                log.checksums[chunk].astype("<u8").tobytes(),
+                log.algorithms[chunk].astype("u1").tobytes(),
+                text.encode("utf-8"),
+            ]
+        )
+        head = _REC.pack(_REC_MAGIC, _BULK, 0, 0, len(chunk), 0, len(body), 0)
+        out.append(head + body + _CRC.pack(zlib.crc32(body, zlib.crc32(head))))
+    return b"".join(out)
 
 
 def _next_record(data: bytes, start: int, arena: _Arena) -> int:
@@ -144,11 +259,19 @@ def _next_record(data: bytes, start: int, arena: _Arena) -> int:
 class IndexLog:
     """The index log of one arena, and the in-memory index this process reads from it.
 
-    ``index`` maps object names to their live entries and ``by_slot`` slots to names; a
-    reload replaces both dicts, so read them through this object. ``lock`` guards them and
-    the read position: readers take it to catch up, writers hold it (inside the arena's
-    ``flock``) to append. ``detached`` is set, for good, when the arena at the path is no
-    longer the one this log was opened for.
+    ``index`` maps object names to their packed ``(slot, generation)`` (:func:`pack`:
+    one int, which unlike a tuple the garbage collector never scans), ``by_slot`` slots
+    to names, and
+    the columns ``generations``, ``lengths``, ``checksums`` and ``algorithms`` (numpy
+    arrays, one row per slot) hold the rest of each live entry; :meth:`entry` puts one
+    together. A reload replaces them all, so read them through this object. A name's
+    packed pair is one immutable value: a reader that finds it checks it
+    against the shared slot table, and the columns of that slot describe that generation
+    or a later one (which the slot table then no longer has).
+
+    ``lock`` guards them and the read position: readers take it to catch up, writers hold
+    it (inside the arena's ``flock``) to append. ``detached`` is set, for good, when the
+    arena at the path is no longer the one this log was opened for.
 
     The owner is told of a reload (``on_reload``, e.g. to drop hints derived from the old
     index) and of damaged bytes skipped while reading (``on_damage(nbytes, offset)``).
@@ -167,14 +290,20 @@ class IndexLog:
         self._on_damage = on_damage
         self.lock = threading.RLock()
         self.arena: _Arena | None = None
-        self.index: dict[str, _Entry] = {}
+        self.index: dict[str, int] = {}
         self.by_slot: dict[int, str] = {}
+        self.generations: Any = None
+        self.lengths: Any = None
+        self.checksums: Any = None
+        self.algorithms: Any = None
         self.detached: str | None = None
+        self.dropped: list[int] = []  # the slots of the last CLEAR applied
         self.compactions = 0
         self._fd = -1
         self._ino = 0
         self._pos = 0
-        self._records = 0
+        self._records = 0  # entries read or appended since the log was last (re)written
+        self._loose = 0  # of those, the ones not in BULK records
         # The log at path does not describe this arena (left by a deleted arena, or
         # damaged): nothing of it is applied, and the next writer replaces it.
         self._foreign = False
@@ -198,6 +327,33 @@ class IndexLog:
                 os.close(self._fd)
             self._fd = -1
 
+    def entry(self, name: str) -> _Entry | None:
+        """The live entry of ``name`` in this process's index (not checked), or None."""
+        found = self.index.get(name)
+        if found is None:
+            return None
+        slot, gen = found & _SLOT_MASK, found >> 32
+        return _Entry(
+            slot,
+            gen,
+            int(self.lengths[slot]),
+            int(self.checksums[slot]),
+            int(self.algorithms[slot]),
+        )
+
+    def _empty_index(self) -> None:
+        """Forget every entry (new dicts and columns: readers may hold the old ones)."""
+        import numpy as np
+
+        self.index = {}
+        self.by_slot = {}
+        n = self.arena.nslots if self.arena is not None else 0
+        self.generations = np.zeros(n, np.uint64)
+        self.lengths = np.zeros(n, np.uint64)
+        self.checksums = np.zeros(n, np.uint64)
+        self.algorithms = np.zeros(n, np.uint8)
+        self._on_reload()
+
     def reload(self) -> None:
         """Read the whole log again (first open, or after another process replaced it).
 
@@ -211,11 +367,10 @@ class IndexLog:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
-            self.index = {}
-            self.by_slot = {}
-            self._on_reload()
+            self._empty_index()
             self._pos = 0
             self._records = 0
+            self._loose = 0
             self._foreign = False
             self._bad_tail = None
             arena = self.arena
@@ -259,9 +414,7 @@ class IndexLog:
         if self.detached is None:
             logger.error("%s; this mmap backend no longer serves it (create a new backend)", reason)
         self.detached = reason
-        self.index = {}
-        self.by_slot = {}
-        self._on_reload()
+        self._empty_index()
 
     def _create(self, arena: _Arena) -> int:
         """Create the log of ``arena``, or open the one another process created first.
@@ -283,20 +436,20 @@ class IndexLog:
             os.unlink(tmp)
         return fd
 
-    def _replace(self, records: list[Record]) -> None:
-        """Replace this arena's log by a new one holding ``records`` (writer lock held).
+    def _replace(self, blob: bytes, reread: bool = True) -> None:
+        """Replace this arena's log by a new one holding the records ``blob`` (writer lock held).
 
         The new log is renamed over the old one; other processes notice the new inode and
-        reload.
+        reload. This one reads it back (``reread``), or only closes the old one, so that
+        its next catch-up reads the new one (at ``close()``).
         """
         arena = self.arena
         assert arena is not None
         tmp = temp_path(os.path.dirname(self.path))
-        blob = _log_header(arena.nonce) + b"".join(self.encode(k, n, e) for k, n, e in records)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
-                writev_all(fd, [blob])
+                writev_all(fd, [_log_header(arena.nonce), blob])
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -308,7 +461,11 @@ class IndexLog:
                 pass
             raise
         fsync_dir(os.path.dirname(self.path))
-        self.reload()
+        if reread:
+            self.reload()
+        else:
+            os.close(self._fd)
+            self._fd = -1
 
     def catch_up(self) -> None:
         """Apply records appended since the last read; reload if the log was replaced.
@@ -360,29 +517,109 @@ class IndexLog:
                     self._on_damage(nxt - off, self._pos + off)
                     off = nxt
                     continue
-                kind, name, entry, off = rec
-                self.apply(kind, name, entry)
+                kind, name, found, off = rec
+                if kind == _BULK:
+                    assert isinstance(found, _Columns)
+                    self.apply_columns(found)
+                    self._records += len(found.names)
+                    continue
+                assert isinstance(found, _Entry)
+                self._apply(kind, name, found)
                 self._records += 1
+                self._loose += 1
             self._pos += off
             self._anchor = raw[off : off + _ANCHOR]
             self._bad_tail = (size, fst.st_mtime_ns) if off < len(data) else None
 
     def apply(self, kind: RecordKind, name: str, entry: _Entry) -> None:
         """Apply one record to the in-memory index."""
+        self._apply(int(kind), name, entry)
+
+    def _apply(self, kind: int, name: str, entry: _Entry) -> None:
+        if kind == _CLEAR:
+            self.drop_prefix(name)
+            return
         old = self.index.get(name)
-        if kind == RecordKind.DEL and (
-            old is None or (old.slot, old.generation) != (entry.slot, entry.generation)
-        ):
-            return  # deletes another incarnation of the key: not this one
+        if kind == _DEL and old != pack(entry.slot, entry.generation):
+            return  # deletes another incarnation of the key (or none): not this one
         if old is not None:
             del self.index[name]
-            self.by_slot.pop(old.slot, None)
-        if kind == RecordKind.PUT:
-            stale = self.by_slot.pop(entry.slot, None)
+            self.by_slot.pop(old & _SLOT_MASK, None)
+        if kind == _PUT:
+            slot = entry.slot
+            stale = self.by_slot.pop(slot, None)
             if stale is not None:
                 self.index.pop(stale, None)
-            self.index[name] = entry
-            self.by_slot[entry.slot] = name
+            # The columns first: a reader that finds the name finds them filled.
+            self.generations[slot] = entry.generation
+            self.lengths[slot] = entry.length
+            self.checksums[slot] = entry.checksum
+            self.algorithms[slot] = entry.algorithm
+            self.index[name] = pack(slot, entry.generation)
+            self.by_slot[slot] = name
+
+    def apply_columns(self, cols: _Columns) -> None:
+        """Apply the PUTs of a BULK record, in a few vectorized passes when it can."""
+        import numpy as np
+
+        slots = cols.slots.tolist()
+        gens = cols.generations.tolist()
+        n = len(slots)
+        if len(np.unique(cols.slots)) == n and self.by_slot.keys().isdisjoint(slots):
+            # Distinct slots that no entry holds (what compaction writes): in bulk.
+            self.generations[cols.slots] = cols.generations
+            self.lengths[cols.slots] = cols.lengths
+            self.checksums[cols.slots] = cols.checksums
+            self.algorithms[cols.slots] = cols.algorithms
+            before = len(self.index)
+            self.index.update(
+                zip(
+                    cols.names, [s | g << 32 for s, g in zip(slots, gens, strict=True)], strict=True
+                )
+            )
+            self.by_slot.update(zip(slots, cols.names, strict=True))
+            if len(self.index) != before + n:
+                # A name met twice (not what compaction writes): its later PUT won in
+                # the index, and the slot of the earlier one must not stay live.
+                self.by_slot = {p & _SLOT_MASK: name for name, p in self.index.items()}
+            return
+        for i, name in enumerate(cols.names):  # one at a time, as PUT records
+            entry = _Entry(
+                slots[i],
+                gens[i],
+                int(cols.lengths[i]),
+                int(cols.checksums[i]),
+                int(cols.algorithms[i]),
+            )
+            self._apply(_PUT, name, entry)
+
+    def drop_prefix(self, prefix: str) -> list[int]:
+        """Remove every entry whose name starts with ``prefix`` (a CLEAR record).
+
+        Returns the slots they held (also kept in ``dropped``, for the writer that
+        appended the CLEAR record and retires them). One pass over the index builds what
+        stays; the slots that went are found by numpy.
+        """
+        import numpy as np
+
+        keep = {n: p for n, p in self.index.items() if not n.startswith(prefix)}
+        if len(keep) == len(self.index):
+            self.dropped = []
+            return self.dropped
+        live = np.fromiter(self.by_slot, np.int64, len(self.by_slot))
+        kept = np.fromiter((p & _SLOT_MASK for p in keep.values()), np.int64, len(keep))
+        dropped = np.setdiff1d(live, kept, assume_unique=True).tolist()
+        by_slot = self.by_slot
+        if len(keep) * 2 > len(self.index):
+            by_slot = dict(by_slot)  # readers may iterate the old one
+            for slot in dropped:
+                del by_slot[slot]
+        else:
+            by_slot = {p & _SLOT_MASK: n for n, p in keep.items()}
+        self.index = keep
+        self.by_slot = by_slot
+        self.dropped = dropped
+        return dropped
 
     def forget(self, name: str, entry: _Entry) -> None:
         """Drop a key from the in-memory index only (nothing is logged)."""
@@ -391,19 +628,20 @@ class IndexLog:
 
     @staticmethod
     def encode(kind: RecordKind, name: str, e: _Entry) -> bytes:
-        """One record, CRC included."""
+        """One PUT, DEL or CLEAR record, CRC included."""
         raw = name.encode("utf-8")
         rec = _REC.pack(
             _REC_MAGIC, kind, e.algorithm, len(raw), e.slot, e.generation, e.length, e.checksum
         )
         return rec + raw + _CRC.pack(zlib.crc32(rec + raw))
 
-    def append(self, records: list[Record]) -> None:
+    def append(self, records: Iterable[Record]) -> None:
         """Append records to the log (writer lock held); they are the commit point."""
+        records = list(records)
         if self.detached is not None:
             raise BackendError(self.detached)
         if self._foreign:
-            self._replace([])  # a log that is not this arena's: start a new one
+            self._replace(b"")  # a log that is not this arena's: start a new one
             if self.detached is not None:
                 raise BackendError(self.detached)
         start = self._pos - _ANCHOR
@@ -412,7 +650,7 @@ class IndexLog:
             if self.detached is not None:
                 raise BackendError(self.detached)
             if self._foreign:
-                self._replace([])
+                self._replace(b"")
         if os.fstat(self._fd).st_size != self._pos:
             # A torn tail from a crashed writer: cut it, or new records would hide behind it.
             os.ftruncate(self._fd, self._pos)
@@ -423,14 +661,27 @@ class IndexLog:
         if self.fsync:
             os.fsync(self._fd)
         for kind, name, e in records:
-            self.apply(kind, name, e)
+            self._apply(int(kind), name, e)
         self._pos += len(blob)
         self._anchor = (self._anchor + blob)[-_ANCHOR:]
         self._records += len(records)
-        if self._records > 4 * max(len(self.index), 256):
+        self._loose += len(records)
+        live = len(self.index)
+        if self._records > 4 * max(live, 256) or self._loose >= max(65536, live):
             self.compact()
 
-    def compact(self) -> None:
-        """Rewrite the log with the live records only: temporary, fsync, rename."""
-        self._replace([(RecordKind.PUT, name, e) for name, e in self.index.items()])
+    def worth_compacting(self) -> bool:
+        """Whether enough was appended since the last compaction to rewrite the log at close."""
+        return self._loose > max(4096, len(self.index) // 16)
+
+    def compact(self, reread: bool = True) -> None:
+        """Rewrite the log with the live entries only (BULK records): temporary, fsync, rename.
+
+        ``reread``: read the new log back (see :meth:`_replace`).
+        """
+        import numpy as np
+
+        names = list(self.index)
+        slots = np.fromiter((p & _SLOT_MASK for p in self.index.values()), np.int64, len(names))
+        self._replace(_encode_columns(names, slots, self), reread)
         self.compactions += 1

@@ -491,4 +491,6 @@ def test_the_on_disk_layout_is_the_one_the_docstrings_table() -> None:
         "FREE": 0, "WRITING": 1, "COMMITTED": 2, "RETIRED": 3}  # fmt: skip
     assert L._LOG_HEAD.size + A._CRC.size == 28
     assert L._REC.size == 36
-    assert {k.name: int(k) for k in L.RecordKind} == {"PUT": 1, "DEL": 2}
+    assert {k.name: int(k) for k in L.RecordKind} == {"PUT": 1, "DEL": 2, "BULK": 3, "CLEAR": 4}
+    assert L._LOG_VERSION == 2 and L._READABLE == (1, 2)
+    assert L._BULK_ROW == 29  # slot u32, generation/length/checksum u64 each, algorithm u8

@@ -1,0 +1,246 @@
+"""The ``mmap`` index at scale: compact BULK records written at close, and one-record clears.
+
+What these check: a large log is rewritten in columns when the backend closes and the
+next instance loads every entry from it; a damaged BULK record costs only its entries;
+``clear()`` is one CLEAR record that other instances apply and that spares the other
+namespaces, and its slots are reused even when the writer died before retiring them;
+logs of the first format version are still read.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hicache_storage import KVCacheNamespace, StorageConfig
+from hicache_storage.backends import MmapBackend
+from hicache_storage.backends._mmap import index_log as L
+
+HEAD = L._LOG_HEAD.size + L._CRC.size
+
+
+def config(tenant: str) -> StorageConfig:
+    ns = KVCacheNamespace(model_id="m", dtype="uint8", page_size=4, tenant=tenant)
+    return StorageConfig(namespace=ns)
+
+
+def value(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 64  # 256 bytes, different for every i
+
+
+def fill(b: MmapBackend, keys: list[str], start: int = 0) -> None:
+    for lo in range(0, len(keys), 500):
+        chunk = keys[lo : lo + 500]
+        assert all(b.batch_set(chunk, [value(start + lo + j) for j in range(len(chunk))]))
+
+
+def records(index: Path) -> list[tuple[int, int, int]]:
+    """(kind, offset, total bytes) of every record of a log with no damage."""
+    raw = index.read_bytes()
+    out, off = [], HEAD
+    while off < len(raw):
+        _m, kind, _a, name_len, _s, _g, length, _c = L._REC.unpack_from(raw, off)
+        size = L._REC.size + (length if kind == L._BULK else name_len) + L._CRC.size
+        out.append((kind, off, size))
+        off += size
+    return out
+
+
+def test_close_rewrites_a_large_log_in_columns_and_the_next_open_loads_it(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    b = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    keys = [f"k{i}" for i in range(5000)]
+    fill(b, keys)
+    b.close()
+    kinds = [k for k, _, _ in records(tmp_path / "arena.index")]
+    assert kinds and set(kinds) == {L._BULK}, kinds[:5]
+    again = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    assert again.usage()["live"] == 5000
+    assert again.batch_exists(keys) == 5000
+    for i in range(0, 5000, 97):
+        got = again.get(keys[i])
+        assert got is not None
+        assert bytes(got.numpy()) == value(i)
+    assert again.set("later", b"x")  # appends after the BULK records
+    third = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    assert third.batch_exists([*keys, "later"]) == 5001
+
+
+def test_a_small_log_is_left_as_it_is_at_close(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    b = arena(capacity="4MiB", slot_size="4KiB", prefault=False)
+    fill(b, [f"k{i}" for i in range(20)])
+    before = os.stat(tmp_path / "arena.index")
+    b.close()
+    after = os.stat(tmp_path / "arena.index")
+    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+    assert {k for k, _, _ in records(tmp_path / "arena.index")} == {L._PUT}
+
+
+def test_a_damaged_bulk_record_costs_only_its_own_entries(
+    arena: Callable[..., MmapBackend], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(L, "_BULK_CHUNK", 1000)
+    b = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    keys = [f"k{i}" for i in range(5000)]
+    fill(b, keys)
+    b.close()
+    index = tmp_path / "arena.index"
+    recs = records(index)
+    assert [k for k, _, _ in recs] == [L._BULK] * 5
+    _, off, size = recs[2]
+    raw = bytearray(index.read_bytes())
+    raw[off + size - 100] ^= 0x5A  # inside the names of the third record
+    index.write_bytes(bytes(raw))
+    again = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    # Compaction writes the index in insertion order: the third record held k2000..k2999.
+    alive = [i for i in range(5000) if again.exists(keys[i])]
+    assert alive == [*range(2000), *range(3000, 5000)]
+    assert again.get_stats().corrupt_objects >= 1
+    for i in alive[::53]:
+        got = again.get(keys[i])
+        assert got is not None
+        assert bytes(got.numpy()) == value(i)
+    # The lost keys' slots are orphans: reclaimed by later writes, never served.
+    assert again.batch_exists(keys[2000:3000]) == 0
+    assert again.set(keys[2500], b"new")
+    assert bytes(again.get(keys[2500]).numpy()) == b"new"
+
+
+def test_clear_is_one_record_that_spares_other_namespaces(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    opts = {"capacity": "2600KiB", "slot_size": "4KiB", "prefault": False}
+    a = arena(config("a"), **opts)
+    other = arena(config("b"), **opts)
+    keys = [f"k{i}" for i in range(250)]
+    fill(a, keys)
+    fill(other, keys, start=1000)
+    watcher = arena(config("a"), **opts)
+    assert watcher.batch_exists(keys) == 250
+    index = tmp_path / "arena.index"
+    size = index.stat().st_size
+    a.clear()
+    prefix = config("a").namespace.digest + "/"
+    assert index.stat().st_size == size + L._REC.size + len(prefix) + L._CRC.size
+    assert records(index)[-1][0] == L._CLEAR
+    assert a.batch_exists(keys) == 0
+    assert not watcher.exists(keys[0])  # another instance applies the record
+    assert watcher.batch_exists(keys) == 0
+    assert other.batch_exists(keys) == 250
+    reopened = arena(config("a"), **opts)
+    assert reopened.batch_exists(keys) == 0
+    # The cleared slots are free again: refilling the namespace evicts nothing of b's.
+    slots = a.usage()["slots"]
+    assert 250 + 250 <= slots < 250 + 250 + 150
+    # More than the never-used slots, less than what evicts ahead (5 % free).
+    count = slots - 250 - slots // 10
+    assert count > slots - 500
+    fill(a, [f"n{i}" for i in range(count)], start=5000)
+    assert a.get_stats().evictions == 0
+    for i in range(0, 250, 7):
+        got = other.get(keys[i])
+        assert got is not None
+        assert bytes(got.numpy()) == value(1000 + i)
+
+
+def test_slots_of_a_clear_whose_writer_died_before_retiring_them_are_reused(
+    arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opts = {"capacity": "2600KiB", "slot_size": "4KiB", "prefault": False}
+    a = arena(config("a"), **opts)
+    other = arena(config("b"), **opts)
+    keys = [f"k{i}" for i in range(250)]
+    fill(a, keys)
+    fill(other, keys, start=1000)
+    # The CLEAR record is written, then the writer "dies": its slots stay committed.
+    monkeypatch.setattr(MmapBackend, "_retire", staticmethod(lambda arena, slots: None))
+    a.clear()
+    monkeypatch.undo()
+    a.close()
+    fresh = arena(config("a"), **opts)
+    assert fresh.batch_exists(keys) == 0
+    slots = fresh.usage()["slots"]
+    count = slots - 250 - slots // 10  # more than the never-used slots: orphans needed
+    assert count > slots - 500
+    fill(fresh, [f"n{i}" for i in range(count)], start=5000)
+    assert fresh.get_stats().evictions == 0  # the orphans were reused, b's pages kept
+    assert other.batch_exists(keys) == 250
+    for i in range(0, 250, 7):
+        got = other.get(keys[i])
+        assert got is not None
+        assert bytes(got.numpy()) == value(1000 + i)
+
+
+def test_a_log_of_the_first_format_version_is_still_read(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    b = arena(capacity="4MiB", slot_size="4KiB", prefault=False)
+    keys = [f"k{i}" for i in range(20)]
+    fill(b, keys)
+    b.close()
+    index = tmp_path / "arena.index"
+    raw = bytearray(index.read_bytes())
+    magic, version, flags, nonce = L._LOG_HEAD.unpack_from(raw)
+    assert version == 2
+    head = L._LOG_HEAD.pack(magic, 1, flags, nonce)
+    raw[:HEAD] = head + struct.pack("<I", zlib.crc32(head))
+    index.write_bytes(bytes(raw))
+    again = arena(capacity="4MiB", slot_size="4KiB", prefault=False)
+    assert again.batch_exists(keys) == 20
+    assert bytes(again.get(keys[7]).numpy()) == value(7)
+
+
+def columns(names: list[str], slots: list[int], gens: list[int]) -> L._Columns:
+    n = len(names)
+    return L._Columns(
+        names,
+        np.array(slots, np.uint32),
+        np.array(gens, np.uint64),
+        np.full(n, 10, np.uint64),
+        np.zeros(n, np.uint64),
+        np.zeros(n, np.uint8),
+    )
+
+
+def bare_log(nslots: int) -> L.IndexLog:
+    log = L.IndexLog("/nonexistent", False, lambda: None, lambda n, o: None)
+    log.arena = SimpleNamespace(nslots=nslots)  # type: ignore[assignment]
+    log._empty_index()
+    return log
+
+
+def test_bulk_entries_that_meet_earlier_ones_follow_the_put_rules() -> None:
+    log = bare_log(8)
+    log.apply_columns(columns(["a", "b"], [0, 1], [5, 6]))
+    # "a" again, in another slot: the later one wins and slot 0 is no longer live.
+    log.apply_columns(columns(["a", "c"], [2, 3], [7, 8]))
+    assert log.index == {"a": L.pack(2, 7), "b": L.pack(1, 6), "c": L.pack(3, 8)}
+    assert log.by_slot == {1: "b", 2: "a", 3: "c"}
+    # Slot 1 taken by "d": the name it held ("b") is gone (the one-by-one path).
+    log.apply_columns(columns(["d"], [1], [9]))
+    assert log.index == {"a": L.pack(2, 7), "c": L.pack(3, 8), "d": L.pack(1, 9)}
+    assert log.by_slot == {1: "d", 2: "a", 3: "c"}
+    entry = log.entry("d")
+    assert entry is not None
+    assert (entry.slot, entry.generation, entry.length) == (1, 9, 10)
+
+
+def test_drop_prefix_removes_exactly_the_names_under_it() -> None:
+    log = bare_log(8)
+    log.apply_columns(columns(["p/x", "p/y", "q/x", "pq/z"], [0, 1, 2, 3], [1, 2, 3, 4]))
+    assert sorted(log.drop_prefix("p/")) == [0, 1]
+    assert log.index == {"q/x": L.pack(2, 3), "pq/z": L.pack(3, 4)}
+    assert log.by_slot == {2: "q/x", 3: "pq/z"}
+    assert log.drop_prefix("zz/") == []
+    assert sorted(log.drop_prefix("q")) == [2]
+    assert log.by_slot == {3: "pq/z"}
