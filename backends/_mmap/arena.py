@@ -89,17 +89,35 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+_GEN_BATCH = 512  # random generations drawn from the OS at a time
+_gen_pool: list[int] = []
+_gen_lock = threading.Lock()
+
+
 def _new_generation(old: int) -> int:
     """A fresh random slot generation, never 0 and never ``old``.
 
     Random rather than ``old + 1``: a slot-table row rolled back (zeroed, restored from
     an older image) must not hand out again a (slot, generation) pair that a reader in
-    another process may still hold for another key.
+    another process may still hold for another key. Drawn from the OS 512 at a time (one
+    ``getrandom`` call costs about as much as copying a 4 KiB page); a child process
+    after ``fork()`` never reuses the parent's unused ones (the pool is emptied there).
     """
     while True:
-        gen = secrets.randbits(63) + 1
+        with _gen_lock:
+            if not _gen_pool:
+                raw = secrets.token_bytes(8 * _GEN_BATCH)
+                _gen_pool.extend((x >> 1) + 1 for x in struct.unpack(f"<{_GEN_BATCH}Q", raw))
+            gen = _gen_pool.pop()
         if gen != old:
             return gen
+
+
+def _forget_generations() -> None:
+    _gen_pool.clear()
+
+
+os.register_at_fork(after_in_child=_forget_generations)
 
 
 def _new_generations(old: Any) -> Any:

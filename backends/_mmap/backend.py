@@ -31,7 +31,6 @@ from hicache_storage.backends._mmap.arena import (
     _copy_in,
     _copy_out,
     _fence,
-    _new_generation,
     _new_generations,
     _pointers,
     _round_up,
@@ -469,10 +468,15 @@ class MmapBackend(HiCacheStorage):
             if not os.path.exists(self.path):
                 return None
             arena = self._open_arena(DEFAULT_SLOT, lazy=True)
+        entry = self._committed(arena, name)
+        if entry is None:
+            self._log.catch_up()  # another process may have stored it
+            entry = self._committed(arena, name)
+        return entry
+
+    def _committed(self, arena: _Arena, name: str) -> _Entry | None:
+        """The entry of ``name`` in the index as it is, if its slot still holds it."""
         entry = self._log.entry(name)
-        if entry is None or int(arena.slots[entry.slot]["generation"]) != entry.generation:
-            self._log.catch_up()
-            entry = self._log.entry(name)
         if entry is None:
             return None
         row = arena.slots[entry.slot]
@@ -538,48 +542,67 @@ class MmapBackend(HiCacheStorage):
                 busy += 1
         return busy
 
-    def _reserve_slot(
-        self, arena: _Arena, keep: frozenset[int] = frozenset()
-    ) -> tuple[int, int] | None:
-        """A free slot for a new object as ``(slot, new generation)``, or None (writer lock held).
+    def _reserve_slots(
+        self, arena: _Arena, count: int, keep: frozenset[int] = frozenset()
+    ) -> list[tuple[int, int]]:
+        """Up to ``count`` free slots for new objects, as ``(slot, new generation)``.
 
-        None means that no slot is usable now; the caller decides what to evict.
+        Writer lock held. Fewer (maybe none) when no more are usable now; the caller
+        decides what to evict. The candidates are checked, and the rows of the slots
+        taken written, for the whole batch at once.
         """
-        slots = arena.slots
+        import numpy as np
+
+        table = arena.slots
+        by_slot = self._log.by_slot
+        delay = self.options.reuse_delay
+        taken: list[int] = []
+        chosen: set[int] = set()
         refilled = False
-        while True:
+        while len(taken) < count:
             if not self._free_hint:
-                if not refilled:
-                    self._refill_hint(arena)
-                    refilled = True
+                if refilled:
+                    break
+                self._refill_hint(arena)
+                refilled = True
                 if not self._free_hint:
-                    return None
-            slot = self._free_hint.pop()
-            row = slots[slot]
-            state = int(row["state"])
-            if slot in self._log.by_slot:
-                continue
-            since, now = float(row["since"]), time.time()
-            if state == _RETIRED and now - self.options.reuse_delay < since <= now:
-                continue
-            if state == _WRITING and int(row["token"]) == self._token:
-                continue  # ours, in flight
-            if not self._slot_lock(arena, slot, take=True):
-                continue  # a live writer elsewhere holds it
-            break
-        gen = _new_generation(int(row["generation"]))
-        row["generation"] = gen
-        row["state"] = _WRITING
-        row["pid"] = self._pid
-        row["token"] = self._token
-        row["since"] = time.time()
-        if len(self._free_hint) + 1 < self.options.low_free_slots * arena.nslots:
+                    break
+            need = count - len(taken)
+            candidates = self._free_hint[-need:]
+            del self._free_hint[-need:]
+            candidates.reverse()  # the hint is used from its end: lowest slots first
+            idx = np.array(candidates, np.int64)
+            state = table["state"][idx]
+            since = table["since"][idx]
+            now = time.time()
+            skip = ((state == _RETIRED) & (since > now - delay) & (since <= now)) | (
+                (state == _WRITING) & (table["token"][idx] == self._token)  # ours, in flight
+            )
+            for slot, resting_or_ours in zip(candidates, skip.tolist(), strict=True):
+                # (taken: a refill of the hint finds this batch's slots free again, as
+                # their rows are written at the end)
+                if resting_or_ours or slot in by_slot or slot in chosen:
+                    continue
+                if not self._slot_lock(arena, slot, take=True):
+                    continue  # a live writer elsewhere holds it
+                taken.append(slot)
+                chosen.add(slot)
+        if not taken:
+            return []
+        idx = np.array(taken, np.int64)
+        gens = _new_generations(table["generation"][idx])
+        table["generation"][idx] = gens  # first: the slot's old generation is dead now
+        table["state"][idx] = _WRITING
+        table["pid"][idx] = self._pid
+        table["token"][idx] = self._token
+        table["since"][idx] = time.time()
+        low = self.options.low_free_slots * arena.nslots
+        if len(self._free_hint) + 1 < low:  # as if checked after taking the last one
             # Evict ahead, so the slots have rested by the time they are needed.
-            states = slots["state"]
-            usable = int(((states == _FREE) | (states == _RETIRED)).sum())
-            if usable < self.options.low_free_slots * arena.nslots:
+            states = table["state"]
+            if int(((states == _FREE) | (states == _RETIRED)).sum()) < low:
                 self._evict_some(arena, max(1, arena.nslots // 20), keep)
-        return slot, gen
+        return list(zip(taken, gens.tolist(), strict=True))
 
     def _evict_some(self, arena: _Arena, count: int, keep: frozenset[int] = frozenset()) -> None:
         """Evict the ``count`` least recently used live objects, sparing slots in ``keep``."""
@@ -604,16 +627,12 @@ class MmapBackend(HiCacheStorage):
 
     @staticmethod
     def _retire(arena: _Arena, slots: list[int]) -> None:
-        """Retire slots: new generations, resting from now (vectorized for many)."""
-        now = time.time()
-        if len(slots) < 64:
-            for slot in slots:
-                row = arena.slots[slot]
-                row["generation"] = _new_generation(int(row["generation"]))
-                row["state"] = _RETIRED
-                row["since"] = now
-            return
+        """Retire slots: new generations, resting from now (one vectorized pass)."""
         import numpy as np
+
+        if not len(slots):
+            return
+        now = time.time()
 
         idx = np.asarray(slots, dtype=np.int64)
         old = arena.slots["generation"][idx]
@@ -660,7 +679,7 @@ class MmapBackend(HiCacheStorage):
                     self._log.catch_up()
                     waiting = []
                     for i in pending:
-                        entry = self._find(names[i])
+                        entry = self._committed(arena, names[i])  # caught up just above
                         if entry is not None:
                             results[i] = True  # stored already
                             arena.slots[entry.slot]["last_access"] = time.time()
@@ -682,13 +701,9 @@ class MmapBackend(HiCacheStorage):
                                     f"{arena.nslots} slots and {busy} are being written"
                                 ),
                             )
-                    pending = []
-                    for i in waiting:
-                        reserved = self._reserve_slot(arena, frozenset(keep))
-                        if reserved is None:
-                            pending.append(i)
-                        else:
-                            slots[i] = reserved
+                    got = self._reserve_slots(arena, len(waiting), frozenset(keep))
+                    slots.update(zip(waiting, got, strict=False))
+                    pending = waiting[len(got) :]
                     if pending:
                         # Evict what this batch will use, beyond the slots resting already
                         # and those whose rest ended since the hint was filled (the next
@@ -757,33 +772,7 @@ class MmapBackend(HiCacheStorage):
             _fence()
             with self._writer_lock():
                 self._log.catch_up()
-                now = time.time()
-                records: list[Record] = []
-                for i, csum in zip(order, sums, strict=True):
-                    slot, gen = slots[i]
-                    if not self._still_mine(arena, slot, gen):
-                        self._warn(
-                            "taken",
-                            "slot %d of %s was taken during a write; dropped",
-                            slot,
-                            self.path,
-                        )
-                        continue
-                    row = arena.slots[slot]
-                    if names[i] in self._log.index:
-                        # Another process stored the key meanwhile: it won.
-                        row["state"] = _FREE
-                        results[i] = True
-                        continue
-                    row["length"] = sizes[i]
-                    row["checksum"] = csum
-                    row["last_access"] = now
-                    row["state"] = _COMMITTED
-                    if self.options.fsync:
-                        arena.flush_row(slot)
-                    entry = _Entry(slot, gen, sizes[i], csum, self._algorithm)
-                    records.append((RecordKind.PUT, names[i], entry))
-                    results[i] = True
+                records = self._commit_rows(arena, order, slots, names, sizes, sums, results)
                 if records:
                     self._log.append(records)
                 for slot, _ in slots.values():
@@ -797,6 +786,61 @@ class MmapBackend(HiCacheStorage):
             if fits[i] and j is not None and j != i:
                 results[i] = results[j]
         return results
+
+    def _commit_rows(
+        self,
+        arena: _Arena,
+        order: list[int],
+        slots: dict[int, tuple[int, int]],
+        names: list[str],
+        sizes: list[int],
+        sums: list[int],
+        results: list[bool],
+    ) -> list[Record]:
+        """Mark the copied slots committed (writer lock held, caught up); their PUT records.
+
+        Only slots still reserved by this instance are committed (checked for the whole
+        batch at once); a key another process stored meanwhile keeps that one (it won),
+        and this slot is given back.
+        """
+        import numpy as np
+
+        table = arena.slots
+        idx = np.array([slots[i][0] for i in order], np.int64)
+        expected = np.array([slots[i][1] for i in order], np.uint64)
+        mine = (
+            (table["generation"][idx] == expected)
+            & (table["state"][idx] == _WRITING)
+            & (table["token"][idx] == self._token)
+        ).tolist()
+        index = self._log.index
+        records: list[Record] = []
+        done: list[int] = []
+        for k, (i, csum) in enumerate(zip(order, sums, strict=True)):
+            slot, gen = slots[i]
+            if not mine[k]:
+                self._warn(
+                    "taken", "slot %d of %s was taken during a write; dropped", slot, self.path
+                )
+                continue
+            results[i] = True
+            if names[i] in index:
+                table["state"][slot] = _FREE  # another process stored the key meanwhile
+                continue
+            done.append(k)
+            records.append(
+                (RecordKind.PUT, names[i], _Entry(slot, gen, sizes[i], csum, self._algorithm))
+            )
+        if done:
+            rows = idx[done]
+            table["length"][rows] = [sizes[order[k]] for k in done]
+            table["checksum"][rows] = np.array([sums[k] for k in done], np.uint64)
+            table["last_access"][rows] = time.time()
+            table["state"][rows] = _COMMITTED  # last: the row is whole when it says so
+            if self.options.fsync:
+                for slot in rows.tolist():
+                    arena.flush_row(slot)
+        return records
 
     def _read(self, key: str, views: list[memoryview] | None, target: Any) -> Any:
         entry = self._find(self.object_path(key))

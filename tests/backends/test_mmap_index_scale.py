@@ -244,3 +244,25 @@ def test_drop_prefix_removes_exactly_the_names_under_it() -> None:
     assert log.drop_prefix("zz/") == []
     assert sorted(log.drop_prefix("q")) == [2]
     assert log.by_slot == {3: "pq/z"}
+
+
+def test_a_batch_that_outruns_the_free_slot_hint_gets_distinct_slots(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    """The hint of free slots is refilled in the middle of a batch's reservation, when
+    the batch's own slots are not marked yet: none may be handed out twice."""
+    b = arena(capacity="256KiB", slot_size="4KiB", reuse_delay=0, prefault=False)
+    n = b.usage()["slots"]
+    fill(b, [f"a{i}" for i in range(n // 2)])
+    b._free_hint = b._free_hint[-2:]  # as if other batches had used up all but two
+    keys = [f"b{i}" for i in range(n // 3)]
+    fill(b, keys, start=100)
+    arena_ = b._arena
+    assert arena_ is not None
+    slots = [b._log.index[b.object_path(k)] & 0xFFFFFFFF for k in keys]
+    assert len(set(slots)) == len(keys)
+    for i, k in enumerate(keys):
+        got = b.get(k)
+        assert got is not None
+        assert bytes(got.numpy()) == value(100 + i)
+    assert b.batch_exists([f"a{i}" for i in range(n // 2)]) == n // 2
