@@ -7,6 +7,10 @@ Every contender moves the same 2 MiB pages (bf16, ``page_first``: a K and a V se
   destination page's segments (preallocated, warm): the physical limit of moving these
   bytes on this machine, and the baseline of the ratios;
 * **memcpy, bulk**: one ``copy_`` of all pages at once (the best case, for reference);
+* **raw writev/preadv, new tmpfs files**: no backend, each page ``writev`` into a new file
+  in ``/dev/shm`` (after a 48-byte gap, the shm store's file layout) and ``preadv`` back,
+  on 4 threads: the kernel's ceiling for the *cold* shm case (a first fill, and the first
+  reads of it);
 * **shm v1**: ``batch_set_v1`` / ``batch_get_v1`` through :class:`ShmBackend` (tmpfs files
   in ``/dev/shm``, ``writev``/``preadv`` on 4 threads), three ways: *cold*, into an empty
   store (every page is a new tmpfs file); *full*, the steady state of a cache: the store
@@ -39,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -96,6 +101,44 @@ def main() -> int:
         t = time.perf_counter() - t0
         return t, t
 
+    def raw_tmpfs() -> tuple[float, float]:
+        """No backend: each page ``writev`` into a new tmpfs file, then ``preadv`` back.
+
+        The files have the shm store's layout (48 bytes of header, then the segments) and
+        are read the same way (one ``preadv`` from offset 48), on 4 threads as the store
+        runs: the kernel's ceiling for a first fill of new tmpfs files and the first reads
+        of them.
+        """
+        gap = bytes(HEADER_SIZE)
+        where = os.path.join(shm_dir, "raw-" + secrets.token_hex(4))
+        os.makedirs(where, mode=0o700)
+        paths = [os.path.join(where, str(i)) for i in range(shape.pages)]
+
+        def write(i: int) -> None:
+            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.writev(fd, [gap, *(seg.memoryview for seg in src_pages[i].segments)])
+            finally:
+                os.close(fd)
+
+        def read(i: int) -> None:
+            fd = os.open(paths[i], os.O_RDONLY)
+            try:
+                os.preadv(fd, [seg.memoryview for seg in dst_pages[i].segments], HEADER_SIZE)
+            finally:
+                os.close(fd)
+
+        with ThreadPoolExecutor(4) as pool_:
+            t0 = time.perf_counter()
+            list(pool_.map(write, range(shape.pages)))
+            t_set = time.perf_counter() - t0
+            zero_dst()
+            t0 = time.perf_counter()
+            list(pool_.map(read, range(shape.pages)))
+            t_get = time.perf_counter() - t0
+        shutil.rmtree(where)
+        return t_set, t_get
+
     def through(
         make: Callable[[StorageConfig], HiCacheStorage], *, full: bool = False
     ) -> Callable[[], tuple[float, float]]:
@@ -144,6 +187,7 @@ def main() -> int:
     contenders: dict[str, Callable[[], tuple[float, float]]] = {
         "memcpy, per page (baseline)": memcpy_pages,
         "memcpy, bulk": memcpy_bulk,
+        "raw writev/preadv, new tmpfs files": raw_tmpfs,
         "shm v1, cold (new pages)": through(
             lambda c: ShmBackend(c, directory=shm_dir, io_threads=4)
         ),
