@@ -1022,7 +1022,7 @@ class MmapBackend(HiCacheStorage):
             with self._writer_lock():
                 self._log.catch_up()
                 if self._log.detached is None and self._log.worth_compacting():
-                    self._log.compact(reread=False)
+                    self._log.compact()
         except (OSError, BackendError) as exc:
             self._warn("compact", "could not compact %s at close: %s", self.index_path, exc)
 

@@ -41,9 +41,10 @@ BULK record loses its entries); a bad record with no intact one after it is a to
 in-flight tail, left for a later read and cut by the next writer. The log is compacted
 (the live entries written as BULK records to a temporary, renamed over it) when it holds
 over four times the live entries (and over 1024), when the records appended since the
-last compaction reach the live entries (and 65,536), and by ``close()`` when over 4,096
-(and a sixteenth of the live entries) were appended; other processes notice the new
-inode and read it from the start.
+last compaction reach a quarter of the live entries (and 65,536), and by ``close()``
+when over 4,096 (and a sixteenth of the live entries) were appended; the writer carries
+on from the new log's end, and other processes notice its new inode and read it from the
+start.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ _REC_MAGIC = b"HIDX"
 # Bytes per entry of a BULK body's columns: slot, generation, length, checksum, algorithm.
 _BULK_ROW = 4 + 8 + 8 + 8 + 1
 _BULK_CHUNK = 1 << 16  # entries per BULK record: a damaged one loses at most these
+_LOOSE_MIN = 1 << 16  # records not in BULK form that never cause a compaction by themselves
 _ALGORITHM_IDS = sorted(set(ALGORITHMS.values()))
 
 
@@ -436,36 +438,40 @@ class IndexLog:
             os.unlink(tmp)
         return fd
 
-    def _replace(self, blob: bytes, reread: bool = True) -> None:
+    def _replace(self, blob: bytes) -> None:
         """Replace this arena's log by a new one holding the records ``blob`` (writer lock held).
 
-        The new log is renamed over the old one; other processes notice the new inode and
-        reload. This one reads it back (``reread``), or only closes the old one, so that
-        its next catch-up reads the new one (at ``close()``).
+        ``blob`` holds exactly what the in-memory index holds (its entries, or nothing
+        for an empty index), so this instance keeps its index and carries on from the
+        new log's end; other processes notice the new inode and reload.
         """
         arena = self.arena
         assert arena is not None
+        head = _log_header(arena.nonce)
         tmp = temp_path(os.path.dirname(self.path))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                writev_all(fd, [_log_header(arena.nonce), blob])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            writev_all(fd, [head, blob])
+            os.fsync(fd)
             os.replace(tmp, self.path)
         except BaseException:
+            os.close(fd)
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
             raise
         fsync_dir(os.path.dirname(self.path))
-        if reread:
-            self.reload()
-        else:
+        if self._fd >= 0:
             os.close(self._fd)
-            self._fd = -1
+        self._fd = fd
+        self._ino = os.fstat(fd).st_ino
+        self._pos = len(head) + len(blob)
+        self._anchor = (head + blob[-_ANCHOR:])[-_ANCHOR:]
+        self._records = len(self.index)
+        self._loose = 0
+        self._foreign = False
+        self._bad_tail = None
 
     def catch_up(self) -> None:
         """Apply records appended since the last read; reload if the log was replaced.
@@ -667,21 +673,21 @@ class IndexLog:
         self._records += len(records)
         self._loose += len(records)
         live = len(self.index)
-        if self._records > 4 * max(live, 256) or self._loose >= max(65536, live):
+        # Compact when the log holds mostly dead records, or when its records not in
+        # BULK form (decoded one by one at start-up) reach a quarter of the live
+        # entries: a store that grows is rewritten each time it grows by a third.
+        if self._records > 4 * max(live, 256) or self._loose >= max(_LOOSE_MIN, live // 4):
             self.compact()
 
     def worth_compacting(self) -> bool:
         """Whether enough was appended since the last compaction to rewrite the log at close."""
         return self._loose > max(4096, len(self.index) // 16)
 
-    def compact(self, reread: bool = True) -> None:
-        """Rewrite the log with the live entries only (BULK records): temporary, fsync, rename.
-
-        ``reread``: read the new log back (see :meth:`_replace`).
-        """
+    def compact(self) -> None:
+        """Rewrite the log with the live entries only (BULK records): temporary, fsync, rename."""
         import numpy as np
 
         names = list(self.index)
         slots = np.fromiter((p & _SLOT_MASK for p in self.index.values()), np.int64, len(names))
-        self._replace(_encode_columns(names, slots, self), reread)
+        self._replace(_encode_columns(names, slots, self))
         self.compactions += 1

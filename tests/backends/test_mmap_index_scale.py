@@ -266,3 +266,19 @@ def test_a_batch_that_outruns_the_free_slot_hint_gets_distinct_slots(
         assert got is not None
         assert bytes(got.numpy()) == value(100 + i)
     assert b.batch_exists([f"a{i}" for i in range(n // 2)]) == n // 2
+
+
+def test_a_growing_store_is_compacted_as_it_grows_not_only_at_close(
+    arena: Callable[..., MmapBackend], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash (no close) leaves at most about a quarter of the entries to decode one by one."""
+    monkeypatch.setattr(L, "_LOOSE_MIN", 500)
+    b = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    keys = [f"k{i}" for i in range(5000)]
+    fill(b, keys)
+    assert b.compactions >= 3  # 500, then each time the store grew by a third
+    loose = sum(1 for k, _, _ in records(tmp_path / "arena.index") if k == L._PUT)
+    assert loose <= 5000 // 4 + 500
+    again = arena(capacity="24MiB", slot_size="4KiB", prefault=False)  # b still open
+    assert again.batch_exists(keys) == 5000
+    assert bytes(again.get(keys[4321]).numpy()) == value(4321)
