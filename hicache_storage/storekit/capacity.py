@@ -218,10 +218,10 @@ class CapacityTracker:
         with self._lock:
             if not self._lru:  # the start-up load: build the order in one go
                 ordered = sorted(entries, key=itemgetter(2))
-                self._lru = OrderedDict(
-                    zip(map(itemgetter(0), ordered), map(itemgetter(1), ordered), strict=True)
-                )
-                self._used = sum(self._lru.values())
+                sizes = list(map(itemgetter(1), ordered))
+                self._lru = OrderedDict(zip(map(itemgetter(0), ordered), sizes, strict=True))
+                # (a name twice: the later entry's size, as the loop below keeps)
+                self._used = sum(sizes) if len(self._lru) == len(sizes) else sum(self._lru.values())
                 return
             for name, nbytes, _ in sorted(entries, key=lambda e: e[2]):
                 old = self._lru.pop(name, None)

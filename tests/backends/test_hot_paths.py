@@ -239,7 +239,11 @@ def test_reopening_from_the_snapshot_accounts_exactly_what_is_there(tmp_path: Pa
     d.close()
 
 
-@pytest.mark.parametrize("damage", ["garbage", "escaping name", "bad size", "world-writable"])
+@pytest.mark.parametrize(
+    "damage",
+    ["garbage", "escaping name", "hidden name", "bad size", "bad directory index",
+     "count mismatch", "world-writable"],
+)  # fmt: skip
 def test_a_damaged_or_untrusted_snapshot_is_ignored(tmp_path: Path, damage: str) -> None:
     root = tmp_path / "kv"
     a = capped(root)
@@ -248,26 +252,37 @@ def test_a_damaged_or_untrusted_snapshot_is_ignored(tmp_path: Path, damage: str)
     a.close()
     age_directories(root)
     b = capped(root)
+    full = b.usage()
     b.close()
     (snap,) = [root / n for n in os.listdir(root) if n.startswith(".hicache-scan.")]
     text = snap.read_text()
     data = json.loads(text)
-    names = data["names"].split("\n")
-    assert len(names) == len(data["sizes"]) == 20
+    leaves = data["leaves"].split("\n")
+    assert len(leaves) == len(data["sizes"]) == len(data["dir_of"]) == 20
     if damage == "garbage":
         snap.write_text(text[: len(text) // 2])
-    elif damage == "escaping name":
-        names[0] = names[0].rpartition("/")[0] + "/../../../x"  # never unlinked outside
-        data["names"] = "\n".join(names)
+    elif damage in ("escaping name", "hidden name"):
+        # never unlinked outside its directory, nor a temporary or another hidden file
+        leaves[0] = "../../../x" if damage == "escaping name" else ".hicache-tmp-1"
+        data["leaves"] = "\n".join(leaves)
         snap.write_text(json.dumps(data))
     elif damage == "bad size":
         data["sizes"][0] = "112"
+        snap.write_text(json.dumps(data))
+    elif damage == "bad directory index":
+        data["dir_of"][0] = len(data["dirs"])
+        snap.write_text(json.dumps(data))
+    elif damage == "count mismatch":
+        data["sizes"].append(1)
         snap.write_text(json.dumps(data))
     else:
         os.chmod(snap, 0o666)
     assert snap.read_text() != text or damage == "world-writable"
     c = capped(root)
     assert c.usage()["objects"] == 20  # as a full scan finds
+    tracked = {n for n, _ in c._tracker.items_oldest_first()}
+    assert tracked == {os.path.relpath(path_of(c, k), root) for k in keys}
+    assert c.usage() == full
     assert c.batch_exists(keys) == 20
     c.close()
 
