@@ -601,7 +601,12 @@ class MmapBackend(HiCacheStorage):
             # Evict ahead, so the slots have rested by the time they are needed.
             states = table["state"]
             if int(((states == _FREE) | (states == _RETIRED)).sum()) < low:
-                self._evict_some(arena, max(1, arena.nslots // 20), keep)
+                try:
+                    self._evict_some(arena, max(1, arena.nslots // 20), keep)
+                except BaseException:
+                    # The slots just taken are not the caller's yet: give them back here.
+                    self._give_back(arena, dict(enumerate(zip(taken, gens.tolist(), strict=True))))
+                    raise
         return list(zip(taken, gens.tolist(), strict=True))
 
     def _evict_some(self, arena: _Arena, count: int, keep: frozenset[int] = frozenset()) -> None:
@@ -651,11 +656,28 @@ class MmapBackend(HiCacheStorage):
         )
 
     def _release(self, arena: _Arena, reserved: dict[int, tuple[int, int]]) -> None:
-        """Give back reserved slots that were not committed (only those still ours)."""
+        """Give back reserved slots that were not committed (after a failed batch).
+
+        Under the writer lock: between marking a slot free and dropping its slot lock,
+        another thread of this instance could reserve it and take the same lock (slot
+        locks do not tell threads of one open file apart); its lock would then be
+        dropped, and another process could take the slot from under its copy. If the
+        writer lock cannot be had, the slots stay reserved until the process exits.
+        """
+        if not reserved:
+            return
+        try:
+            with self._writer_lock(arena):
+                self._give_back(arena, reserved)
+        except BackendError as exc:
+            self._warn("release", "could not give back %d slots: %s", len(reserved), exc)
+
+    def _give_back(self, arena: _Arena, reserved: dict[int, tuple[int, int]]) -> None:
+        """Free the reserved slots still ours, and drop their slot locks (writer lock held)."""
         for slot, gen in reserved.values():
             if self._still_mine(arena, slot, gen):
                 arena.slots[slot]["state"] = _FREE
-            self._slot_lock(arena, slot, take=False)
+                self._slot_lock(arena, slot, take=False)
 
     # ------------------------------------------------------------------ write pipeline
 
@@ -719,7 +741,7 @@ class MmapBackend(HiCacheStorage):
                         raise CapacityError("no slot became free in time (all busy or resting)")
                     time.sleep(max(0.001, self.options.reuse_delay / 5))
         except BaseException:
-            self._release(arena, slots)  # our own slots: no writer lock needed
+            self._release(arena, slots)
             raise
         return slots
 
@@ -778,7 +800,7 @@ class MmapBackend(HiCacheStorage):
                 for slot, _ in slots.values():
                     self._slot_lock(arena, slot, take=False)
         except BaseException:
-            self._release(arena, slots)  # our own slots: no writer lock needed
+            self._release(arena, slots)
             raise
         self._record(bytes_written=sum(sizes[i] for i in order if results[i]))
         for i, name in enumerate(names):
@@ -999,6 +1021,9 @@ class MmapBackend(HiCacheStorage):
 
     @override
     def close(self) -> None:
+        if os.getpid() != self._pid:
+            self._close_in_child()
+            return
         with self._gate:
             self._closing = True
             while self._inflight:
@@ -1012,6 +1037,24 @@ class MmapBackend(HiCacheStorage):
                 self._arena = None
             self._log.close()
 
+    def _close_in_child(self) -> None:
+        """close() in a child process after fork(): unmap and close, touch nothing shared.
+
+        The child shares the parent's open files: taking the writer lock would succeed
+        beside the parent's (and dropping it would drop the parent's), and rewriting the
+        log would lose what the parent appends meanwhile. No lock of this instance is
+        taken either: a parent thread may have held one at the fork.
+        """
+        arena, self._arena = self._arena, None
+        self._closing = True
+        if arena is not None:
+            arena.close()
+        log = self._log
+        log.arena = None
+        if log._fd >= 0:
+            os.close(log._fd)
+            log._fd = -1
+
     def _compact_at_close(self) -> None:
         """Rewrite the index log in its compact form if much was appended to it.
 
@@ -1023,7 +1066,7 @@ class MmapBackend(HiCacheStorage):
                 self._log.catch_up()
                 if self._log.detached is None and self._log.worth_compacting():
                     self._log.compact()
-        except (OSError, BackendError) as exc:
+        except Exception as exc:  # noqa: BLE001 - best effort: close() must still close
             self._warn("compact", "could not compact %s at close: %s", self.index_path, exc)
 
     # ------------------------------------------------------------------ introspection

@@ -125,6 +125,23 @@ def unpack(packed: int) -> tuple[int, int]:
 Record = tuple[RecordKind, str, _Entry]
 
 
+class _View(NamedTuple):
+    """The index and the per-slot columns it goes with, read together by lock-free readers.
+
+    A reload builds a new view; a reader that took a name's (slot, generation) from one
+    view reads that slot's columns from the same one. Within a view the columns only
+    move forward in time (a later incarnation of the slot), which the slot table then
+    no longer holds: the reader's check fails, it never pairs a name with another
+    incarnation's length or checksum.
+    """
+
+    index: dict[str, int]
+    generations: Any
+    lengths: Any
+    checksums: Any
+    algorithms: Any
+
+
 class _Columns(NamedTuple):
     """The entries of a BULK record: their names, and numpy columns of their fields."""
 
@@ -298,6 +315,7 @@ class IndexLog:
         self.lengths: Any = None
         self.checksums: Any = None
         self.algorithms: Any = None
+        self._view = _View({}, None, None, None, None)
         self.detached: str | None = None
         self.dropped: list[int] = []  # the slots of the last CLEAR applied
         self.compactions = 0
@@ -331,30 +349,36 @@ class IndexLog:
 
     def entry(self, name: str) -> _Entry | None:
         """The live entry of ``name`` in this process's index (not checked), or None."""
-        found = self.index.get(name)
+        view = self._view  # one view: the name's pair and its slot's columns agree
+        found = view.index.get(name)
         if found is None:
             return None
         slot, gen = found & _SLOT_MASK, found >> 32
         return _Entry(
             slot,
             gen,
-            int(self.lengths[slot]),
-            int(self.checksums[slot]),
-            int(self.algorithms[slot]),
+            int(view.lengths[slot]),
+            int(view.checksums[slot]),
+            int(view.algorithms[slot]),
         )
 
     def _empty_index(self) -> None:
         """Forget every entry (new dicts and columns: readers may hold the old ones)."""
         import numpy as np
 
-        self.index = {}
         self.by_slot = {}
         n = self.arena.nslots if self.arena is not None else 0
         self.generations = np.zeros(n, np.uint64)
         self.lengths = np.zeros(n, np.uint64)
         self.checksums = np.zeros(n, np.uint64)
         self.algorithms = np.zeros(n, np.uint8)
+        self._set_index({})
         self._on_reload()
+
+    def _set_index(self, index: dict[str, int]) -> None:
+        """Make ``index`` (with the current columns) the one readers see."""
+        self.index = index
+        self._view = _View(index, self.generations, self.lengths, self.checksums, self.algorithms)
 
     def reload(self) -> None:
         """Read the whole log again (first open, or after another process replaced it).
@@ -622,7 +646,7 @@ class IndexLog:
                 del by_slot[slot]
         else:
             by_slot = {p & _SLOT_MASK: n for n, p in keep.items()}
-        self.index = keep
+        self._set_index(keep)
         self.by_slot = by_slot
         self.dropped = dropped
         return dropped

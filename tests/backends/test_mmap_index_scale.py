@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -282,3 +283,150 @@ def test_a_growing_store_is_compacted_as_it_grows_not_only_at_close(
     again = arena(capacity="24MiB", slot_size="4KiB", prefault=False)  # b still open
     assert again.batch_exists(keys) == 5000
     assert bytes(again.get(keys[4321]).numpy()) == value(4321)
+
+
+# --------------------------------------------------------------------------- found in review
+
+
+def test_a_reload_leaves_the_view_readers_hold_intact(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    """A lock-free reader pairs a name with its slot's length and checksum from one view:
+    a reload (after another instance compacted) builds a new one instead of zeroing the
+    columns under the reader (which made a hit of zero bytes)."""
+    w = arena(capacity="8MiB", slot_size="4KiB", prefault=False, checksum="xxh3")
+    r = arena(capacity="8MiB", slot_size="4KiB", prefault=False, checksum="xxh3")
+    keys = [f"k{i}" for i in range(100)]
+    fill(w, keys)
+    assert r.batch_exists(keys) == 100
+    held = r._log._view  # what a reader in the middle of a lookup holds
+    name = r.object_path(keys[7])
+    slot = held.index[name] & 0xFFFFFFFF
+    with w._writer_lock():
+        w._log.compact()
+    assert not r.exists("not-there")  # a miss: r catches up, sees the new log, reloads
+    assert r._log._view is not held
+    assert int(held.lengths[slot]) == 256  # the held view was not touched
+    assert int(held.algorithms[slot]) != 0
+    entry = r._log.entry(name)
+    assert entry is not None
+    assert (entry.slot, entry.length) == (slot, 256)
+    assert bytes(r.get(keys[7]).numpy()) == value(7)
+
+
+def test_a_failed_eviction_ahead_gives_back_the_slots_it_had_taken(
+    arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = arena(capacity="1MiB", slot_size="4KiB", prefault=False)
+    n = b.usage()["slots"]
+    fill(b, [f"k{i}" for i in range(n - 12)])
+
+    def full_disk(self: L.IndexLog, records: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(L.IndexLog, "append", full_disk)  # the eviction's DEL records
+    assert b.batch_set([f"n{i}" for i in range(10)], [b"b" * 100] * 10) == [False] * 10
+    monkeypatch.undo()
+    table = b._arena.slots  # type: ignore[union-attr]
+    assert int(((table["state"] == 1) & (table["token"] == b._token)).sum()) == 0
+    other = arena(capacity="1MiB", slot_size="4KiB", prefault=False)
+    assert not any(other._held_elsewhere(other._arena, s) for s in range(n))  # type: ignore[arg-type]
+    assert b.set("after", b"x")
+
+
+def test_close_with_a_bad_file_at_the_index_path_still_closes(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    b = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    fill(b, [f"k{i}" for i in range(5000)])  # enough for close() to want to compact
+    index = tmp_path / "arena.index"
+    index.unlink()
+    os.mkfifo(index, 0o600)
+    b.close()  # logged, not raised
+    assert b._arena is None
+
+
+def test_close_in_a_forked_child_leaves_the_parents_lock_and_log_alone(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    import fcntl
+    import threading
+
+    b = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    fill(b, [f"k{i}" for i in range(5000)])  # close() in the parent would compact
+    index = tmp_path / "arena.index"
+    inode = index.stat().st_ino
+    held, go = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a batch committing in the parent at the moment of the fork
+        with b._writer_lock():
+            held.set()
+            go.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: close() must neither hang nor touch what is shared
+        code = 1
+        try:
+            b.close()
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("close() in the child hung")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert index.stat().st_ino == inode  # not compacted by the child
+    probe = os.open(tmp_path / "arena", os.O_RDWR)
+    try:
+        with pytest.raises(BlockingIOError):  # still the parent's
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(probe)
+        go.set()
+        t.join()
+    assert b.set("after-fork", b"p")
+    assert b.batch_exists([f"k{i}" for i in range(5000)]) == 5000
+
+
+def test_a_failed_batch_gives_its_slots_back_under_the_writer_lock(
+    arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between marking a slot free and dropping its slot lock, no other thread of the
+    instance may reserve it (its lock, the same open file's, would be dropped too)."""
+    import hicache_storage.backends._mmap.backend as impl
+
+    b = arena(capacity="1MiB", slot_size="4KiB", prefault=False)
+    real_copy = impl._copy_in  # type: ignore[attr-defined]
+    real_lock = MmapBackend._slot_lock
+    seen: list[bool] = []
+
+    def failing_copy(a: object, slot: int, views: list[memoryview], ptrs: object) -> None:
+        if bytes(views[0][:4]) == b"BOOM":
+            raise OSError(5, "injected EIO")
+        real_copy(a, slot, views, ptrs)  # type: ignore[arg-type]
+
+    def watching_lock(self: MmapBackend, a: object, slot: int, take: bool) -> bool:
+        if not take:
+            seen.append(self._wlock.locked())  # every slot lock is dropped under the lock
+        return real_lock(self, a, slot, take)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(impl, "_copy_in", failing_copy)
+    monkeypatch.setattr(MmapBackend, "_slot_lock", watching_lock)
+    assert b.batch_set(["x", "y"], [b"BOOM" * 16, b"ok" * 32]) == [False, False]
+    assert b.set("z", b"Z" * 64)
+    assert seen
+    assert all(seen)
+    monkeypatch.undo()
+    table = b._arena.slots  # type: ignore[union-attr]
+    assert int(((table["state"] == 1) & (table["token"] == b._token)).sum()) == 0
+    assert bytes(b.get("z").numpy()) == b"Z" * 64
