@@ -135,7 +135,7 @@ class _View(NamedTuple):
     incarnation's length or checksum.
     """
 
-    index: dict[str, int]
+    names: dict[str, int]  # the index: name -> packed (slot, generation)
     generations: Any
     lengths: Any
     checksums: Any
@@ -350,7 +350,7 @@ class IndexLog:
     def entry(self, name: str) -> _Entry | None:
         """The live entry of ``name`` in this process's index (not checked), or None."""
         view = self._view  # one view: the name's pair and its slot's columns agree
-        found = view.index.get(name)
+        found = view.names.get(name)
         if found is None:
             return None
         slot, gen = found & _SLOT_MASK, found >> 32
@@ -638,7 +638,7 @@ class IndexLog:
             return self.dropped
         live = np.fromiter(self.by_slot, np.int64, len(self.by_slot))
         kept = np.fromiter((p & _SLOT_MASK for p in keep.values()), np.int64, len(keep))
-        dropped = np.setdiff1d(live, kept, assume_unique=True).tolist()
+        dropped: list[int] = np.setdiff1d(live, kept, assume_unique=True).tolist()
         by_slot = self.by_slot
         if len(keep) * 2 > len(self.index):
             by_slot = dict(by_slot)  # readers may iterate the old one

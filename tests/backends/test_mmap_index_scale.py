@@ -23,8 +23,9 @@ import pytest
 from hicache_storage import KVCacheNamespace, StorageConfig
 from hicache_storage.backends import MmapBackend
 from hicache_storage.backends._mmap import index_log as L
+from hicache_storage.backends._mmap.arena import _CRC
 
-HEAD = L._LOG_HEAD.size + L._CRC.size
+HEAD = L._LOG_HEAD.size + _CRC.size
 
 
 def config(tenant: str) -> StorageConfig:
@@ -48,7 +49,7 @@ def records(index: Path) -> list[tuple[int, int, int]]:
     out, off = [], HEAD
     while off < len(raw):
         _m, kind, _a, name_len, _s, _g, length, _c = L._REC.unpack_from(raw, off)
-        size = L._REC.size + (length if kind == L._BULK else name_len) + L._CRC.size
+        size = L._REC.size + (length if kind == L._BULK else name_len) + _CRC.size
         out.append((kind, off, size))
         off += size
     return out
@@ -132,7 +133,7 @@ def test_clear_is_one_record_that_spares_other_namespaces(
     size = index.stat().st_size
     a.clear()
     prefix = config("a").namespace.digest + "/"
-    assert index.stat().st_size == size + L._REC.size + len(prefix) + L._CRC.size
+    assert index.stat().st_size == size + L._REC.size + len(prefix) + _CRC.size
     assert records(index)[-1][0] == L._CLEAR
     assert a.batch_exists(keys) == 0
     assert not watcher.exists(keys[0])  # another instance applies the record
@@ -301,7 +302,7 @@ def test_a_reload_leaves_the_view_readers_hold_intact(
     assert r.batch_exists(keys) == 100
     held = r._log._view  # what a reader in the middle of a lookup holds
     name = r.object_path(keys[7])
-    slot = held.index[name] & 0xFFFFFFFF
+    slot = held.names[name] & 0xFFFFFFFF
     with w._writer_lock():
         w._log.compact()
     assert not r.exists("not-there")  # a miss: r catches up, sees the new log, reloads
