@@ -220,9 +220,13 @@ class CapacityTracker:
                 ordered = sorted(entries, key=itemgetter(2))
                 sizes = list(map(itemgetter(1), ordered))
                 self._lru = OrderedDict(zip(map(itemgetter(0), ordered), sizes, strict=True))
-                # (a name twice: the later entry's size, as the loop below keeps)
-                self._used = sum(sizes) if len(self._lru) == len(sizes) else sum(self._lru.values())
-                return
+                if len(self._lru) == len(sizes):
+                    self._used = sum(sizes)
+                    return
+                # A name given twice: as the loop below does (its later entry wins).
+                self._lru = OrderedDict()
+                self._used = 0
+                entries = ordered
             for name, nbytes, _ in sorted(entries, key=lambda e: e[2]):
                 old = self._lru.pop(name, None)
                 if old is not None:

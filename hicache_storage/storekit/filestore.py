@@ -332,6 +332,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         self._scan_cache: dict[str, int] = {}
         self._snapshot: _Snapshot | None = None
         scope = "root" if self.capacity_per_root else f"{self.namespace.digest}.{self.config.shard}"
+        self._snapshot_scope = scope
         self._snapshot_path = os.path.join(self.root, f"{_SNAPSHOT_PREFIX}{scope}.json")
         try:
             max_size, min_free = self._limits(opts)
@@ -606,7 +607,11 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
             os.close(fd)
         try:
             data = json.loads(raw)
-            if data.get("version") != _SNAPSHOT_VERSION or data.get("root") != self.root:
+            if (
+                data.get("version") != _SNAPSHOT_VERSION
+                or data.get("root") != self.root
+                or data.get("scope") != self._snapshot_scope  # not one copied from a shard
+            ):
                 return
             dirs: dict[str, int] = {}
             for rel_dir, mtime_ns in data["dirs"]:
@@ -631,13 +636,25 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                 raise ValueError("dir_of or sizes")
             if not len(split) == len(dir_of) == len(sizes):
                 raise ValueError("the entries do not match")
+            if not self.capacity_per_root and not self._all_owned(leaves, len(split)):
+                raise ValueError("objects of another shard")
             prefixes = [d + "/" for d in dirs]
             names = list(map(str.__add__, map(prefixes.__getitem__, dir_of), split))
-        except (ValueError, TypeError, KeyError, AttributeError):
+            if len(set(names)) != len(names):
+                raise ValueError("an object listed twice")
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, MemoryError):
             self._log("snapshot", "ignoring a malformed scan snapshot %s", self._snapshot_path)
             return
         self._scan_cache = dirs
         self._snapshot = _Snapshot(list(dirs), dir_of, names, sizes)
+
+    def _all_owned(self, leaves: str, count: int) -> bool:
+        """:meth:`_owns` for ``count`` newline-joined file names, in whole-string passes."""
+        shard = self.config.shard
+        if shard is None:
+            return "~" not in leaves
+        # Every name has one "~", and it starts the suffix "~<shard>" at the name's end.
+        return leaves.count("~") == count and (leaves + "\n").count(f"~{shard}\n") == count
 
     def _save_snapshot(self) -> None:
         """Leave what this instance knows for the next one (best effort, atomically).
@@ -653,7 +670,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
             or len(self._tracker) < self.snapshot_min_objects
         ):
             return
-        quiet = self._scan_dirs
+        quiet = dict(self._scan_dirs)  # a re-scan in another thread may change it
         index = {d: i for i, d in enumerate(quiet)}
         dir_of: list[int] = []
         leaves: list[str] = []
@@ -668,12 +685,18 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         data = {
             "version": _SNAPSHOT_VERSION,
             "root": self.root,
+            "scope": self._snapshot_scope,
             "dirs": list(quiet.items()),
             "dir_of": dir_of,
             "leaves": "\n".join(leaves),
             "sizes": sizes,
         }
         payload = json.dumps(data, separators=(",", ":")).encode()
+        if len(payload) > _SNAPSHOT_MAX_BYTES:
+            # The next instance would not read it: leave none (and remove an old one).
+            with contextlib.suppress(OSError):
+                os.unlink(self._snapshot_path)
+            return
         tmp = ""
         try:
             tmp, fd = open_temp(self.root, mode=self.file_mode, gid=self.group_id)

@@ -242,7 +242,8 @@ def test_reopening_from_the_snapshot_accounts_exactly_what_is_there(tmp_path: Pa
 @pytest.mark.parametrize(
     "damage",
     ["garbage", "escaping name", "hidden name", "bad size", "bad directory index",
-     "count mismatch", "world-writable"],
+     "count mismatch", "listed twice", "another shard's", "another scope", "deeply nested",
+     "world-writable"],
 )  # fmt: skip
 def test_a_damaged_or_untrusted_snapshot_is_ignored(tmp_path: Path, damage: str) -> None:
     root = tmp_path / "kv"
@@ -275,6 +276,19 @@ def test_a_damaged_or_untrusted_snapshot_is_ignored(tmp_path: Path, damage: str)
     elif damage == "count mismatch":
         data["sizes"].append(1)
         snap.write_text(json.dumps(data))
+    elif damage == "listed twice":
+        data["leaves"] += "\n" + leaves[0]
+        data["dir_of"].append(data["dir_of"][0])
+        data["sizes"].append(10_000)
+        snap.write_text(json.dumps(data))
+    elif damage == "another shard's":
+        data["leaves"] = "\n".join(leaf + "~7" for leaf in leaves)
+        snap.write_text(json.dumps(data))
+    elif damage == "another scope":
+        data["scope"] = "root"
+        snap.write_text(json.dumps(data))
+    elif damage == "deeply nested":
+        snap.write_text("[" * 200_000 + "]" * 200_000)
     else:
         os.chmod(snap, 0o666)
     assert snap.read_text() != text or damage == "world-writable"
