@@ -528,7 +528,6 @@ def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
 ) -> None:
     """KeyboardInterrupt in the calling thread mid-batch: the slots are released only
     after the I/O threads stop copying into them, so no later page is overwritten."""
-    import signal
 
     import torch
 
@@ -548,12 +547,27 @@ def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
             time.sleep(0.3)
         real(arena_, slot, views, ptrs)  # type: ignore[arg-type]
 
+    from hicache_storage.storekit import iopool
+
+    real_wait = iopool.wait  # type: ignore[attr-defined]
+    interrupted: list[bool] = []
+
+    def interrupted_wait(futures: object, *args: object, **kwargs: object) -> object:
+        # A SIGINT in the middle of the wait, made deterministic: a real one (os.kill)
+        # reaches whichever thread the kernel picks, and a main thread asleep on a lock
+        # may only see it once the copies are over.
+        if not interrupted:
+            interrupted.append(True)
+            time.sleep(0.1)
+            raise KeyboardInterrupt
+        return real_wait(futures, *args, **kwargs)
+
     monkeypatch.setattr(mm, "_copy_in", slow)
-    timer = threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
+    monkeypatch.setattr(iopool, "wait", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):
         a.batch_set_v1([f"p{i}" for i in range(12)], torch.arange(12 * 4))
-    timer.join()
+    assert interrupted
+    monkeypatch.setattr(iopool, "wait", real_wait)
     monkeypatch.setattr(mm, "_copy_in", real)
     assert b.batch_set([f"y{i}" for i in range(12)], [b"\x59" * 768] * 12) == [True] * 12
     time.sleep(1)  # any copy still running would land now
