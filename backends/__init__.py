@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from hicache_storage.backends._file import FileBackend, FileOptions
     from hicache_storage.backends._memory import MemoryBackend, MemoryOptions
     from hicache_storage.backends._mmap import MmapBackend, MmapOptions
+    from hicache_storage.backends._redis import RedisBackend, RedisOptions
     from hicache_storage.backends._shm import ShmBackend, ShmOptions
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "MemoryOptions",
     "MmapBackend",
     "MmapOptions",
+    "RedisBackend",
+    "RedisOptions",
     "ShmBackend",
     "ShmOptions",
 ]
@@ -37,6 +40,8 @@ _LAZY = {
     "MmapBackend": "hicache_storage.backends._mmap",
     "MmapOptions": "hicache_storage.backends._mmap",
     "ShmOptions": "hicache_storage.backends._shm",
+    "RedisBackend": "hicache_storage.backends._redis",
+    "RedisOptions": "hicache_storage.backends._redis",
 }
 
 

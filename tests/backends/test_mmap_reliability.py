@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -552,7 +553,7 @@ def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
     real_wait = iopool.wait  # type: ignore[attr-defined]
     interrupted: list[bool] = []
 
-    def interrupted_wait(futures: object, *args: object, **kwargs: object) -> object:
+    def interrupted_wait(futures: Any, *args: Any, **kwargs: Any) -> Any:
         # A SIGINT in the middle of the wait, made deterministic: a real one (os.kill)
         # reaches whichever thread the kernel picks, and a main thread asleep on a lock
         # may only see it once the copies are over.

@@ -1,0 +1,217 @@
+"""The ``redis`` backend: pages as values of a Redis (or Valkey) server.
+
+Built on :class:`~hicache_storage.storekit.blobstore.BlobStore`: every value is the core
+header then the page, so a truncated, foreign, renamed or evicted value is a miss, never
+wrong bytes. Keys are ``<prefix><namespace digest>/<fan-out>/<leaf>``; every batch is one
+round trip (``MGET``, or a pipeline of ``SET NX`` / ``EXISTS`` / ``UNLINK``), and
+``clear()`` removes this namespace's keys only, by ``SCAN`` and ``UNLINK`` in batches
+(never ``KEYS`` or ``FLUSHDB``). Options and guarantees: ``docs/backends/redis.md``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
+
+from typing_extensions import override
+
+from hicache_storage.config import redact_text, secret
+from hicache_storage.errors import (
+    BackendError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    ConfigError,
+    ErrorMap,
+)
+from hicache_storage.protocol import Capabilities
+from hicache_storage.storekit.blobstore import PRESENT, BlobOptions, BlobStore, Present, Segments
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hicache_storage.config import StorageConfig
+    from hicache_storage.keys import ObjectName
+
+__all__ = ["RedisBackend", "RedisOptions"]
+
+_GLOB = re.compile(r"([*?\[\]\\])")
+
+
+@dataclass(frozen=True)
+class RedisOptions(BlobOptions):
+    """Options of the ``redis`` backend (environment: ``HICACHE_STORAGE_REDIS_<NAME>``).
+
+    Attributes:
+        url: the server, as ``redis://[user[:password]@]host:port[/db]``,
+            ``rediss://...`` (TLS) or ``unix:///path/to/socket``. A password in the URL
+            is a secret like ``password``: never logged or shown.
+        username: ACL user (overrides the URL's).
+        password: password (overrides the URL's); never logged or shown.
+        db: database number (overrides the URL's).
+        prefix: what every key of this backend starts with, before the object name.
+        ttl: seconds a stored page lives (``SET ... PX``); 0 keeps it until deleted or
+            evicted by the server's ``maxmemory`` policy.
+        socket_timeout: seconds a command may take before the call fails.
+        connect_timeout: seconds to connect before the call fails.
+        max_connections: connections in the pool (the engine calls from a few threads).
+        clear_batch: keys per ``SCAN`` step and per ``UNLINK`` of ``clear()``.
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    username: str | None = None
+    password: str | None = secret()
+    db: int | None = None
+    prefix: str = "hicache:"
+    ttl: float = 0.0
+    socket_timeout: float = 5.0
+    connect_timeout: float = 2.0
+    max_connections: int = 16
+    clear_batch: int = 1000
+    checksum: Literal["xxh3", "none"] = "xxh3"
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise ConfigError("url must not be empty")
+        if self.ttl < 0:
+            raise ConfigError("ttl must be >= 0 (0: no expiry)")
+        if self.socket_timeout <= 0 or self.connect_timeout <= 0:
+            raise ConfigError("socket_timeout and connect_timeout must be > 0")
+        if self.max_connections < 1 or self.clear_batch < 1:
+            raise ConfigError("max_connections and clear_batch must be >= 1")
+        if self.db is not None and self.db < 0:
+            raise ConfigError("db must be >= 0")
+
+
+try:  # the client is an extra: without it the backend says how to install it
+    from redis import exceptions as _rx
+except ImportError:  # pragma: no cover - the tests install it
+    _rx = None  # type: ignore[assignment]
+
+#: redis-py's exceptions as store failures.
+_ERRORS: ErrorMap = (
+    {
+        _rx.TimeoutError: BackendTimeoutError,
+        _rx.ConnectionError: BackendUnavailableError,
+        _rx.BusyLoadingError: BackendUnavailableError,
+        _rx.RedisError: BackendError,
+        OSError: BackendUnavailableError,
+    }
+    if _rx is not None
+    else {}
+)
+
+
+class RedisBackend(BlobStore[RedisOptions]):
+    """Pages in a Redis server: one value per page, one round trip per batch."""
+
+    name = "redis"
+    capabilities = Capabilities(delete=True, persistent=True, shared=True)
+    options_class = RedisOptions
+    error_map: ClassVar[ErrorMap] = _ERRORS
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config, **options)
+        try:
+            import redis
+        except ImportError as exc:
+            raise ConfigError(
+                "the redis backend needs the redis client: pip install 'hicache-storage[redis]'"
+            ) from exc
+        opts = self.options
+        kwargs: dict[str, Any] = {
+            "socket_timeout": opts.socket_timeout,
+            "socket_connect_timeout": opts.connect_timeout,
+            "max_connections": opts.max_connections,
+            "health_check_interval": 30,
+        }
+        for name in ("username", "password", "db"):
+            if getattr(opts, name) is not None:
+                kwargs[name] = getattr(opts, name)
+        where = redact_text(opts.url)
+        try:
+            self._client = redis.Redis.from_url(opts.url, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"bad redis url {where}: {redact_text(str(exc))}") from exc
+        self._prefix = opts.prefix
+        self._px = round(opts.ttl * 1000) if opts.ttl else None
+        try:
+            self._client.ping()
+        except redis.exceptions.AuthenticationError as exc:
+            self._client.close()
+            raise ConfigError(f"redis at {where} refused the credentials: {_why(exc)}") from exc
+        except redis.exceptions.ResponseError as exc:  # NOAUTH, WRONGPASS, ACL denials
+            self._client.close()
+            raise ConfigError(f"redis at {where} refused the connection: {_why(exc)}") from exc
+        except (redis.exceptions.RedisError, OSError) as exc:
+            self._client.close()
+            raise BackendUnavailableError(
+                f"no redis server answers at {where}: {_why(exc)}"
+            ) from exc
+
+    def _keys(self, names: list[ObjectName]) -> list[str]:
+        prefix = self._prefix
+        return [prefix + n.path for n in names]
+
+    @override
+    def _get_blobs(self, names: list[ObjectName]) -> Sequence[bytes | None]:
+        # (no decode_responses: the client returns bytes, or None for a missing key)
+        return cast("list[bytes | None]", self._client.mget(self._keys(names)))
+
+    @override
+    def _put_blobs_if_absent(
+        self, names: list[ObjectName], blobs: list[Segments]
+    ) -> list[bool | Present]:
+        pipe = self._client.pipeline(transaction=False)
+        for key, segments in zip(self._keys(names), blobs, strict=True):
+            pipe.set(key, b"".join(segments), nx=True, px=self._px)
+        # SET NX answers True when it stored the value, None when the key held one.
+        return [True if r else PRESENT for r in pipe.execute()]
+
+    @override
+    def _exists_blobs(self, names: list[ObjectName]) -> list[bool]:
+        # EXISTS k1 k2... answers a count: a pipeline gives one answer per key.
+        pipe = self._client.pipeline(transaction=False)
+        for key in self._keys(names):
+            pipe.exists(key)
+        return [bool(r) for r in pipe.execute()]
+
+    @override
+    def _delete_blobs(self, names: list[ObjectName]) -> list[bool]:
+        pipe = self._client.pipeline(transaction=False)
+        for key in self._keys(names):
+            pipe.unlink(key)
+        return [bool(r) for r in pipe.execute()]
+
+    @override
+    def _clear_namespace(self) -> None:
+        """``SCAN`` this namespace's keys and ``UNLINK`` them, a batch at a time.
+
+        The server never runs a command longer than one batch (``KEYS`` or ``FLUSHDB``
+        would block it, or remove what is not ours).
+        """
+        pattern = _GLOB.sub(r"\\\1", self._prefix + self.namespace_prefix) + "*"
+        batch: list[bytes] = []
+        for key in self._client.scan_iter(match=pattern, count=self.options.clear_batch):
+            batch.append(key)
+            if len(batch) >= self.options.clear_batch:
+                self._client.unlink(*batch)
+                batch = []
+        if batch:
+            self._client.unlink(*batch)
+
+    @override
+    def close(self) -> None:
+        self._client.close()
+
+    @override
+    def __repr__(self) -> str:
+        return (
+            f"RedisBackend(url={redact_text(self.options.url)!r}, prefix={self._prefix!r}, "
+            f"namespace={self.namespace.digest})"
+        )
+
+
+def _why(exc: BaseException) -> str:
+    """An error's text without secrets (the server may echo what it was sent)."""
+    return redact_text(f"{type(exc).__name__}: {exc}")

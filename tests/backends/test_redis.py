@@ -1,0 +1,177 @@
+"""The ``redis`` backend against real ``redis-server`` processes started by these tests."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache_storage import KVCacheNamespace, StorageConfig
+from hicache_storage.conformance import BackendConformance, BackendSpec
+from hicache_storage.errors import BackendUnavailableError, ConfigError
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+
+from redis_server import RedisServer, free_port, running
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with running(tmp_path_factory.mktemp("redis")) as srv:
+        yield srv
+
+
+def backend(url: str, tenant: str = "t", **options: object):  # -> RedisBackend
+    from hicache_storage.backends import RedisBackend
+
+    ns = KVCacheNamespace(model_id="m", dtype="uint8", page_size=4, tenant=tenant)
+    options.setdefault("prefix", f"test-{uuid.uuid4().hex[:8]}:")
+    return RedisBackend(StorageConfig(namespace=ns), url=url, **options)
+
+
+def raw(url: str):  # -> redis.Redis
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
+class TestRedisConformance(BackendConformance):
+    @pytest.fixture
+    def backend_spec(self, server: RedisServer) -> BackendSpec:
+        return BackendSpec("redis", {"url": server.url, "prefix": f"kit-{uuid.uuid4().hex[:8]}:"})
+
+    @pytest.fixture
+    def break_store(self, server: RedisServer) -> Callable[[object], Any]:
+        """The server killed, then started again on its port (empty: no persistence)."""
+
+        @contextlib.contextmanager
+        def broken(_backend: object) -> Iterator[None]:
+            server.stop()
+            try:
+                yield
+            finally:
+                server.start()
+
+        return broken
+
+
+def test_pages_round_trip_and_first_writer_wins(server: RedisServer) -> None:
+    b = backend(server.url)
+    try:
+        a, c = torch.full((1000,), 1, dtype=torch.uint8), torch.full((1000,), 2, dtype=torch.uint8)
+        assert b.batch_set(["k1", "k2"], [a, c]) == [True, True]
+        assert b.set("k1", c) is True  # already stored: kept, not replaced
+        got = b.get("k1")
+        assert got is not None
+        assert torch.equal(got, a)
+        assert b.batch_exists(["k1", "k2", "nope", "k1"]) == 2
+    finally:
+        b.close()
+
+
+def test_clear_removes_this_namespace_only(server: RedisServer) -> None:
+    prefix = f"clr-{uuid.uuid4().hex[:6]}:"
+    mine = backend(server.url, "a", prefix=prefix, clear_batch=7)
+    other = backend(server.url, "b", prefix=prefix)
+    r = raw(server.url)
+    try:
+        keys = [f"k{i}" for i in range(50)]
+        value = [torch.full((64,), 9, dtype=torch.uint8)] * 50
+        assert all(mine.batch_set(keys, value))
+        assert all(other.batch_set(keys, value))
+        # Keys that only look alike: another prefix, and a glob character in ours.
+        r.set(prefix[:-1] + "X" + mine.namespace.digest + "/00/k", b"foreign")
+        r.set("unrelated", b"x")
+        mine.clear()
+        assert mine.batch_exists(keys) == 0
+        assert other.batch_exists(keys) == 50
+        assert r.get(prefix[:-1] + "X" + mine.namespace.digest + "/00/k") == b"foreign"
+        assert r.get("unrelated") == b"x"
+        assert all(mine.batch_set(keys, value))  # usable again
+    finally:
+        r.delete("unrelated", prefix[:-1] + "X" + mine.namespace.digest + "/00/k")
+        mine.close()
+        other.close()
+        r.close()
+
+
+def test_a_foreign_or_truncated_value_is_a_miss(server: RedisServer) -> None:
+    b = backend(server.url)
+    r = raw(server.url)
+    try:
+        assert b.set("good", torch.full((256,), 5, dtype=torch.uint8))
+        key = b._prefix + b.object_path("good")
+        stored = r.get(key)
+        assert stored is not None
+        r.set(key, stored[:-10])  # truncated behind the backend's back
+        assert b.get("good") is None
+        r.set(b._prefix + b.object_path("planted"), b"\x00" * 300)  # not our format
+        assert b.get("planted") is None
+        assert b.get_stats().corrupt_objects >= 2
+    finally:
+        b.close()
+        r.close()
+
+
+def test_nothing_listening_is_a_clear_error_at_construction() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailableError, match="no redis server answers"):
+        backend(f"redis://127.0.0.1:{free_port()}/0", connect_timeout=1.0)
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_wrong_password_is_a_config_error_and_never_shown(tmp_path: Path) -> None:
+    with running(tmp_path, "--requirepass", "s3cret-pass-1") as srv:
+        url = f"redis://:wrong-pass-2@127.0.0.1:{srv.port}/0"
+        with pytest.raises(ConfigError) as err:
+            backend(url)
+        assert "wrong-pass-2" not in str(err.value)
+        with pytest.raises(ConfigError) as err:
+            backend(srv.url, password="wrong-pass-3")
+        assert "wrong-pass-3" not in str(err.value)
+        ok = backend(srv.url, password="s3cret-pass-1")
+        try:
+            assert ok.set("k", torch.ones(10, dtype=torch.uint8))
+            assert "s3cret-pass-1" not in repr(ok)
+            assert "s3cret" not in repr(ok.options)
+        finally:
+            ok.close()
+        inline = backend(f"redis://:s3cret-pass-1@127.0.0.1:{srv.port}/0")
+        try:
+            assert "s3cret-pass-1" not in repr(inline)
+            assert inline.exists("k") is False or inline.exists("k") is True
+        finally:
+            inline.close()
+
+
+def test_a_server_killed_mid_use_gives_failure_shapes_then_recovers(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path)
+    srv.start()
+    b = backend(srv.url, socket_timeout=1.0, connect_timeout=0.5)
+    try:
+        value = torch.full((128,), 3, dtype=torch.uint8)
+        assert b.set("before", value)
+        srv.stop()
+        t0 = time.monotonic()
+        assert b.batch_set(["a", "b"], [value, value]) == [False, False]
+        assert b.batch_exists(["before"]) == 0
+        assert b.get("before") is None
+        assert time.monotonic() - t0 < 15  # bounded by the timeouts, no hang
+        assert b.get_stats().ops["batch_set"].errors >= 1
+        srv.start()  # same port, empty (no persistence)
+        assert b.set("after", value) is True  # the same instance recovers
+        got = b.get("after")
+        assert got is not None
+        assert torch.equal(got, value)
+    finally:
+        b.close()
+        srv.stop()
