@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from typing_extensions import override
 
-from hicache_storage.config import redact_text, secret
+from hicache_storage.config import scrub, secret
 from hicache_storage.errors import (
     BackendError,
     BackendTimeoutError,
@@ -73,8 +73,8 @@ class RedisOptions(BlobOptions):
     def __post_init__(self) -> None:
         if not self.url:
             raise ConfigError("url must not be empty")
-        if self.ttl < 0:
-            raise ConfigError("ttl must be >= 0 (0: no expiry)")
+        if not (self.ttl == 0 or 0.001 <= self.ttl < float("inf")):
+            raise ConfigError("ttl must be 0 (no expiry) or at least 0.001 seconds")
         if self.socket_timeout <= 0 or self.connect_timeout <= 0:
             raise ConfigError("socket_timeout and connect_timeout must be > 0")
         if self.max_connections < 1 or self.clear_batch < 1:
@@ -114,40 +114,65 @@ class RedisBackend(BlobStore[RedisOptions]):
         super().__init__(config, **options)
         try:
             import redis
+            from redis.connection import parse_url
         except ImportError as exc:
             raise ConfigError(
                 "the redis backend needs the redis client: pip install 'hicache-storage[redis]'"
             ) from exc
         opts = self.options
-        kwargs: dict[str, Any] = {
-            "socket_timeout": opts.socket_timeout,
-            "socket_connect_timeout": opts.connect_timeout,
-            "max_connections": opts.max_connections,
-            "health_check_interval": 30,
-        }
+        # The URL's parts, then the options over them (redis-py's from_url would let the
+        # URL win). Messages name the server from these parts, never from the URL text
+        # (a password with a '#' or a '/' in it would defeat any pattern).
+        try:
+            parts: dict[str, Any] = parse_url(opts.url)
+        except (ValueError, TypeError):
+            raise ConfigError(
+                "bad redis url: expected redis://[user[:password]@]host[:port][/db], "
+                "rediss://... or unix:///path"
+            ) from None
         for name in ("username", "password", "db"):
             if getattr(opts, name) is not None:
-                kwargs[name] = getattr(opts, name)
-        where = redact_text(opts.url)
-        try:
-            self._client = redis.Redis.from_url(opts.url, **kwargs)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"bad redis url {where}: {redact_text(str(exc))}") from exc
+                parts[name] = getattr(opts, name)
+        self._where = (
+            f"unix:{parts['path']}"
+            if "path" in parts
+            else f"{parts.get('host', 'localhost')}:{parts.get('port', 6379)}"
+        ) + f" db {parts.get('db', 0)}"
+        self._secrets = [v for v in (parts.get("password"), opts.password) if v]
+        # A pool that waits for a free connection (up to the socket timeout) rather than
+        # failing the call when more threads than max_connections use it at once.
+        pool = redis.BlockingConnectionPool(
+            max_connections=opts.max_connections,
+            timeout=opts.socket_timeout,
+            socket_timeout=opts.socket_timeout,
+            socket_connect_timeout=opts.connect_timeout,
+            health_check_interval=30,
+            **parts,
+        )
+        self._client = redis.Redis(connection_pool=pool)
         self._prefix = opts.prefix
-        self._px = round(opts.ttl * 1000) if opts.ttl else None
+        self._px = max(1, round(opts.ttl * 1000)) if opts.ttl else None
         try:
             self._client.ping()
         except redis.exceptions.AuthenticationError as exc:
-            self._client.close()
-            raise ConfigError(f"redis at {where} refused the credentials: {_why(exc)}") from exc
+            self._shutdown()
+            raise ConfigError(
+                f"redis at {self._where} refused the credentials: {self._why(exc)}"
+            ) from None
         except redis.exceptions.ResponseError as exc:  # NOAUTH, WRONGPASS, ACL denials
-            self._client.close()
-            raise ConfigError(f"redis at {where} refused the connection: {_why(exc)}") from exc
-        except (redis.exceptions.RedisError, OSError) as exc:
-            self._client.close()
+            self._shutdown()
+            raise ConfigError(
+                f"redis at {self._where} refused the connection: {self._why(exc)}"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - no server, or one that is not Redis
+            self._shutdown()
             raise BackendUnavailableError(
-                f"no redis server answers at {where}: {_why(exc)}"
-            ) from exc
+                f"no redis server answers at {self._where}: {self._why(exc)}"
+            ) from None
+
+    def _why(self, exc: BaseException) -> str:
+        """An error's text without secrets (the server or the client may echo them)."""
+        return scrub(f"{type(exc).__name__}: {exc}", self._secrets)
 
     def _keys(self, names: list[ObjectName]) -> list[str]:
         prefix = self._prefix
@@ -165,8 +190,9 @@ class RedisBackend(BlobStore[RedisOptions]):
         pipe = self._client.pipeline(transaction=False)
         for key, segments in zip(self._keys(names), blobs, strict=True):
             pipe.set(key, b"".join(segments), nx=True, px=self._px)
-        # SET NX answers True when it stored the value, None when the key held one.
-        return [True if r else PRESENT for r in pipe.execute()]
+        # SET NX answers True when it stored the value, None when the key held one; an
+        # error reply (out of memory under noeviction...) fails its item alone.
+        return [_stored(r) for r in pipe.execute(raise_on_error=False)]
 
     @override
     def _exists_blobs(self, names: list[ObjectName]) -> list[bool]:
@@ -174,14 +200,14 @@ class RedisBackend(BlobStore[RedisOptions]):
         pipe = self._client.pipeline(transaction=False)
         for key in self._keys(names):
             pipe.exists(key)
-        return [bool(r) for r in pipe.execute()]
+        return [_count(r) for r in pipe.execute(raise_on_error=False)]
 
     @override
     def _delete_blobs(self, names: list[ObjectName]) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)
         for key in self._keys(names):
             pipe.unlink(key)
-        return [bool(r) for r in pipe.execute()]
+        return [_count(r) for r in pipe.execute(raise_on_error=False)]
 
     @override
     def _clear_namespace(self) -> None:
@@ -202,16 +228,36 @@ class RedisBackend(BlobStore[RedisOptions]):
 
     @override
     def close(self) -> None:
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Close the client and every connection of its pool (the client does not own it)."""
         self._client.close()
+        self._client.connection_pool.disconnect()
 
     @override
     def __repr__(self) -> str:
         return (
-            f"RedisBackend(url={redact_text(self.options.url)!r}, prefix={self._prefix!r}, "
+            f"RedisBackend(server={self._where!r}, prefix={self._prefix!r}, "
             f"namespace={self.namespace.digest})"
         )
 
 
-def _why(exc: BaseException) -> str:
-    """An error's text without secrets (the server may echo what it was sent)."""
-    return redact_text(f"{type(exc).__name__}: {exc}")
+def _stored(reply: object) -> bool | Present | Exception:
+    """The answer of one ``SET NX``: stored, already present, or the item's error."""
+    if reply is True:
+        return True
+    if reply is None:
+        return PRESENT
+    if isinstance(reply, Exception):
+        return reply
+    return BackendError(f"unexpected reply to SET: {type(reply).__name__}")
+
+
+def _count(reply: object) -> bool | Exception:
+    """The answer of one ``EXISTS`` or ``UNLINK`` of a single key."""
+    if isinstance(reply, Exception):
+        return reply
+    if type(reply) is int and reply in (0, 1):
+        return bool(reply)
+    return BackendError(f"unexpected reply: {type(reply).__name__}")

@@ -148,9 +148,92 @@ def test_a_wrong_password_is_a_config_error_and_never_shown(tmp_path: Path) -> N
         inline = backend(f"redis://:s3cret-pass-1@127.0.0.1:{srv.port}/0")
         try:
             assert "s3cret-pass-1" not in repr(inline)
-            assert inline.exists("k") is False or inline.exists("k") is True
+            assert inline.set("k2", torch.ones(10, dtype=torch.uint8)) is True
+            assert inline.get("k2") is not None
         finally:
             inline.close()
+        # The password option wins over the URL's (a stale one there must not matter).
+        over = backend(f"redis://:stale-pass-4@127.0.0.1:{srv.port}/0", password="s3cret-pass-1")
+        try:
+            assert over.set("k3", torch.ones(10, dtype=torch.uint8)) is True
+        finally:
+            over.close()
+
+
+@pytest.mark.parametrize("password", ["Hunter2#Secret", "a/b?c d@e", "p%40ss:w"])
+def test_a_password_with_url_characters_never_shows(tmp_path: Path, password: str) -> None:
+    from urllib.parse import quote
+
+    with running(tmp_path, "--requirepass", "the-right-one") as srv:
+        for url in (
+            f"redis://:{password}@127.0.0.1:{srv.port}/0",  # as typed: not even a valid URL
+            f"redis://:{quote(password, safe='')}@127.0.0.1:{srv.port}/0",
+        ):
+            with pytest.raises((ConfigError, BackendUnavailableError)) as err:
+                backend(url)
+            text = f"{err.value!r} {err.value} {err.value.__cause__!r}"
+            for part in (password, quote(password, safe=""), password.split("#")[0]):
+                assert part not in text
+
+
+def test_the_db_option_wins_over_the_url(server: RedisServer) -> None:
+    b = backend(server.url, db=5)  # the URL says /0
+    r0, r5 = raw(server.url), raw(server.url.rsplit("/", 1)[0] + "/5")
+    try:
+        assert b.set("k", torch.ones(10, dtype=torch.uint8))
+        key = b._prefix + b.object_path("k")
+        assert r5.exists(key) == 1
+        assert r0.exists(key) == 0
+    finally:
+        b.clear()
+        b.close()
+        r0.close()
+        r5.close()
+
+
+def test_more_threads_than_connections_wait_for_one(server: RedisServer) -> None:
+    import threading
+
+    b = backend(server.url, max_connections=2)
+    failures: list[object] = []
+    value = [torch.full((4096,), 1, dtype=torch.uint8)] * 16
+
+    def work(t: int) -> None:
+        for i in range(10):
+            keys = [f"t{t}-{i}-{j}" for j in range(16)]
+            if not all(b.batch_set(keys, value)) or b.batch_exists(keys) != 16:
+                failures.append((t, i))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert failures == []
+        assert b.get_stats().ops["batch_set"].errors == 0
+    finally:
+        b.clear()
+        b.close()
+
+
+def test_a_full_server_fails_only_the_pages_it_refused(tmp_path: Path) -> None:
+    """maxmemory with noeviction: the pages that fit are stored and reported so, the
+    others fail alone (not the whole batch), and nothing reported stored is missing."""
+    with running(tmp_path, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction") as srv:
+        b = backend(srv.url)
+        try:
+            keys = [f"k{i}" for i in range(40)]
+            got = b.batch_set(
+                keys, [torch.full((100_000,), i, dtype=torch.uint8) for i in range(40)]
+            )
+            assert any(got)
+            assert not all(got)
+            for key, ok in zip(keys, got, strict=True):
+                assert b.exists(key) is ok
+            assert b.set("one-more", torch.ones(100_000, dtype=torch.uint8)) is False
+        finally:
+            b.close()
 
 
 def test_a_server_killed_mid_use_gives_failure_shapes_then_recovers(tmp_path: Path) -> None:
