@@ -124,7 +124,7 @@ class RedisBackend(BlobStore[RedisOptions]):
         # URL win). Messages name the server from these parts, never from the URL text
         # (a password with a '#' or a '/' in it would defeat any pattern).
         try:
-            parts: dict[str, Any] = parse_url(opts.url)
+            parts: dict[str, Any] = parse_url(opts.url)  # type: ignore[no-untyped-call]
         except (ValueError, TypeError):
             raise ConfigError(
                 "bad redis url: expected redis://[user[:password]@]host[:port][/db], "
@@ -141,7 +141,7 @@ class RedisBackend(BlobStore[RedisOptions]):
         self._secrets = [v for v in (parts.get("password"), opts.password) if v]
         # A pool that waits for a free connection (up to the socket timeout) rather than
         # failing the call when more threads than max_connections use it at once.
-        pool = redis.BlockingConnectionPool(
+        pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
             max_connections=opts.max_connections,
             timeout=opts.socket_timeout,
             socket_timeout=opts.socket_timeout,
@@ -186,7 +186,7 @@ class RedisBackend(BlobStore[RedisOptions]):
     @override
     def _put_blobs_if_absent(
         self, names: list[ObjectName], blobs: list[Segments]
-    ) -> list[bool | Present]:
+    ) -> list[bool | Present | Exception]:
         pipe = self._client.pipeline(transaction=False)
         for key, segments in zip(self._keys(names), blobs, strict=True):
             pipe.set(key, b"".join(segments), nx=True, px=self._px)
@@ -195,18 +195,20 @@ class RedisBackend(BlobStore[RedisOptions]):
         return [_stored(r) for r in pipe.execute(raise_on_error=False)]
 
     @override
-    def _exists_blobs(self, names: list[ObjectName]) -> list[bool]:
+    def _exists_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
         # EXISTS k1 k2... answers a count: a pipeline gives one answer per key.
-        pipe = self._client.pipeline(transaction=False)
-        for key in self._keys(names):
-            pipe.exists(key)
-        return [_count(r) for r in pipe.execute(raise_on_error=False)]
+        return self._each_key("exists", names)
 
     @override
-    def _delete_blobs(self, names: list[ObjectName]) -> list[bool]:
+    def _delete_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
+        return self._each_key("unlink", names)
+
+    def _each_key(self, command: str, names: list[ObjectName]) -> list[bool | Exception]:
+        """One ``EXISTS`` or ``UNLINK`` per key, in one pipeline: an answer (or error) each."""
         pipe = self._client.pipeline(transaction=False)
+        send = getattr(pipe, command)
         for key in self._keys(names):
-            pipe.unlink(key)
+            send(key)
         return [_count(r) for r in pipe.execute(raise_on_error=False)]
 
     @override
