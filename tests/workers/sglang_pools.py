@@ -116,8 +116,16 @@ def page_bytes(pool: Any, first_index: int) -> bytes:
     return bytes(page.contiguous().view(torch.uint8).numpy().tobytes())
 
 
+#: The URL of the redis-server the integration tests run (set by their conftest).
+REDIS_URL: list[str] = []
+
+
 def backend_options(name: str, tmp_path: Path) -> dict[str, Any]:
-    """Options of each node-local backend, in ``tmp_path``, for the adapter's extra config."""
+    """Options of each backend, in ``tmp_path``, for the adapter's extra config."""
+    if name == "redis":
+        if not REDIS_URL:
+            raise RuntimeError("no redis-server: tests/integrations/conftest.py starts one")
+        return {"url": REDIS_URL[0], "prefix": f"sglang-{tmp_path.name}:"}
     options: dict[str, dict[str, Any]] = {
         "file": {"root": str(tmp_path / "file")},
         "shm": {"directory": str(tmp_path / "shm")},
