@@ -258,3 +258,25 @@ def test_a_server_killed_mid_use_gives_failure_shapes_then_recovers(tmp_path: Pa
     finally:
         b.close()
         srv.stop()
+
+
+def test_pages_the_server_evicted_are_misses(tmp_path: Path) -> None:
+    """maxmemory with allkeys-lru: the server drops pages to make room; a dropped page is
+    a miss (never another page's bytes), the leading run stops at it, the rest read back."""
+    with running(tmp_path, "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru") as srv:
+        b = backend(srv.url)
+        try:
+            keys = [f"k{i}" for i in range(60)]
+            for i, key in enumerate(keys):
+                assert b.set(key, torch.full((100_000,), i, dtype=torch.uint8))
+            present = [b.exists(k) for k in keys]
+            assert not all(present)  # some were evicted
+            assert any(present)
+            assert b.batch_exists(keys) == present.index(False)
+            for i, key in enumerate(keys):
+                got = b.get(key)  # reads add nothing: the server evicts no more now
+                assert (got is not None) == present[i]
+                if got is not None:
+                    assert torch.equal(got, torch.full((100_000,), i, dtype=torch.uint8))
+        finally:
+            b.close()
