@@ -56,6 +56,9 @@ class RedisOptions(BlobOptions):
         connect_timeout: seconds to connect before the call fails.
         max_connections: connections in the pool (the engine calls from a few threads).
         clear_batch: keys per ``SCAN`` step and per ``UNLINK`` of ``clear()``.
+        cluster: the URL names one node of a Redis Cluster: batches are split by the
+            owner of each key's slot (one pipeline per node), and ``clear()`` scans every
+            primary. A cluster has one database: ``db`` must be 0.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -68,6 +71,7 @@ class RedisOptions(BlobOptions):
     connect_timeout: float = 2.0
     max_connections: int = 16
     clear_batch: int = 1000
+    cluster: bool = False
     checksum: Literal["xxh3", "none"] = "xxh3"
 
     def __post_init__(self) -> None:
@@ -95,6 +99,7 @@ _ERRORS: ErrorMap = (
         _rx.ConnectionError: BackendUnavailableError,
         _rx.BusyLoadingError: BackendUnavailableError,
         _rx.RedisError: BackendError,
+        _rx.RedisClusterException: BackendUnavailableError,  # not a RedisError
         OSError: BackendUnavailableError,
     }
     if _rx is not None
@@ -139,17 +144,7 @@ class RedisBackend(BlobStore[RedisOptions]):
             else f"{parts.get('host', 'localhost')}:{parts.get('port', 6379)}"
         ) + f" db {parts.get('db', 0)}"
         self._secrets = [v for v in (parts.get("password"), opts.password) if v]
-        # A pool that waits for a free connection (up to the socket timeout) rather than
-        # failing the call when more threads than max_connections use it at once.
-        pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
-            max_connections=opts.max_connections,
-            timeout=opts.socket_timeout,
-            socket_timeout=opts.socket_timeout,
-            socket_connect_timeout=opts.connect_timeout,
-            health_check_interval=30,
-            **parts,
-        )
-        self._client = redis.Redis(connection_pool=pool)
+        self._client: Any = self._cluster(parts) if opts.cluster else self._standalone(parts)
         self._prefix = opts.prefix
         self._px = max(1, round(opts.ttl * 1000)) if opts.ttl else None
         try:
@@ -170,6 +165,49 @@ class RedisBackend(BlobStore[RedisOptions]):
                 f"no redis server answers at {self._where}: {self._why(exc)}"
             ) from None
 
+    def _standalone(self, parts: dict[str, Any]) -> Any:
+        """A client of one server.
+
+        Its pool waits for a free connection (up to the socket timeout) rather than
+        failing a call made while all are busy.
+        """
+        import redis
+
+        opts = self.options
+        pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
+            max_connections=opts.max_connections,
+            timeout=opts.socket_timeout,
+            socket_timeout=opts.socket_timeout,
+            socket_connect_timeout=opts.connect_timeout,
+            health_check_interval=30,
+            **parts,
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def _cluster(self, parts: dict[str, Any]) -> Any:
+        """A Redis Cluster client that starts from the node of the URL."""
+        from redis.backoff import NoBackoff
+        from redis.cluster import RedisCluster
+        from redis.retry import Retry
+
+        if parts.pop("db", 0) or "path" in parts:
+            raise ConfigError("a Redis Cluster is reached over TCP and has only db 0")
+        opts = self.options
+        return RedisCluster(
+            socket_timeout=opts.socket_timeout,
+            socket_connect_timeout=opts.connect_timeout,
+            # No retries: a dead node is a failure shape within the timeouts, not rounds
+            # of them (the engine recomputes; the next call finds the node again).
+            retry=Retry(NoBackoff(), 0),
+            **parts,
+        )
+
+    def _pipeline(self) -> Any:
+        """A pipeline without MULTI (a cluster's splits itself by the owner of each key)."""
+        if self.options.cluster:
+            return self._client.pipeline()
+        return self._client.pipeline(transaction=False)
+
     def _why(self, exc: BaseException) -> str:
         """An error's text without secrets (the server or the client may echo them)."""
         return scrub(f"{type(exc).__name__}: {exc}", self._secrets)
@@ -181,13 +219,16 @@ class RedisBackend(BlobStore[RedisOptions]):
     @override
     def _get_blobs(self, names: list[ObjectName]) -> Sequence[bytes | None]:
         # (no decode_responses: the client returns bytes, or None for a missing key)
-        return cast("list[bytes | None]", self._client.mget(self._keys(names)))
+        keys = self._keys(names)
+        if self.options.cluster:  # one MGET per slot owner
+            return cast("list[bytes | None]", self._client.mget_nonatomic(keys))
+        return cast("list[bytes | None]", self._client.mget(keys))
 
     @override
     def _put_blobs_if_absent(
         self, names: list[ObjectName], blobs: list[Segments]
     ) -> list[bool | Present | Exception]:
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self._pipeline()
         for key, segments in zip(self._keys(names), blobs, strict=True):
             pipe.set(key, b"".join(segments), nx=True, px=self._px)
         # SET NX answers True when it stored the value, None when the key held one; an
@@ -205,7 +246,7 @@ class RedisBackend(BlobStore[RedisOptions]):
 
     def _each_key(self, command: str, names: list[ObjectName]) -> list[bool | Exception]:
         """One ``EXISTS`` or ``UNLINK`` per key, in one pipeline: an answer (or error) each."""
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self._pipeline()
         send = getattr(pipe, command)
         for key in self._keys(names):
             send(key)
@@ -220,13 +261,23 @@ class RedisBackend(BlobStore[RedisOptions]):
         """
         pattern = _GLOB.sub(r"\\\1", self._prefix + self.namespace_prefix) + "*"
         batch: list[bytes] = []
+        # (a cluster client scans every primary)
         for key in self._client.scan_iter(match=pattern, count=self.options.clear_batch):
             batch.append(key)
             if len(batch) >= self.options.clear_batch:
-                self._client.unlink(*batch)
+                self._unlink(batch)
                 batch = []
         if batch:
-            self._client.unlink(*batch)
+            self._unlink(batch)
+
+    def _unlink(self, keys: list[bytes]) -> None:
+        if not self.options.cluster:
+            self._client.unlink(*keys)
+            return
+        pipe = self._pipeline()  # keys of many slots: one command per key, split by node
+        for key in keys:
+            pipe.unlink(key)
+        pipe.execute()
 
     @override
     def close(self) -> None:
@@ -235,7 +286,8 @@ class RedisBackend(BlobStore[RedisOptions]):
     def _shutdown(self) -> None:
         """Close the client and every connection of its pool (the client does not own it)."""
         self._client.close()
-        self._client.connection_pool.disconnect()
+        if not self.options.cluster:
+            self._client.connection_pool.disconnect()
 
     @override
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ from hicache_storage.errors import BackendUnavailableError, ConfigError
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 
-from redis_server import RedisServer, free_port, running
+from redis_server import RedisClusterServers, RedisServer, free_port, running, running_cluster
 
 pytestmark = pytest.mark.redis
 
@@ -42,6 +42,12 @@ def raw(url: str):  # -> redis.Redis
     import redis
 
     return redis.Redis.from_url(url)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+    with running_cluster(tmp_path_factory.mktemp("redis-cluster")) as c:
+        yield c
 
 
 class TestRedisConformance(BackendConformance):
@@ -280,3 +286,47 @@ def test_pages_the_server_evicted_are_misses(tmp_path: Path) -> None:
                     assert torch.equal(got, torch.full((100_000,), i, dtype=torch.uint8))
         finally:
             b.close()
+
+
+class TestRedisClusterConformance(BackendConformance):
+    @pytest.fixture
+    def backend_spec(self, cluster: RedisClusterServers) -> BackendSpec:
+        opts = {"url": cluster.url, "cluster": True, "prefix": f"kit-{uuid.uuid4().hex[:8]}:"}
+        return BackendSpec("redis", opts)
+
+
+def test_a_cluster_spreads_pages_over_its_nodes_and_clear_reaches_every_one(
+    cluster: RedisClusterServers,
+) -> None:
+    b = backend(cluster.url, "a", cluster=True)
+    other = backend(cluster.url, "b", cluster=True, prefix=b._prefix)
+    nodes = [raw(n.url) for n in cluster.nodes]
+    try:
+        keys = [f"k{i}" for i in range(200)]
+        values = [torch.full((512,), i % 251, dtype=torch.uint8) for i in range(200)]
+        assert all(b.batch_set(keys, values))
+        assert all(other.batch_set(keys[:20], values[:20]))
+        pattern = b._prefix + b.namespace.digest + "/*"
+        per_node = [len(list(n.scan_iter(match=pattern))) for n in nodes]
+        assert sum(per_node) == 200
+        assert min(per_node) > 0  # every primary holds some of them
+        assert b.batch_exists(keys) == 200
+        for i in (0, 57, 199):
+            got = b.get(keys[i])
+            assert got is not None
+            assert torch.equal(got, values[i])
+        b.clear()
+        assert [len(list(n.scan_iter(match=pattern))) for n in nodes] == [0, 0, 0]
+        assert b.batch_exists(keys) == 0
+        assert other.batch_exists(keys[:20]) == 20
+    finally:
+        other.clear()
+        b.close()
+        other.close()
+        for n in nodes:
+            n.close()
+
+
+def test_a_cluster_has_one_database(cluster: RedisClusterServers) -> None:
+    with pytest.raises(ConfigError, match="only db 0"):
+        backend(cluster.url, cluster=True, db=1)

@@ -96,3 +96,84 @@ def running(workdir: Path, *args: str) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus (the port + 10000) is a valid port too."""
+    while True:
+        port = free_port()
+        if port <= 55535:
+            return port
+
+
+class RedisClusterServers:
+    """Three ``redis-server`` primaries joined into one Redis Cluster (no replicas).
+
+    ``url`` names the first node; ``start()`` returns once every node reports the cluster
+    ``ok`` with all 16384 slots assigned and every node sees the other two.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self.nodes = []
+        for i in range(3):
+            node = RedisServer(workdir / f"node{i}", "--cluster-enabled", "yes",
+                               "--cluster-config-file", f"nodes-{i}.conf",
+                               "--cluster-node-timeout", "5000")  # fmt: skip
+            node.port = cluster_port()
+            self.nodes.append(node)
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 30.0) -> None:
+        for node in self.nodes:
+            node.start()
+        cli = Path(binary()).with_name("redis-cli")
+        create = [str(cli) if cli.is_file() else "redis-cli", "--cluster", "create",
+                  *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                  "--cluster-replicas", "0", "--cluster-yes"]  # fmt: skip
+        done = subprocess.run(create, check=False, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-500:]}")
+        deadline = time.monotonic() + timeout
+        while not all(self._settled(n) for n in self.nodes):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the Redis Cluster did not settle")
+            time.sleep(0.1)
+
+    @staticmethod
+    def _settled(node: RedisServer) -> bool:
+        import redis
+
+        client = redis.Redis(port=node.port, socket_timeout=2)
+        try:
+            info = client.cluster("info")
+            known = client.cluster("nodes")
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+        return (
+            info.get("cluster_state") == "ok"
+            and int(info.get("cluster_slots_assigned", 0)) == 16384
+            and int(info.get("cluster_known_nodes", 0)) == 3
+            and len(known) == 3
+            and all(v.get("connected") for v in known.values())
+        )
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@contextlib.contextmanager
+def running_cluster(workdir: Path) -> Iterator[RedisClusterServers]:
+    cluster = RedisClusterServers(workdir)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
