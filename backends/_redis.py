@@ -144,11 +144,21 @@ class RedisBackend(BlobStore[RedisOptions]):
             else f"{parts.get('host', 'localhost')}:{parts.get('port', 6379)}"
         ) + f" db {parts.get('db', 0)}"
         self._secrets = [v for v in (parts.get("password"), opts.password) if v]
-        self._client: Any = self._cluster(parts) if opts.cluster else self._standalone(parts)
         self._prefix = opts.prefix
         self._px = max(1, round(opts.ttl * 1000)) if opts.ttl else None
+        self._client: Any = None
         try:
+            # (a cluster client reads the slot map from the URL's node here already)
+            self._client = self._cluster(parts) if opts.cluster else self._standalone(parts)
             self._client.ping()
+            if not opts.cluster and self._is_cluster_node():
+                raise ConfigError(
+                    f"redis at {self._where} is a Redis Cluster node: set the redis option "
+                    "cluster to true"
+                )
+        except ConfigError:
+            self._shutdown()
+            raise
         except redis.exceptions.AuthenticationError as exc:
             self._shutdown()
             raise ConfigError(
@@ -164,6 +174,16 @@ class RedisBackend(BlobStore[RedisOptions]):
             raise BackendUnavailableError(
                 f"no redis server answers at {self._where}: {self._why(exc)}"
             ) from None
+
+    def _is_cluster_node(self) -> bool:
+        """True if the server says it runs in cluster mode (False if it may not say)."""
+        from redis.exceptions import ResponseError
+
+        try:
+            info = self._client.info("cluster")
+        except ResponseError:  # an ACL user not allowed INFO: cannot tell
+            return False
+        return bool(info.get("cluster_enabled"))
 
     def _standalone(self, parts: dict[str, Any]) -> Any:
         """A client of one server.
@@ -285,6 +305,8 @@ class RedisBackend(BlobStore[RedisOptions]):
 
     def _shutdown(self) -> None:
         """Close the client and every connection of its pool (the client does not own it)."""
+        if self._client is None:
+            return
         self._client.close()
         if not self.options.cluster:
             self._client.connection_pool.disconnect()

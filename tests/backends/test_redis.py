@@ -330,3 +330,16 @@ def test_a_cluster_spreads_pages_over_its_nodes_and_clear_reaches_every_one(
 def test_a_cluster_has_one_database(cluster: RedisClusterServers) -> None:
     with pytest.raises(ConfigError, match="only db 0"):
         backend(cluster.url, cluster=True, db=1)
+
+
+def test_cluster_mode_must_match_the_server(
+    cluster: RedisClusterServers, server: RedisServer
+) -> None:
+    """A cluster node without cluster=true (every batch would miss) and a standalone
+    server with it are errors at construction, not failures of every later call."""
+    with pytest.raises(ConfigError, match="cluster to true"):
+        backend(cluster.url)
+    with pytest.raises(BackendUnavailableError):
+        backend(server.url, cluster=True)
+    with pytest.raises(BackendUnavailableError):
+        backend(f"redis://127.0.0.1:{free_port()}/0", cluster=True, connect_timeout=0.5)
