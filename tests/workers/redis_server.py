@@ -127,8 +127,12 @@ class RedisClusterServers:
         return self.nodes[0].url
 
     def start(self, timeout: float = 30.0) -> None:
-        for node in self.nodes:
-            node.start()
+        try:
+            for node in self.nodes:
+                node.start()
+        except BaseException:
+            self.stop()  # the nodes started before the one that failed
+            raise
         cli = Path(binary()).with_name("redis-cli")
         create = [str(cli) if cli.is_file() else "redis-cli", "--cluster", "create",
                   *[f"127.0.0.1:{n.port}" for n in self.nodes],
