@@ -21,12 +21,10 @@ verified byte for byte (outside the timings). The server is started here (the
 from __future__ import annotations
 
 import argparse
-import gc
 import secrets
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +34,12 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "workers"))
 
 from redis_server import running
 
+sys.path.insert(0, str(Path(__file__).parent))
+from hot_paths import timed  # one timer for the benchmarks: gc off while it runs
+
 from hicache_storage import StorageConfig, page_hashes
 from hicache_storage.backends import RedisBackend
 from hicache_storage.cli.bench import BenchShape, fill_random, namespace_for, verify_pages
-
-
-def timed(fn: Any) -> float:
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    finally:
-        gc.enable()
 
 
 def run_shape(url: str, shape: BenchShape, rounds: int) -> dict[str, Any]:

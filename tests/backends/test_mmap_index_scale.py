@@ -26,6 +26,9 @@ from hicache_storage.backends._mmap import index_log as L
 from hicache_storage.backends._mmap.arena import _CRC
 
 HEAD = L._LOG_HEAD.size + _CRC.size
+# An arena with room for the 5,000-object stores of these tests (a log past the point
+# where close() compacts it).
+BIG = {"capacity": "24MiB", "slot_size": "4KiB", "prefault": False}
 
 
 def config(tenant: str) -> StorageConfig:
@@ -58,13 +61,13 @@ def records(index: Path) -> list[tuple[int, int, int]]:
 def test_close_rewrites_a_large_log_in_columns_and_the_next_open_loads_it(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    b = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    b = arena(**BIG)
     keys = [f"k{i}" for i in range(5000)]
     fill(b, keys)
     b.close()
     kinds = [k for k, _, _ in records(tmp_path / "arena.index")]
     assert kinds and set(kinds) == {L._BULK}, kinds[:5]
-    again = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    again = arena(**BIG)
     assert again.usage()["live"] == 5000
     assert again.batch_exists(keys) == 5000
     for i in range(0, 5000, 97):
@@ -72,7 +75,7 @@ def test_close_rewrites_a_large_log_in_columns_and_the_next_open_loads_it(
         assert got is not None
         assert bytes(got.numpy()) == value(i)
     assert again.set("later", b"x")  # appends after the BULK records
-    third = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    third = arena(**BIG)
     assert third.batch_exists([*keys, "later"]) == 5001
 
 
@@ -92,7 +95,7 @@ def test_a_damaged_bulk_record_costs_only_its_own_entries(
     arena: Callable[..., MmapBackend], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(L, "_BULK_CHUNK", 1000)
-    b = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    b = arena(**BIG)
     keys = [f"k{i}" for i in range(5000)]
     fill(b, keys)
     b.close()
@@ -103,7 +106,7 @@ def test_a_damaged_bulk_record_costs_only_its_own_entries(
     raw = bytearray(index.read_bytes())
     raw[off + size - 100] ^= 0x5A  # inside the names of the third record
     index.write_bytes(bytes(raw))
-    again = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    again = arena(**BIG)
     # Compaction writes the index in insertion order: the third record held k2000..k2999.
     alive = [i for i in range(5000) if again.exists(keys[i])]
     assert alive == [*range(2000), *range(3000, 5000)]
@@ -275,13 +278,13 @@ def test_a_growing_store_is_compacted_as_it_grows_not_only_at_close(
 ) -> None:
     """A crash (no close) leaves at most about a quarter of the entries to decode one by one."""
     monkeypatch.setattr(L, "_LOOSE_MIN", 500)
-    b = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    b = arena(**BIG)
     keys = [f"k{i}" for i in range(5000)]
     fill(b, keys)
     assert b.compactions >= 3  # 500, then each time the store grew by a third
     loose = sum(1 for k, _, _ in records(tmp_path / "arena.index") if k == L._PUT)
     assert loose <= 5000 // 4 + 500
-    again = arena(capacity="24MiB", slot_size="4KiB", prefault=False)  # b still open
+    again = arena(**BIG)  # b still open
     assert again.batch_exists(keys) == 5000
     assert bytes(again.get(keys[4321]).numpy()) == value(4321)
 
@@ -338,7 +341,7 @@ def test_a_failed_eviction_ahead_gives_back_the_slots_it_had_taken(
 def test_close_with_a_bad_file_at_the_index_path_still_closes(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    b = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    b = arena(**BIG)
     fill(b, [f"k{i}" for i in range(5000)])  # enough for close() to want to compact
     index = tmp_path / "arena.index"
     index.unlink()
@@ -353,7 +356,7 @@ def test_close_in_a_forked_child_leaves_the_parents_lock_and_log_alone(
     import fcntl
     import threading
 
-    b = arena(capacity="24MiB", slot_size="4KiB", prefault=False)
+    b = arena(**BIG)
     fill(b, [f"k{i}" for i in range(5000)])  # close() in the parent would compact
     index = tmp_path / "arena.index"
     inode = index.stat().st_ino
