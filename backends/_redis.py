@@ -10,7 +10,10 @@ round trip (``MGET``, or a pipeline of ``SET NX`` / ``EXISTS`` / ``UNLINK``), an
 
 from __future__ import annotations
 
+import functools
+import os
 import re
+import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
@@ -36,6 +39,9 @@ if TYPE_CHECKING:
 __all__ = ["RedisBackend", "RedisOptions"]
 
 _GLOB = re.compile(r"([*?\[\]\\])")
+#: A part of a value larger than this goes to the socket as a view, never copied (the
+#: size above which redis-py itself stops joining the parts of a command).
+_INLINE_MAX = 6000
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,13 @@ class RedisOptions(BlobOptions):
         cluster: the URL names one node of a Redis Cluster: batches are split by the
             owner of each key's slot (one pipeline per node), and ``clear()`` scans every
             primary. A cluster has one database: ``db`` must be 0.
+        ssl_ca_certs: with a ``rediss://`` URL, the CA certificates (PEM file) the
+            server's certificate must chain to (default: the system's).
+        ssl_certfile, ssl_keyfile: a client certificate and its private key (PEM files),
+            for a server that asks clients for one (``tls-auth-clients``).
+        ssl_cert_reqs: ``required`` (default), ``optional`` or ``none`` (no check of the
+            server's certificate: only for tests).
+        ssl_check_hostname: the server's certificate must name the host of the URL.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -73,10 +86,17 @@ class RedisOptions(BlobOptions):
     clear_batch: int = 1000
     cluster: bool = False
     checksum: Literal["xxh3", "none"] = "xxh3"
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_cert_reqs: Literal["required", "optional", "none"] = "required"
+    ssl_check_hostname: bool = True
 
     def __post_init__(self) -> None:
         if not self.url:
             raise ConfigError("url must not be empty")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ConfigError("ssl_keyfile needs ssl_certfile (the certificate of that key)")
         if not (self.ttl == 0 or 0.001 <= self.ttl < float("inf")):
             raise ConfigError("ttl must be 0 (no expiry) or at least 0.001 seconds")
         if self.socket_timeout <= 0 or self.connect_timeout <= 0:
@@ -117,6 +137,7 @@ class RedisBackend(BlobStore[RedisOptions]):
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config, **options)
+        self._client: Any = None
         try:
             import redis
             from redis.connection import parse_url
@@ -138,6 +159,7 @@ class RedisBackend(BlobStore[RedisOptions]):
         for name in ("username", "password", "db"):
             if getattr(opts, name) is not None:
                 parts[name] = getattr(opts, name)
+        parts.update(self._tls(parts))
         self._where = (
             f"unix:{parts['path']}"
             if "path" in parts
@@ -146,7 +168,6 @@ class RedisBackend(BlobStore[RedisOptions]):
         self._secrets = [v for v in (parts.get("password"), opts.password) if v]
         self._prefix = opts.prefix
         self._px = max(1, round(opts.ttl * 1000)) if opts.ttl else None
-        self._client: Any = None
         try:
             # (a cluster client reads the slot map from the URL's node here already)
             self._client = self._cluster(parts) if opts.cluster else self._standalone(parts)
@@ -171,9 +192,37 @@ class RedisBackend(BlobStore[RedisOptions]):
             ) from None
         except Exception as exc:  # noqa: BLE001 - no server, or one that is not Redis
             self._shutdown()
+            if _tls_refused(exc):
+                raise ConfigError(
+                    f"redis at {self._where}: the TLS handshake failed: {self._why(exc)}"
+                ) from None
             raise BackendUnavailableError(
                 f"no redis server answers at {self._where}: {self._why(exc)}"
             ) from None
+
+    def _tls(self, parts: dict[str, Any]) -> dict[str, Any]:
+        """The client's TLS arguments from the ``ssl_*`` options (a ``rediss://`` URL only)."""
+        from redis.connection import SSLConnection
+
+        opts = self.options
+        files = {
+            "ssl_ca_certs": opts.ssl_ca_certs,
+            "ssl_certfile": opts.ssl_certfile,
+            "ssl_keyfile": opts.ssl_keyfile,
+        }
+        asked = {k: v for k, v in files.items() if v is not None}
+        if parts.get("connection_class") is not SSLConnection:
+            if asked:
+                raise ConfigError(f"{', '.join(asked)} need a rediss:// url (TLS)")
+            return {}
+        for name, path in asked.items():
+            if not os.path.isfile(path):
+                raise ConfigError(f"{name}: no such file: {path}")
+        return {
+            **asked,
+            "ssl_cert_reqs": opts.ssl_cert_reqs,
+            "ssl_check_hostname": opts.ssl_check_hostname and opts.ssl_cert_reqs != "none",
+        }
 
     def _is_cluster_node(self) -> bool:
         """True if the server says it runs in cluster mode (False if it may not say)."""
@@ -200,20 +249,33 @@ class RedisBackend(BlobStore[RedisOptions]):
             socket_timeout=opts.socket_timeout,
             socket_connect_timeout=opts.connect_timeout,
             health_check_interval=30,
-            **parts,
+            **{
+                **parts,
+                "connection_class": _packing(parts.get("connection_class", redis.Connection)),
+            },
         )
         return redis.Redis(connection_pool=pool)
 
     def _cluster(self, parts: dict[str, Any]) -> Any:
-        """A Redis Cluster client that starts from the node of the URL."""
+        """A Redis Cluster client that starts from the node of the URL.
+
+        The client is given a URL of the node alone (scheme, host, port: the URL's own
+        options would override ours) and a pool class that gives each node's connections
+        the page packer.
+        """
         from redis.backoff import NoBackoff
         from redis.cluster import RedisCluster
+        from redis.connection import SSLConnection
         from redis.retry import Retry
 
         if parts.pop("db", 0) or "path" in parts:
             raise ConfigError("a Redis Cluster is reached over TCP and has only db 0")
         opts = self.options
+        host, port = parts.pop("host", "localhost"), parts.pop("port", 6379)
+        scheme = "rediss" if parts.pop("connection_class", None) is SSLConnection else "redis"
         return RedisCluster(
+            url=f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}",
+            connection_pool_class=_packing_pool(),
             socket_timeout=opts.socket_timeout,
             socket_connect_timeout=opts.connect_timeout,
             # No retries: a dead node is a failure shape within the timeouts, not rounds
@@ -228,6 +290,40 @@ class RedisBackend(BlobStore[RedisOptions]):
             return self._client.pipeline()
         return self._client.pipeline(transaction=False)
 
+    def _execute(self, pipe: Any) -> list[Any]:
+        """Run a pipeline: one answer or error per command, in order.
+
+        It raises only when no command could be sent. In a cluster, redis-py re-sends each command that met a timeout alone, one more
+        timeout each: a frozen node (a stopped process, a silent network) would hold a
+        batch for as many timeouts as it has keys there. So the commands go out once
+        without redirections; only those answered ``MOVED``, ``ASK`` or ``TRYAGAIN`` go
+        again, through the client's redirection handling, and a node that timed out
+        fails its pages after one timeout.
+        """
+        if not self.options.cluster:
+            return list(pipe.execute(raise_on_error=False))
+        queue = getattr(getattr(pipe, "_execution_strategy", None), "command_queue", None)
+        if not isinstance(queue, list):  # a redis-py without it: its own handling
+            return list(pipe.execute(raise_on_error=False))
+        from redis.exceptions import AskError, MovedError, TryAgainError
+
+        try:
+            replies = list(
+                pipe.send_cluster_commands(queue, raise_on_error=False, allow_redirections=False)
+            )
+        finally:
+            pipe.reset()
+        redirected = [
+            i for i, r in enumerate(replies) if isinstance(r, (MovedError, AskError, TryAgainError))
+        ]
+        if redirected:
+            again = self._client.pipeline()
+            for i in redirected:
+                again.execute_command(*queue[i].args, **queue[i].options)
+            for i, reply in zip(redirected, again.execute(raise_on_error=False), strict=True):
+                replies[i] = reply
+        return replies
+
     def _why(self, exc: BaseException) -> str:
         """An error's text without secrets (the server or the client may echo them)."""
         return scrub(f"{type(exc).__name__}: {exc}", self._secrets)
@@ -237,12 +333,34 @@ class RedisBackend(BlobStore[RedisOptions]):
         return [prefix + n.path for n in names]
 
     @override
-    def _get_blobs(self, names: list[ObjectName]) -> Sequence[bytes | None]:
+    def _get_blobs(self, names: list[ObjectName]) -> Sequence[bytes | Exception | None]:
         # (no decode_responses: the client returns bytes, or None for a missing key)
         keys = self._keys(names)
-        if self.options.cluster:  # one MGET per slot owner
-            return cast("list[bytes | None]", self._client.mget_nonatomic(keys))
+        if self.options.cluster:
+            return self._cluster_mget(keys)
         return cast("list[bytes | None]", self._client.mget(keys))
+
+    def _cluster_mget(self, keys: list[str]) -> list[bytes | Exception | None]:
+        """One ``MGET`` per slot, in one pipeline per node; a failed node fails its pages.
+
+        (redis-py's ``mget_nonatomic`` fails the whole batch for one node, and after a
+        timeout re-sends each slot's ``MGET`` alone, one timeout after another.)
+        """
+        by_slot: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_slot.setdefault(self._client.keyslot(key), []).append(i)
+        pipe = self._pipeline()
+        for idx in by_slot.values():
+            pipe.execute_command("MGET", *[keys[i] for i in idx])
+        out: list[bytes | Exception | None] = [None] * len(keys)
+        for idx, reply in zip(by_slot.values(), self._execute(pipe), strict=True):
+            if isinstance(reply, Exception):
+                for i in idx:
+                    out[i] = reply
+            else:
+                for i, value in zip(idx, reply, strict=True):
+                    out[i] = value
+        return out
 
     @override
     def _put_blobs_if_absent(
@@ -250,10 +368,11 @@ class RedisBackend(BlobStore[RedisOptions]):
     ) -> list[bool | Present | Exception]:
         pipe = self._pipeline()
         for key, segments in zip(self._keys(names), blobs, strict=True):
-            pipe.set(key, b"".join(segments), nx=True, px=self._px)
+            # (sent as the header, then views of the page buffers: see _PagePacker)
+            pipe.set(key, _Value(segments), nx=True, px=self._px)
         # SET NX answers True when it stored the value, None when the key held one; an
         # error reply (out of memory under noeviction...) fails its item alone.
-        return [_stored(r) for r in pipe.execute(raise_on_error=False)]
+        return [_stored(r) for r in self._execute(pipe)]
 
     @override
     def _exists_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
@@ -270,7 +389,7 @@ class RedisBackend(BlobStore[RedisOptions]):
         send = getattr(pipe, command)
         for key in self._keys(names):
             send(key)
-        return [_count(r) for r in pipe.execute(raise_on_error=False)]
+        return [_count(r) for r in self._execute(pipe)]
 
     @override
     def _clear_namespace(self) -> None:
@@ -297,7 +416,9 @@ class RedisBackend(BlobStore[RedisOptions]):
         pipe = self._pipeline()  # keys of many slots: one command per key, split by node
         for key in keys:
             pipe.unlink(key)
-        pipe.execute()
+        for reply in self._execute(pipe):
+            if isinstance(reply, Exception):
+                raise reply
 
     @override
     def close(self) -> None:
@@ -337,3 +458,95 @@ def _count(reply: object) -> bool | Exception:
     if type(reply) is int and reply in (0, 1):
         return bool(reply)
     return BackendError(f"unexpected reply: {type(reply).__name__}")
+
+
+def _tls_refused(exc: BaseException) -> bool:
+    """True if ``exc`` (or what caused it) is a failed TLS handshake or certificate check."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class _Value:
+    """A value sent as one bulk string made of several buffers, never joined into one.
+
+    Only :class:`_PagePacker` knows it: a connection without that packer refuses it.
+    """
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: Segments) -> None:
+        self.parts = parts
+        self.nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+
+
+class _PagePacker:
+    """redis-py's command packer, plus :class:`_Value` arguments sent without a copy.
+
+    A command without a ``_Value`` goes to the connection's own packer (hiredis's, when
+    installed). One with it is packed here: the RESP framing and small parts are joined,
+    and each part over :data:`_INLINE_MAX` bytes is its own chunk, a view of the caller's
+    buffer that the connection writes to the socket as it is (hiredis's packer would copy
+    it into one string, after the caller had joined it into another).
+    """
+
+    __slots__ = ("_encode", "_inner")
+
+    def __init__(self, inner: Any, encode: Any) -> None:
+        self._inner = inner
+        self._encode = encode
+
+    def pack(self, *args: Any) -> list[bytes | memoryview]:
+        if not any(type(a) is _Value for a in args):
+            return cast("list[bytes | memoryview]", self._inner.pack(*args))
+        out: list[bytes | memoryview] = []
+        buff = b"*%d\r\n" % len(args)
+        for arg in args:
+            if type(arg) is not _Value:
+                data = self._encode(arg)
+                buff += b"$%d\r\n%b\r\n" % (len(data), data)
+                continue
+            buff += b"$%d\r\n" % arg.nbytes
+            for part in arg.parts:
+                view = part if isinstance(part, memoryview) else memoryview(part)
+                if view.nbytes > _INLINE_MAX:
+                    out.append(buff)
+                    out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+                    buff = b""
+                else:
+                    buff += view.tobytes()
+            buff += b"\r\n"
+        out.append(buff)
+        return out
+
+
+@functools.cache
+def _packing_pool() -> type:
+    import redis
+
+    class PackingPool(redis.ConnectionPool):
+        """A cluster node's pool: its connections get the page packer."""
+
+        def __init__(self, connection_class: type = redis.Connection, **kwargs: Any) -> None:
+            super().__init__(connection_class=_packing(connection_class), **kwargs)
+
+    return PackingPool
+
+
+@functools.cache
+def _packing(base: type) -> type:
+    """``base`` (redis-py's TCP, TLS or unix-socket connection) with a :class:`_PagePacker`."""
+
+    class PagePacking(base):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            inner = self._command_packer  # type: ignore[has-type]
+            self._command_packer = _PagePacker(inner, self.encoder.encode)
+
+    PagePacking.__name__ = PagePacking.__qualname__ = f"PagePacking{base.__name__}"
+    return PagePacking

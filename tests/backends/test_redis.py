@@ -14,12 +14,21 @@ import pytest
 import torch
 
 from hicache_storage import KVCacheNamespace, StorageConfig
+from hicache_storage.buffers import PageBuffer, Segment
 from hicache_storage.conformance import BackendConformance, BackendSpec
 from hicache_storage.errors import BackendUnavailableError, ConfigError
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 
-from redis_server import RedisClusterServers, RedisServer, free_port, running, running_cluster
+from redis_server import (
+    RedisClusterServers,
+    RedisServer,
+    TlsFiles,
+    free_port,
+    make_tls_files,
+    running,
+    running_cluster,
+)
 
 pytestmark = pytest.mark.redis
 
@@ -291,8 +300,25 @@ def test_pages_the_server_evicted_are_misses(tmp_path: Path) -> None:
 class TestRedisClusterConformance(BackendConformance):
     @pytest.fixture
     def backend_spec(self, cluster: RedisClusterServers) -> BackendSpec:
-        opts = {"url": cluster.url, "cluster": True, "prefix": f"kit-{uuid.uuid4().hex[:8]}:"}
+        opts = {"url": cluster.url, "cluster": True, "prefix": f"kit-{uuid.uuid4().hex[:8]}:",
+                "socket_timeout": 2.0, "connect_timeout": 1.0}  # fmt: skip
         return BackendSpec("redis", opts)
+
+    @pytest.fixture
+    def break_store(self, cluster: RedisClusterServers) -> Callable[[object], Any]:
+        """Every node killed, then started again (same ports and node ids, no data)."""
+
+        @contextlib.contextmanager
+        def broken(_backend: object) -> Iterator[None]:
+            cluster.stop()
+            try:
+                yield
+            finally:
+                for node in cluster.nodes:
+                    node.start()
+                cluster.wait_settled()
+
+        return broken
 
 
 def test_a_cluster_spreads_pages_over_its_nodes_and_clear_reaches_every_one(
@@ -343,3 +369,268 @@ def test_cluster_mode_must_match_the_server(
         backend(server.url, cluster=True)
     with pytest.raises(BackendUnavailableError):
         backend(f"redis://127.0.0.1:{free_port()}/0", cluster=True, connect_timeout=0.5)
+
+
+def test_large_page_parts_go_to_the_socket_as_views_of_the_page(server: RedisServer) -> None:
+    """A page over the inline size is sent as a view of the caller's memory: neither
+    joined with its header nor copied into one command string by the packer."""
+    import numpy as np
+
+    b = backend(server.url)
+    sent: list[bytes | memoryview] = []
+    try:
+        conn = b._client.connection_pool.get_connection()
+        packed = conn.pack_commands
+        b._client.connection_pool.release(conn)
+
+        def spy(commands: object) -> list[bytes | memoryview]:
+            out: list[bytes | memoryview] = packed(commands)
+            sent.extend(out)
+            return out
+
+        conn.pack_commands = spy
+        k, v = torch.arange(100_000, dtype=torch.int32), torch.arange(50_000, dtype=torch.int16)
+        kv = PageBuffer([Segment(t.data_ptr(), t.nbytes, memoryview(t.numpy().data).cast("B"))
+                         for t in (k, v)])  # fmt: skip
+        assert b.batch_set(["kv"], [kv]) == [True]
+        addresses = {np.frombuffer(c, dtype=np.uint8).ctypes.data for c in sent
+                     if isinstance(c, memoryview)}  # fmt: skip
+        assert {k.data_ptr(), v.data_ptr()} <= addresses
+        # nothing as large as a segment went as a copy
+        assert all(len(c) < v.nbytes for c in sent if not isinstance(c, memoryview))
+        got = b.get("kv")
+        assert got is not None
+        assert bytes(got.numpy()) == bytes(k.numpy()) + bytes(v.numpy())
+    finally:
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+def test_tls_with_the_test_ca(tmp_path: Path, tls_files: TlsFiles) -> None:
+    """rediss:// verifies the server against the CA given (a certificate the client cannot
+    verify is a ConfigError at construction), and pages cross TLS byte-exact."""
+    with running(tmp_path, tls=tls_files) as srv:
+        b = backend(srv.url, ssl_ca_certs=str(tls_files.ca))
+        try:
+            page = torch.arange(2 << 20, dtype=torch.uint8)  # over the inline size: views
+            small = torch.full((100,), 7, dtype=torch.uint8)
+            assert b.batch_set(["big", "small"], [page, small]) == [True, True]
+            assert b.batch_exists(["big", "small", "none"]) == 2
+            got = b.get("big")
+            assert got is not None
+            assert torch.equal(got, page)
+        finally:
+            b.close()
+        with pytest.raises(ConfigError, match="TLS handshake failed"):
+            backend(srv.url)  # the system's CAs do not know the test CA
+        plain = srv.url.replace("rediss://", "redis://")
+        with pytest.raises(BackendUnavailableError):
+            backend(plain, socket_timeout=1.0, connect_timeout=1.0)
+        unchecked = backend(srv.url, ssl_cert_reqs="none")
+        try:
+            assert unchecked.set("k", small) is True
+        finally:
+            unchecked.close()
+
+
+def test_tls_options_are_checked_at_construction(tmp_path: Path, tls_files: TlsFiles) -> None:
+    with pytest.raises(ConfigError, match="need a rediss:// url"):
+        backend("redis://127.0.0.1:1/0", ssl_ca_certs=str(tls_files.ca))
+    with pytest.raises(ConfigError, match="no such file"):
+        backend("rediss://127.0.0.1:1/0", ssl_ca_certs=str(tmp_path / "missing.crt"))
+    with pytest.raises(ConfigError, match="needs ssl_certfile"):
+        backend("rediss://127.0.0.1:1/0", ssl_keyfile=str(tls_files.client_key))
+
+
+def test_tls_with_a_client_certificate(tmp_path: Path, tls_files: TlsFiles) -> None:
+    """A server that asks for client certificates takes ours and refuses a client without."""
+    with running(tmp_path, tls=tls_files, client_auth=True) as srv:
+        ca = str(tls_files.ca)
+        b = backend(srv.url, ssl_ca_certs=ca, ssl_certfile=str(tls_files.client_cert),
+                    ssl_keyfile=str(tls_files.client_key))  # fmt: skip
+        try:
+            assert b.set("k", torch.ones(10, dtype=torch.uint8)) is True
+            assert b.exists("k") is True
+        finally:
+            b.close()
+        with pytest.raises((ConfigError, BackendUnavailableError)):
+            backend(srv.url, ssl_ca_certs=ca)
+
+
+def test_a_unix_socket_server() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rds") as d:  # short: socket paths are limited
+        sock = Path(d) / "r.sock"
+        with running(Path(d), unix_socket=sock) as srv:
+            b = backend(srv.url)
+            other = backend(f"unix://{sock}", db=3)
+            try:
+                page = torch.arange(300_000, dtype=torch.int32)
+                assert b.set("k", page) is True
+                got = b.get("k")
+                assert got is not None
+                assert got.view(torch.int32).equal(page)
+                assert other.exists("k") is False  # db 3, not 0
+                assert "unix:" in repr(b)
+                b.clear()
+                assert b.exists("k") is False
+            finally:
+                b.close()
+                other.close()
+
+
+def _slot_owner(cluster: RedisClusterServers, key: str) -> tuple[int, RedisServer]:
+    import redis
+    from redis.crc import key_slot
+
+    slot = key_slot(key.encode())
+    for node in cluster.nodes:
+        r = redis.Redis(port=node.port)
+        try:
+            for start, end, *_ in r.execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end and _[0][1] == node.port:
+                    return slot, node
+        finally:
+            r.close()
+    raise AssertionError(f"no node owns slot {slot}")
+
+
+def test_a_cluster_node_killed_mid_use_fails_its_pages_then_recovers(tmp_path: Path) -> None:
+    """Pages on a killed node give failure shapes within the timeouts; once it is back
+    (empty: no persistence) the same instance stores and reads there again."""
+    with running_cluster(tmp_path) as cluster:
+        b = backend(cluster.url, cluster=True, socket_timeout=1.0, connect_timeout=0.5)
+        try:
+            keys = [f"k{i}" for i in range(60)]
+            values = [torch.full((1000,), i, dtype=torch.uint8) for i in range(60)]
+            assert all(b.batch_set(keys, values))
+            owners = [_slot_owner(cluster, b._prefix + b.object_path(k))[1] for k in keys]
+            victim = cluster.nodes[1]
+            on_victim = [k for k, o in zip(keys, owners, strict=True) if o is victim]
+            assert on_victim
+            victim.stop()
+            t0 = time.monotonic()
+            got = b.batch_set(["new" + k for k in on_victim], values[: len(on_victim)])
+            assert got == [False] * len(on_victim)
+            assert b.batch_exists(on_victim) == 0
+            assert b.get(on_victim[0]) is None
+            assert time.monotonic() - t0 < 20  # bounded by the timeouts, no hang
+            assert b.get_stats().ops["batch_set"].errors >= 1
+            victim.start()  # same port and node id (its nodes.conf): empty slots back
+            cluster.wait_settled()
+            assert b.set(on_victim[0], values[0]) is True  # the same instance recovers
+            got_back = b.get(on_victim[0])
+            assert got_back is not None
+            assert torch.equal(got_back, values[0])
+            kept = [k for k, o in zip(keys, owners, strict=True) if o is not victim]
+            assert b.batch_exists(kept) == len(kept)  # the other nodes kept theirs
+        finally:
+            b.close()
+
+
+def test_pages_stay_right_while_their_slot_migrates(tmp_path: Path) -> None:
+    """A slot moved live (MIGRATING/IMPORTING, MIGRATE of some keys, then the new owner):
+    ASK and MOVED redirections are followed, no page is lost or wrong, clear() finds all."""
+    import redis
+    from redis.crc import key_slot
+
+    with running_cluster(tmp_path) as cluster:
+        b = backend(cluster.url, cluster=True)
+        try:
+
+            def full(name: str) -> str:
+                return str(b._prefix + b.object_path(name))
+
+            slot, source = _slot_owner(cluster, full("k0"))
+            target = next(n for n in cluster.nodes if n is not source)
+            # names whose keys share the slot of k0
+            same = ["k0", *[f"s{i}" for i in range(200_000)
+                             if key_slot(full(f"s{i}").encode()) == slot][:5]]  # fmt: skip
+            assert len(same) == 6
+            values = {k: torch.full((20_000,), i + 1, dtype=torch.uint8)
+                      for i, k in enumerate(same)}  # fmt: skip
+            assert all(b.batch_set(same[:4], [values[k] for k in same[:4]]))
+            src, tgt = redis.Redis(port=source.port), redis.Redis(port=target.port)
+            src_id, tgt_id = (
+                src.execute_command("CLUSTER MYID"),
+                tgt.execute_command("CLUSTER MYID"),
+            )
+            tgt.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", tgt_id)
+            moved = [full(k) for k in same[:2]]
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *moved)
+            # mid-migration: two pages on each node, ASK for those moved
+            assert b.batch_exists(same[:4]) == 4
+            for k in same[:4]:
+                got = b.get(k)
+                assert got is not None and torch.equal(got, values[k])
+            assert b.set(same[4], values[same[4]]) is True  # a new key of a migrating slot
+            got = b.get(same[4])
+            assert got is not None and torch.equal(got, values[same[4]])
+            # finish: move the rest, then every node learns the new owner (MOVED)
+            rest = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
+            if rest:
+                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *rest)
+            for node in cluster.nodes:
+                r = redis.Redis(port=node.port)
+                r.execute_command("CLUSTER SETSLOT", slot, "NODE", tgt_id)
+                r.close()
+            assert b.set(same[5], values[same[5]]) is True
+            assert b.batch_exists(same) == 6
+            for k in same:
+                got = b.get(k)
+                assert got is not None and torch.equal(got, values[k])
+            assert tgt.dbsize() >= 6
+            b.clear()
+            assert b.batch_exists(same) == 0
+            assert not list(tgt.scan_iter(match=b._prefix + "*"))
+            src.close()
+            tgt.close()
+        finally:
+            b.close()
+
+
+def test_a_frozen_cluster_node_costs_one_timeout_not_one_per_key(tmp_path: Path) -> None:
+    """A node that stops answering without closing its sockets (SIGSTOP): its pages fail
+    after about one socket_timeout (redis-py alone re-sends each slot's command, one
+    timeout each), the other nodes' pages still come back, and after SIGCONT all is well."""
+    import signal
+
+    with running_cluster(tmp_path) as cluster:
+        b = backend(cluster.url, cluster=True, socket_timeout=1.0, connect_timeout=1.0)
+        victim = cluster.nodes[2]
+        try:
+            keys = [f"k{i}" for i in range(90)]
+            values = [torch.full((2000,), i, dtype=torch.uint8) for i in range(90)]
+            assert all(b.batch_set(keys, values))
+            frozen = {
+                k for k in keys if _slot_owner(cluster, b._prefix + b.object_path(k))[1] is victim
+            }
+            assert len(frozen) > 10
+            assert victim.proc is not None
+            victim.proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            got = b.batch_get(keys)
+            took = time.monotonic() - t0
+            for k, v, g in zip(keys, values, got, strict=True):
+                if k in frozen:
+                    assert g is None
+                else:
+                    assert g is not None and torch.equal(g, v)
+            assert took < 8, took  # one timeout (1 s) plus slack; per key it was > 25 s
+            t0 = time.monotonic()
+            assert b.batch_set(["n" + k for k in keys], values).count(True) <= 90 - len(frozen)
+            assert b.batch_exists(sorted(frozen)) == 0
+            assert time.monotonic() - t0 < 16
+            victim.proc.send_signal(signal.SIGCONT)
+            cluster.wait_settled()
+            assert b.batch_exists(keys) == 90  # its pages were never lost, only late
+        finally:
+            if victim.proc is not None:
+                victim.proc.send_signal(signal.SIGCONT)
+            b.close()

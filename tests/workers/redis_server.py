@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def binary() -> str:
@@ -40,36 +43,114 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A test CA, a server certificate for 127.0.0.1/localhost and a client one, all PEM."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_tls_files(folder: Path) -> TlsFiles:
+    """Generate (with openssl) a CA and the two certificates it signs, into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def ossl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ca, ca_key = folder / "ca.crt", folder / "ca.key"
+    ossl("req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca), "-days", "2",
+         "-subj", "/CN=hicache test CA")  # fmt: skip
+    for who, names in (("server", "IP:127.0.0.1,DNS:localhost"), ("client", "DNS:client")):
+        key, csr, crt = (folder / f"{who}.{ext}" for ext in ("key", "csr", "crt"))
+        ossl("req", *ec, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={who}")
+        ext = folder / f"{who}.ext"
+        ext.write_text(f"subjectAltName={names}\n")
+        ossl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+             "-CAcreateserial", "-out", str(crt), "-days", "2", "-extfile", str(ext))  # fmt: skip
+    return TlsFiles(ca, folder / "server.crt", folder / "server.key",
+                    folder / "client.crt", folder / "client.key")  # fmt: skip
+
+
 class RedisServer:
     """One ``redis-server`` process; ``url`` once started. ``stop()`` and ``start()`` again
-    keep the port (a restart of the same server)."""
+    keep the port (a restart of the same server).
 
-    def __init__(self, workdir: Path, *args: str) -> None:
+    With ``tls`` it listens for TLS only (``url`` is ``rediss://``; ``client_auth`` makes
+    it ask clients for a certificate); with ``unix_socket`` on that socket only.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        *args: str,
+        tls: TlsFiles | None = None,
+        client_auth: bool = False,
+        unix_socket: Path | None = None,
+    ) -> None:
         self.workdir = workdir
         self.args = args
         self.port = free_port()
+        self.tls = tls
+        self.client_auth = client_auth
+        self.unix_socket = unix_socket
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        if self.unix_socket is not None:
+            return f"unix://{self.unix_socket}?db=0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+
+    def _listen_args(self) -> list[str]:
+        if self.unix_socket is not None:
+            return ["--port", "0", "--unixsocket", str(self.unix_socket), "--unixsocketperm", "700"]
+        if self.tls is None:
+            return ["--port", str(self.port)]
+        t = self.tls
+        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(t.server_cert),
+                "--tls-key-file", str(t.server_key), "--tls-ca-cert-file", str(t.ca),
+                "--tls-auth-clients", "yes" if self.client_auth else "no"]  # fmt: skip
+
+    def _ping(self) -> bytes:
+        if self.unix_socket is not None:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(0.5)
+                s.connect(str(self.unix_socket))
+                s.sendall(b"PING\r\n")
+                return s.recv(64)
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            if self.tls is None:
+                s.sendall(b"PING\r\n")
+                return s.recv(64)
+            ctx = ssl.create_default_context(cafile=str(self.tls.ca))
+            if self.client_auth:
+                ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+            with ctx.wrap_socket(s, server_hostname="127.0.0.1") as t:
+                t.sendall(b"PING\r\n")
+                return t.recv(64)
 
     def start(self, timeout: float = 10.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        cmd = [binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+        cmd = [binary(), "--bind", "127.0.0.1", *self._listen_args(), "--save", "",
                "--appendonly", "no", "--protected-mode", "yes", "--dir", str(self.workdir),
                "--daemonize", "no", *self.args]  # fmt: skip
+        log = self.workdir / "redis.log"
+        cmd += ["--logfile", str(log)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"redis-server exited ({self.proc.returncode}): {err[-500:]}")
+                if log.is_file():
+                    err += log.read_text(errors="replace")
+                raise RuntimeError(f"redis-server exited ({self.proc.returncode}): {err[-800:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    reply = s.recv(64)
-                if reply.startswith((b"+PONG", b"-NOAUTH")):
+                if self._ping().startswith((b"+PONG", b"-NOAUTH")):
                     return
             except OSError:
                 pass
@@ -89,8 +170,8 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def running(workdir: Path, *args: str) -> Iterator[RedisServer]:
-    server = RedisServer(workdir, *args)
+def running(workdir: Path, *args: str, **kwargs: Any) -> Iterator[RedisServer]:
+    server = RedisServer(workdir, *args, **kwargs)
     server.start()
     try:
         yield server
@@ -141,10 +222,17 @@ class RedisClusterServers:
         if done.returncode != 0:
             self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-500:]}")
+        try:
+            self.wait_settled(timeout)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def wait_settled(self, timeout: float = 30.0) -> None:
+        """Return once every node sees the whole cluster ``ok`` (after start or a restart)."""
         deadline = time.monotonic() + timeout
         while not all(self._settled(n) for n in self.nodes):
             if time.monotonic() > deadline:
-                self.stop()
                 raise RuntimeError("the Redis Cluster did not settle")
             time.sleep(0.1)
 
