@@ -293,26 +293,30 @@ class RedisBackend(BlobStore[RedisOptions]):
     def _execute(self, pipe: Any) -> list[Any]:
         """Run a pipeline: one answer or error per command, in order.
 
-        It raises only when no command could be sent. In a cluster, redis-py re-sends each command that met a timeout alone, one more
-        timeout each: a frozen node (a stopped process, a silent network) would hold a
-        batch for as many timeouts as it has keys there. So the commands go out once
-        without redirections; only those answered ``MOVED``, ``ASK`` or ``TRYAGAIN`` go
-        again, through the client's redirection handling, and a node that timed out
-        fails its pages after one timeout.
+        Standalone, it raises only when the server cannot be reached. In a cluster:
+
+        * redis-py re-sends each command that met a timeout alone, one more timeout
+          each, so a frozen node (a stopped process, a silent network) would hold a
+          batch for as many timeouts as it has keys there. The commands go out once
+          without redirections; only those answered ``MOVED``, ``ASK`` or ``TRYAGAIN``
+          go again, through the client, which follows the redirection.
+        * redis-py fails the whole batch when it cannot connect to one node (refused,
+          or a handshake that timed out); then the commands go again one node at a
+          time, so only that node's pages fail.
         """
         if not self.options.cluster:
             return list(pipe.execute(raise_on_error=False))
-        queue = getattr(getattr(pipe, "_execution_strategy", None), "command_queue", None)
-        if not isinstance(queue, list):  # a redis-py without it: its own handling
+        queue = _queued(pipe)
+        if queue is None:  # a redis-py without it: its own handling
             return list(pipe.execute(raise_on_error=False))
         from redis.exceptions import AskError, MovedError, TryAgainError
+        from redis.exceptions import ConnectionError as Unreachable
+        from redis.exceptions import TimeoutError as TimedOut
 
         try:
-            replies = list(
-                pipe.send_cluster_commands(queue, raise_on_error=False, allow_redirections=False)
-            )
-        finally:
-            pipe.reset()
+            replies = self._send_once(pipe, queue)
+        except (Unreachable, TimedOut):  # a node could not be reached
+            replies = self._node_by_node(queue)
         redirected = [
             i for i, r in enumerate(replies) if isinstance(r, (MovedError, AskError, TryAgainError))
         ]
@@ -321,6 +325,41 @@ class RedisBackend(BlobStore[RedisOptions]):
             for i in redirected:
                 again.execute_command(*queue[i].args, **queue[i].options)
             for i, reply in zip(redirected, again.execute(raise_on_error=False), strict=True):
+                replies[i] = reply
+        return replies
+
+    @staticmethod
+    def _send_once(pipe: Any, queue: list[Any]) -> list[Any]:
+        """A cluster pipeline's commands sent once, without following redirections."""
+        try:
+            return list(
+                pipe.send_cluster_commands(queue, raise_on_error=False, allow_redirections=False)
+            )
+        finally:
+            pipe.reset()
+
+    def _node_by_node(self, queue: list[Any]) -> list[Any]:
+        """The commands of ``queue``, one pipeline per node, one node after another.
+
+        A node that cannot be reached fails its own commands only.
+        """
+        from redis.exceptions import RedisError
+
+        groups: dict[str, list[int]] = {}
+        for i, command in enumerate(queue):
+            node = self._client.get_node_from_key(command.args[1])
+            groups.setdefault(node.name if node is not None else "", []).append(i)
+        replies: list[Any] = [None] * len(queue)
+        for idx in groups.values():
+            pipe = self._client.pipeline()
+            for i in idx:
+                pipe.execute_command(*queue[i].args, **queue[i].options)
+            part = _queued(pipe)
+            try:
+                got: list[Any] = self._send_once(pipe, part if part is not None else [])
+            except RedisError as exc:
+                got = [exc] * len(idx)
+            for i, reply in zip(idx, got, strict=True):
                 replies[i] = reply
         return replies
 
@@ -458,6 +497,12 @@ def _count(reply: object) -> bool | Exception:
     if type(reply) is int and reply in (0, 1):
         return bool(reply)
     return BackendError(f"unexpected reply: {type(reply).__name__}")
+
+
+def _queued(pipe: Any) -> list[Any] | None:
+    """The commands queued in a redis-py cluster pipeline (None where it keeps them elsewhere)."""
+    queue = getattr(getattr(pipe, "_execution_strategy", None), "command_queue", None)
+    return queue if isinstance(queue, list) else None
 
 
 def _tls_refused(exc: BaseException) -> bool:

@@ -7,7 +7,8 @@ segments), in batches of 128:
 * **ours**: ``batch_set_v1`` / ``batch_get_v1`` of the pages of a host pool (header and
   xxh3 checksum written, verified on every read);
 * **raw**: redis-py, a pipeline of ``SET`` of each page's bytes (joined from its
-  segments, as any client must) and a pipeline of ``GET``, each value copied into the
+  segments, which redis-py's hiredis packer copies once more; ours sends views of the
+  segments) and a pipeline of ``GET``, each value copied into the
   destination page's segments.
 
 Then ``batch_exists(128)`` of stored keys against a raw pipeline of 128 ``EXISTS``.
@@ -143,7 +144,11 @@ def main() -> int:
         ("200 x 2 MiB", BenchShape(pages=200, batch=128)),
     ]
     with tempfile.TemporaryDirectory(prefix="redis-bench-") as work, running(Path(work)) as srv:
-        print(f"redis-server on 127.0.0.1:{srv.port}, {args.rounds} rounds, medians")
+        import redis
+
+        with redis.Redis.from_url(srv.url) as probe:
+            version = probe.info("server")["redis_version"]
+        print(f"redis-server {version} on 127.0.0.1:{srv.port}, {args.rounds} rounds, medians")
         print(f"{'pages':14s} {'ours set':>9s} {'raw set':>9s} {'ratio':>6s} "
               f"{'ours get':>9s} {'raw get':>9s} {'ratio':>6s}   (GB/s)")  # fmt: skip
         for label, shape in shapes:
