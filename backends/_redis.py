@@ -14,6 +14,7 @@ import functools
 import os
 import re
 import ssl
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
@@ -60,7 +61,8 @@ class RedisOptions(BlobOptions):
             evicted by the server's ``maxmemory`` policy.
         socket_timeout: seconds a command may take before the call fails.
         connect_timeout: seconds to connect before the call fails.
-        max_connections: connections in the pool (the engine calls from a few threads).
+        max_connections: connections in the pool (the engine calls from a few threads);
+            standalone servers only (a cluster client keeps a pool per node, unbounded).
         clear_batch: keys per ``SCAN`` step and per ``UNLINK`` of ``clear()``.
         cluster: the URL names one node of a Redis Cluster: batches are split by the
             owner of each key's slot (one pipeline per node), and ``clear()`` scans every
@@ -69,9 +71,11 @@ class RedisOptions(BlobOptions):
             server's certificate must chain to (default: the system's).
         ssl_certfile, ssl_keyfile: a client certificate and its private key (PEM files),
             for a server that asks clients for one (``tls-auth-clients``).
-        ssl_cert_reqs: ``required`` (default), ``optional`` or ``none`` (no check of the
-            server's certificate: only for tests).
-        ssl_check_hostname: the server's certificate must name the host of the URL.
+        ssl_cert_reqs: ``required``, ``optional`` or ``none`` (no check of the server's
+            certificate: only for tests); default: the URL's ``ssl_cert_reqs``, else
+            ``required``.
+        ssl_check_hostname: the server's certificate must name the host of the URL;
+            default: the URL's, else yes (no with ``ssl_cert_reqs`` ``none``).
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -89,8 +93,8 @@ class RedisOptions(BlobOptions):
     ssl_ca_certs: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
-    ssl_cert_reqs: Literal["required", "optional", "none"] = "required"
-    ssl_check_hostname: bool = True
+    ssl_cert_reqs: Literal["required", "optional", "none"] | None = None
+    ssl_check_hostname: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.url:
@@ -138,6 +142,7 @@ class RedisBackend(BlobStore[RedisOptions]):
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config, **options)
         self._client: Any = None
+        self._down: dict[str, float] = {}  # cluster node -> until when it is left alone
         try:
             import redis
             from redis.connection import parse_url
@@ -217,12 +222,16 @@ class RedisBackend(BlobStore[RedisOptions]):
             return {}
         for name, path in asked.items():
             if not os.path.isfile(path):
-                raise ConfigError(f"{name}: no such file: {path}")
-        return {
-            **asked,
-            "ssl_cert_reqs": opts.ssl_cert_reqs,
-            "ssl_check_hostname": opts.ssl_check_hostname and opts.ssl_cert_reqs != "none",
-        }
+                raise ConfigError(f"{name}: not a file: {path}")
+        out: dict[str, Any] = dict(asked)
+        reqs = opts.ssl_cert_reqs if opts.ssl_cert_reqs is not None else parts.get("ssl_cert_reqs")
+        if reqs is not None:
+            out["ssl_cert_reqs"] = reqs
+        if opts.ssl_check_hostname is not None:
+            out["ssl_check_hostname"] = opts.ssl_check_hostname
+        elif reqs == "none" and "ssl_check_hostname" not in parts:
+            out["ssl_check_hostname"] = False  # nothing is checked: nor is the name
+        return out
 
     def _is_cluster_node(self) -> bool:
         """True if the server says it runs in cluster mode (False if it may not say)."""
@@ -293,33 +302,42 @@ class RedisBackend(BlobStore[RedisOptions]):
     def _execute(self, pipe: Any) -> list[Any]:
         """Run a pipeline: one answer or error per command, in order.
 
-        Standalone, it raises only when the server cannot be reached. In a cluster:
+        Standalone, it raises only when the server cannot be reached. In a cluster it
+        raises only for a command that could not be routed, and:
 
         * redis-py re-sends each command that met a timeout alone, one more timeout
           each, so a frozen node (a stopped process, a silent network) would hold a
           batch for as many timeouts as it has keys there. The commands go out once
-          without redirections; only those answered ``MOVED``, ``ASK`` or ``TRYAGAIN``
-          go again, through the client, which follows the redirection.
+          without redirections; only those answered ``MOVED`` or ``ASK`` go again,
+          through the client, which follows the redirection (``TRYAGAIN`` is left to
+          the caller: see :meth:`_cluster_mget`).
         * redis-py fails the whole batch when it cannot connect to one node (refused,
           or a handshake that timed out); then the commands go again one node at a
-          time, so only that node's pages fail.
+          time, so only that node's pages fail; and for :meth:`_pause` seconds that
+          node's commands fail at once, without a connection attempt.
         """
         if not self.options.cluster:
             return list(pipe.execute(raise_on_error=False))
         queue = _queued(pipe)
         if queue is None:  # a redis-py without it: its own handling
             return list(pipe.execute(raise_on_error=False))
-        from redis.exceptions import AskError, MovedError, TryAgainError
+        from redis.exceptions import AskError, MovedError
         from redis.exceptions import ConnectionError as Unreachable
         from redis.exceptions import TimeoutError as TimedOut
 
-        try:
-            replies = self._send_once(pipe, queue)
-        except (Unreachable, TimedOut):  # a node could not be reached
+        if self._paused_nodes():
+            pipe.reset()
             replies = self._node_by_node(queue)
-        redirected = [
-            i for i, r in enumerate(replies) if isinstance(r, (MovedError, AskError, TryAgainError))
-        ]
+        else:
+            try:
+                replies = self._send_once(pipe, queue)
+            except (Unreachable, TimedOut):  # a node could not be reached
+                replies = self._node_by_node(queue)
+            else:
+                for command, reply in zip(queue, replies, strict=True):
+                    if isinstance(reply, (Unreachable, TimedOut)):
+                        self._pause_node(self._node_of(command))
+        redirected = [i for i, r in enumerate(replies) if isinstance(r, (MovedError, AskError))]
         if redirected:
             again = self._client.pipeline()
             for i in redirected:
@@ -338,30 +356,61 @@ class RedisBackend(BlobStore[RedisOptions]):
         finally:
             pipe.reset()
 
+    def _node_of(self, command: Any) -> str:
+        node = self._client.get_node_from_key(command.args[1])
+        return str(node.name) if node is not None else ""
+
     def _node_by_node(self, queue: list[Any]) -> list[Any]:
         """The commands of ``queue``, one pipeline per node, one node after another.
 
-        A node that cannot be reached fails its own commands only.
+        A node that cannot be reached fails its own commands only, and is paused.
         """
+        from redis.exceptions import ConnectionError as Unreachable
         from redis.exceptions import RedisError
+        from redis.exceptions import TimeoutError as TimedOut
 
         groups: dict[str, list[int]] = {}
         for i, command in enumerate(queue):
-            node = self._client.get_node_from_key(command.args[1])
-            groups.setdefault(node.name if node is not None else "", []).append(i)
+            groups.setdefault(self._node_of(command), []).append(i)
         replies: list[Any] = [None] * len(queue)
-        for idx in groups.values():
-            pipe = self._client.pipeline()
-            for i in idx:
-                pipe.execute_command(*queue[i].args, **queue[i].options)
-            part = _queued(pipe)
-            try:
-                got: list[Any] = self._send_once(pipe, part if part is not None else [])
-            except RedisError as exc:
-                got = [exc] * len(idx)
+        paused = self._paused_nodes()
+        for node, idx in groups.items():
+            got: list[Any]
+            if node in paused:
+                got = [BackendUnavailableError(f"redis node {node} did not answer lately")] * len(
+                    idx
+                )
+            else:
+                pipe = self._client.pipeline()
+                for i in idx:
+                    pipe.execute_command(*queue[i].args, **queue[i].options)
+                part = _queued(pipe)
+                try:
+                    got = self._send_once(pipe, part if part is not None else [])
+                except (Unreachable, TimedOut) as exc:
+                    self._pause_node(node)
+                    got = [exc] * len(idx)
+                except RedisError as exc:
+                    got = [exc] * len(idx)
             for i, reply in zip(idx, got, strict=True):
                 replies[i] = reply
         return replies
+
+    def _pause(self) -> float:
+        """Seconds a cluster node that did not answer is left alone: twice the timeout."""
+        return min(30.0, max(1.0, 2 * self.options.socket_timeout))
+
+    def _pause_node(self, node: str) -> None:
+        self._down[node] = time.monotonic() + self._pause()
+
+    def _paused_nodes(self) -> set[str]:
+        if not self._down:
+            return set()
+        now = time.monotonic()
+        for node, until in list(self._down.items()):
+            if until <= now:
+                self._down.pop(node, None)  # its next command tries it again
+        return set(self._down)
 
     def _why(self, exc: BaseException) -> str:
         """An error's text without secrets (the server or the client may echo them)."""
@@ -383,8 +432,12 @@ class RedisBackend(BlobStore[RedisOptions]):
         """One ``MGET`` per slot, in one pipeline per node; a failed node fails its pages.
 
         (redis-py's ``mget_nonatomic`` fails the whole batch for one node, and after a
-        timeout re-sends each slot's ``MGET`` alone, one timeout after another.)
+        timeout re-sends each slot's ``MGET`` alone, one timeout after another.) A slot
+        in the middle of a migration answers ``TRYAGAIN`` to an ``MGET`` of keys on both
+        sides: its keys are read again one ``GET`` each.
         """
+        from redis.exceptions import TryAgainError
+
         by_slot: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
             by_slot.setdefault(self._client.keyslot(key), []).append(i)
@@ -392,13 +445,22 @@ class RedisBackend(BlobStore[RedisOptions]):
         for idx in by_slot.values():
             pipe.execute_command("MGET", *[keys[i] for i in idx])
         out: list[bytes | Exception | None] = [None] * len(keys)
+        split: list[int] = []  # keys of slots being migrated, part here and part there
         for idx, reply in zip(by_slot.values(), self._execute(pipe), strict=True):
-            if isinstance(reply, Exception):
+            if isinstance(reply, TryAgainError):
+                split += idx
+            elif isinstance(reply, Exception):
                 for i in idx:
                     out[i] = reply
             else:
                 for i, value in zip(idx, reply, strict=True):
                     out[i] = value
+        if split:  # one GET per key: each follows its own ASK
+            pipe = self._pipeline()
+            for i in split:
+                pipe.get(keys[i])
+            for i, value in zip(split, self._execute(pipe), strict=True):
+                out[i] = value
         return out
 
     @override
@@ -467,9 +529,14 @@ class RedisBackend(BlobStore[RedisOptions]):
         """Close the client and every connection of its pool (the client does not own it)."""
         if self._client is None:
             return
+        if self.options.cluster:  # every node's pool: the nodes' clients do not own them
+            for node in self._client.get_nodes():
+                if node.redis_connection is not None:
+                    node.redis_connection.connection_pool.disconnect()
+            self._client.close()
+            return
         self._client.close()
-        if not self.options.cluster:
-            self._client.connection_pool.disconnect()
+        self._client.connection_pool.disconnect()
 
     @override
     def __repr__(self) -> str:
@@ -506,13 +573,23 @@ def _queued(pipe: Any) -> list[Any] | None:
 
 
 def _tls_refused(exc: BaseException) -> bool:
-    """True if ``exc`` (or what caused it) is a failed TLS handshake or certificate check."""
+    """True if ``exc`` (or what caused it) is a TLS failure that configuration causes.
+
+    A certificate that does not verify, one the server wants and did not get, or a
+    certificate or key file that cannot be used; not a connection cut during the
+    handshake (a busy server), which is the server's state, not the configuration.
+    """
     seen: BaseException | None = exc
     for _ in range(8):
         if seen is None:
             return False
-        if isinstance(seen, ssl.SSLError):
+        if isinstance(seen, ssl.SSLCertVerificationError):
             return True
+        if isinstance(seen, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)):
+            return False
+        if isinstance(seen, ssl.SSLError):
+            text = f"{seen.reason or ''} {seen}".upper()
+            return any(w in text for w in ("CERTIFICATE", "PEM", "KEY", "X509", "CA_MD"))
         seen = seen.__cause__ or seen.__context__
     return False
 
@@ -526,8 +603,10 @@ class _Value:
     __slots__ = ("nbytes", "parts")
 
     def __init__(self, parts: Segments) -> None:
-        self.parts = parts
-        self.nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+        views = [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
+        # (a strided view cannot go to a socket as it is: its bytes, in order, can)
+        self.parts = [v if v.c_contiguous else memoryview(v.tobytes()) for v in views]
+        self.nbytes = sum(v.nbytes for v in self.parts)
 
 
 class _PagePacker:
@@ -557,8 +636,7 @@ class _PagePacker:
                 buff += b"$%d\r\n%b\r\n" % (len(data), data)
                 continue
             buff += b"$%d\r\n" % arg.nbytes
-            for part in arg.parts:
-                view = part if isinstance(part, memoryview) else memoryview(part)
+            for view in arg.parts:
                 if view.nbytes > _INLINE_MAX:
                     out.append(buff)
                     out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)

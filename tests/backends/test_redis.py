@@ -324,9 +324,10 @@ class TestRedisClusterConformance(BackendConformance):
 def test_a_cluster_spreads_pages_over_its_nodes_and_clear_reaches_every_one(
     cluster: RedisClusterServers,
 ) -> None:
+    nodes = [raw(n.url) for n in cluster.nodes]
+    start = sum(len(n.client_list()) for n in nodes)  # ours, and what other tests left
     b = backend(cluster.url, "a", cluster=True)
     other = backend(cluster.url, "b", cluster=True, prefix=b._prefix)
-    nodes = [raw(n.url) for n in cluster.nodes]
     try:
         keys = [f"k{i}" for i in range(200)]
         values = [torch.full((512,), i % 251, dtype=torch.uint8) for i in range(200)]
@@ -345,8 +346,12 @@ def test_a_cluster_spreads_pages_over_its_nodes_and_clear_reaches_every_one(
         assert [len(list(n.scan_iter(match=pattern))) for n in nodes] == [0, 0, 0]
         assert b.batch_exists(keys) == 0
         assert other.batch_exists(keys[:20]) == 20
-    finally:
         other.clear()
+        assert sum(len(n.client_list()) for n in nodes) > start
+        b.close()  # closes its connections to every node
+        other.close()
+        assert sum(len(n.client_list()) for n in nodes) == start
+    finally:
         b.close()
         other.close()
         for n in nodes:
@@ -440,7 +445,7 @@ def test_tls_with_the_test_ca(tmp_path: Path, tls_files: TlsFiles) -> None:
 def test_tls_options_are_checked_at_construction(tmp_path: Path, tls_files: TlsFiles) -> None:
     with pytest.raises(ConfigError, match="need a rediss:// url"):
         backend("redis://127.0.0.1:1/0", ssl_ca_certs=str(tls_files.ca))
-    with pytest.raises(ConfigError, match="no such file"):
+    with pytest.raises(ConfigError, match="not a file"):
         backend("rediss://127.0.0.1:1/0", ssl_ca_certs=str(tmp_path / "missing.crt"))
     with pytest.raises(ConfigError, match="needs ssl_certfile"):
         backend("rediss://127.0.0.1:1/0", ssl_keyfile=str(tls_files.client_key))
@@ -573,8 +578,11 @@ def test_pages_stay_right_while_their_slot_migrates(tmp_path: Path) -> None:
             src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", tgt_id)
             moved = [full(k) for k in same[:2]]
             src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *moved)
-            # mid-migration: two pages on each node, ASK for those moved
+            # mid-migration: two pages on each node, ASK for those moved; an MGET of the
+            # slot's keys is refused (TRYAGAIN): every page must still come back
             assert b.batch_exists(same[:4]) == 4
+            for k, got_one in zip(same[:4], b.batch_get(same[:4]), strict=True):
+                assert got_one is not None and torch.equal(got_one, values[k])
             for k in same[:4]:
                 got = b.get(k)
                 assert got is not None and torch.equal(got, values[k])
@@ -623,15 +631,16 @@ def test_a_frozen_cluster_node_costs_one_timeout_not_one_per_key(tmp_path: Path)
             assert len(frozen) > 10
             assert victim.proc is not None
             victim.proc.send_signal(signal.SIGSTOP)
-            t0 = time.monotonic()
-            got = b.batch_get(keys)
-            took = time.monotonic() - t0
-            for k, v, g in zip(keys, values, got, strict=True):
-                if k in frozen:
-                    assert g is None
-                else:
-                    assert g is not None and torch.equal(g, v)
-            assert took < 8, took  # one timeout (1 s) plus slack; per key it was > 25 s
+            for _ in range(3):  # the first batch meets the node; the next ones skip it
+                t0 = time.monotonic()
+                got = b.batch_get(keys)
+                took = time.monotonic() - t0
+                for k, v, g in zip(keys, values, got, strict=True):
+                    if k in frozen:
+                        assert g is None
+                    else:
+                        assert g is not None and torch.equal(g, v)
+                assert took < 8, took  # one timeout (1 s) plus slack; per key it was > 25 s
             t0 = time.monotonic()
             on_frozen = sorted(frozen)
             assert b.batch_set(on_frozen, values[: len(on_frozen)]) == [False] * len(on_frozen)
@@ -640,7 +649,8 @@ def test_a_frozen_cluster_node_costs_one_timeout_not_one_per_key(tmp_path: Path)
             assert time.monotonic() - t0 < 16
             victim.proc.send_signal(signal.SIGCONT)
             cluster.wait_settled()
-            assert b.batch_exists(keys) == 90  # its pages were never lost, only late
+            time.sleep(b._pause())  # the node is left alone for a while after it failed
+            assert b.batch_exists(keys) == 90  # then its pages are back (never lost)
         finally:
             if victim.proc is not None:
                 victim.proc.send_signal(signal.SIGCONT)
@@ -668,3 +678,23 @@ def test_pages_survive_a_killed_server_with_an_fsynced_append_only_file(tmp_path
     finally:
         b.close()
         srv.stop()
+
+
+def test_only_tls_failures_of_configuration_are_config_errors() -> None:
+    """A certificate that does not verify is the configuration's fault; a handshake cut
+    short (a server at maxclients drops the connection) is the server's state."""
+    import ssl
+
+    from hicache_storage.backends._redis import _tls_refused
+
+    def wrapped(inner: BaseException) -> Exception:
+        outer = ConnectionError("Error connecting")
+        outer.__cause__ = inner
+        return outer
+
+    assert _tls_refused(wrapped(ssl.SSLCertVerificationError(1, "certificate verify failed")))
+    assert not _tls_refused(wrapped(ssl.SSLEOFError(8, "EOF occurred in violation of protocol")))
+    assert not _tls_refused(
+        wrapped(ssl.SSLZeroReturnError(6, "TLS/SSL connection has been closed"))
+    )
+    assert not _tls_refused(wrapped(OSError("Connection refused")))
