@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from hicache_storage.backends._memory import MemoryBackend, MemoryOptions
     from hicache_storage.backends._mmap import MmapBackend, MmapOptions
     from hicache_storage.backends._redis import RedisBackend, RedisOptions
+    from hicache_storage.backends._s3 import S3Backend, S3Options
     from hicache_storage.backends._shm import ShmBackend, ShmOptions
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
     "MmapOptions",
     "RedisBackend",
     "RedisOptions",
+    "S3Backend",
+    "S3Options",
     "ShmBackend",
     "ShmOptions",
 ]
@@ -42,6 +45,8 @@ _LAZY = {
     "ShmOptions": "hicache_storage.backends._shm",
     "RedisBackend": "hicache_storage.backends._redis",
     "RedisOptions": "hicache_storage.backends._redis",
+    "S3Backend": "hicache_storage.backends._s3",
+    "S3Options": "hicache_storage.backends._s3",
 }
 
 

@@ -1,0 +1,671 @@
+"""The ``s3`` backend: pages as objects of an S3 bucket, or of any fsspec filesystem.
+
+Built on :class:`~hicache_storage.storekit.blobstore.BlobStore` (every object is the
+core header then the page, so a short, truncated, foreign or renamed object is a miss)
+and on ``fsspec``: s3fs's async client for ``s3://`` (AWS, MinIO, Ceph, SeaweedFS,
+moto...), and the same code over any other fsspec filesystem (``memory://``,
+``file://``, ``gcs://``...). Every batch runs concurrently, at most ``max_concurrency``
+requests at a time, on one event loop owned by the backend
+(:class:`~hicache_storage.storekit.aioloop.LoopThread`); each call has a deadline.
+
+On S3 a page is written with ``If-None-Match: *`` (first writer wins, atomically, in
+the store), as one ``PutObject`` or, from ``multipart_threshold`` up, a multipart
+upload whose completion carries the same condition. Options, guarantees and costs per
+request: ``docs/backends/s3.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from typing_extensions import override
+
+from hicache_storage.config import Size, redact_text, scrub
+from hicache_storage.config import secret as _secret
+from hicache_storage.errors import (
+    BackendError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    ConfigError,
+    ErrorMap,
+)
+from hicache_storage.keys import KEY_MAX_LEN
+from hicache_storage.protocol import Capabilities
+from hicache_storage.storekit.aioloop import LoopThread
+from hicache_storage.storekit.blobstore import PRESENT, BlobOptions, BlobStore, Present, Segments
+from hicache_storage.storekit.header import HEADER_SIZE
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Coroutine, Sequence
+
+    from hicache_storage.config import StorageConfig
+    from hicache_storage.keys import ObjectName
+
+__all__ = ["S3Backend", "S3Options"]
+
+T = TypeVar("T")
+
+#: The longest object key S3 accepts, in bytes of UTF-8.
+S3_KEY_MAX_BYTES = 1024
+#: Error codes of answers worth asking again (throttling, a server's transient fault).
+_RETRY_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+    "TooManyRequestsException", "RequestTimeout", "RequestTimeTooSkewed", "InternalError",
+    "ServiceUnavailable", "503", "500", "502", "504",
+})  # fmt: skip
+#: Error codes that mean the credentials, not the store, are wrong.
+_CREDENTIAL_CODES = frozenset({
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
+    "ExpiredToken", "AuthorizationHeaderMalformed", "403",
+})  # fmt: skip
+_16_MIB = Size(16 * 2**20)
+#: Filesystems (fsspec protocols) whose writes publish a whole object at once.
+_ATOMIC_PUT = frozenset({"memory", "gcs", "gs", "abfs", "az", "adl", "oss", "s3", "s3a"})
+
+
+@dataclass(frozen=True)
+class S3Options(BlobOptions):
+    """Options of the ``s3`` backend (environment: ``HICACHE_STORAGE_S3_<NAME>``).
+
+    Attributes:
+        url: where the objects go: ``s3://bucket[/prefix]``, or any fsspec URL
+            (``memory://root``, ``file:///path``, ``gcs://bucket/prefix``...). Instead
+            of it, ``bucket`` (and ``prefix``) name an S3 location.
+        bucket: the S3 bucket (when ``url`` is not given).
+        prefix: what every object key starts with, before the object name (joined
+            with a ``/``).
+        endpoint_url: an S3-compatible server (MinIO, Ceph, SeaweedFS, moto...);
+            default: AWS.
+        region: the region of the bucket (default: the client's configuration).
+        key, secret, token: credentials; default: the usual chain (environment,
+            ``~/.aws``, instance role). Never logged or shown.
+        path_style: address the bucket in the path (``host/bucket/key``), as most
+            servers other than AWS want; default: the client's choice.
+        max_concurrency: requests in flight at once, over all calls of this backend.
+        exists_lookahead: ``batch_exists`` asks about this many keys ahead of the first
+            unanswered one, and asks nothing past the first miss.
+        negative_cache_ttl: seconds a key found absent is answered absent without a
+            request (0: off). Another writer's page can be missed for that long.
+        multipart_threshold: objects of this size or more are written by multipart
+            upload, in parts of half this size (S3 wants parts of at least 5 MiB).
+        retries: times a request that met throttling (``503 SlowDown``) or a transient
+            fault is sent again, with exponential backoff and jitter, within the deadline.
+        deadline: seconds an engine-facing call may take, retries included.
+        connect_timeout: seconds to connect to the server.
+        read_timeout: seconds to wait for an answer on a connection.
+        storage_options: more keyword arguments for the fsspec filesystem (a JSON
+            object in the environment). Never shown: it may hold credentials.
+    """
+
+    url: str | None = None
+    bucket: str | None = None
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+    key: str | None = _secret()
+    secret: str | None = _secret()
+    token: str | None = _secret()
+    path_style: bool = False
+    max_concurrency: int = 32
+    exists_lookahead: int = 16
+    negative_cache_ttl: float = 0.0
+    multipart_threshold: Size = _16_MIB
+    retries: int = 4
+    deadline: float = 30.0
+    connect_timeout: float = 5.0
+    read_timeout: float = 30.0
+    storage_options: dict[str, Any] | str | None = _secret()  # noqa: RUF009 - a field
+
+    def fs_options(self) -> dict[str, Any]:
+        """``storage_options`` as a dict (a copy; empty when not given)."""
+        return dict(self.storage_options) if isinstance(self.storage_options, dict) else {}
+
+    def __post_init__(self) -> None:
+        if (self.url is None) == (self.bucket is None):
+            raise ConfigError("give either url (s3://bucket/prefix, or any fsspec URL) or bucket")
+        if self.max_concurrency < 1 or self.exists_lookahead < 1:
+            raise ConfigError("max_concurrency and exists_lookahead must be >= 1")
+        if self.retries < 0:
+            raise ConfigError("retries must be >= 0")
+        for name in ("deadline", "connect_timeout", "read_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be a positive number of seconds")
+        if self.negative_cache_ttl < 0:
+            raise ConfigError("negative_cache_ttl must be >= 0")
+        if self.multipart_threshold < 2:
+            raise ConfigError("multipart_threshold must be at least 2 bytes")
+        if isinstance(self.storage_options, str):
+            import json
+
+            try:
+                parsed = json.loads(self.storage_options)
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise ConfigError("storage_options must be a JSON object")
+            object.__setattr__(self, "storage_options", parsed)
+        elif self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ConfigError("storage_options must be a mapping")
+
+
+def _errors() -> ErrorMap:
+    mapping: dict[type[BaseException], type[BackendError]] = {
+        asyncio.TimeoutError: BackendTimeoutError,
+        ConnectionError: BackendUnavailableError,
+        PermissionError: BackendError,
+        OSError: BackendUnavailableError,
+    }
+    try:
+        from botocore import exceptions as bx
+    except ImportError:  # pragma: no cover - the tests install it
+        return mapping
+    mapping.update({
+        bx.ConnectTimeoutError: BackendTimeoutError,
+        bx.ReadTimeoutError: BackendTimeoutError,
+        bx.EndpointConnectionError: BackendUnavailableError,
+        bx.HTTPClientError: BackendUnavailableError,
+        bx.ClientError: BackendError,
+        bx.BotoCoreError: BackendError,
+    })  # fmt: skip
+    return mapping
+
+
+class S3Backend(BlobStore[S3Options]):
+    """Pages as objects, written and read concurrently on the backend's event loop."""
+
+    name = "s3"
+    capabilities = Capabilities(delete=True, persistent=True, shared=True)
+    options_class = S3Options
+    error_map: ClassVar[ErrorMap] = _errors()
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config, **options)
+        self._loop = LoopThread(f"hicache-s3-{self.namespace.digest[:12]}", self._forget_session)
+        self._fs: Any = None
+        self._gate: asyncio.Semaphore | None = None
+        self._absent: dict[str, float] = {}  # object path -> when it was found absent
+        self._absent_lock = threading.Lock()
+        opts = self.options
+        protocol, self._bucket, root = self._location()
+        self._s3 = protocol in ("s3", "s3a")
+        self._protocol = protocol
+        self._root = root  # "bucket/prefix" (S3) or the filesystem's path of the prefix
+        self._where = (
+            f"{redact_text(opts.endpoint_url or 'AWS S3')} bucket {self._bucket}"
+            if self._s3
+            else f"{protocol}://{root}"
+        )
+        self._secrets = [v for v in (opts.key, opts.secret, opts.token) if v]
+        self._secrets += [v for v in opts.fs_options().values() if isinstance(v, str) and v]
+        self._check_key_length()
+        if not self._s3 and protocol == "memory":
+            self.capabilities = Capabilities(delete=True)  # this process only, not kept
+        elif not self._s3 and protocol == "file":
+            self.capabilities = Capabilities(delete=True, persistent=True, shared=True)
+        try:
+            self._loop.run(self._open(), opts.deadline)
+        except (ConfigError, BackendError):
+            self.close()
+            raise
+        except Exception as exc:  # noqa: BLE001 - any client failure at construction
+            self.close()
+            raise BackendUnavailableError(f"cannot reach {self._where}: {self._why(exc)}") from None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _location(self) -> tuple[str, str, str]:
+        """(fsspec protocol, bucket or "", root path of this backend's objects)."""
+        opts = self.options
+        prefix = opts.prefix.strip("/")
+        if opts.url is None:
+            bucket = opts.bucket or ""
+            _check_bucket(bucket)
+            return "s3", bucket, "/".join(p for p in (bucket, prefix) if p)
+        from fsspec.utils import get_protocol
+
+        protocol = get_protocol(opts.url)
+        if protocol in ("s3", "s3a"):
+            rest = opts.url.split("://", 1)[1].strip("/")
+            bucket = rest.split("/", 1)[0]
+            _check_bucket(bucket)
+            return "s3", bucket, "/".join(p for p in (rest, prefix) if p)
+        try:
+            import fsspec
+
+            cls = fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(f"no fsspec filesystem for {protocol}://: {exc}") from None
+        root = str(cls._strip_protocol(opts.url)).rstrip("/")
+        return protocol, "", "/".join(p for p in (root, prefix) if p)
+
+    def _check_key_length(self) -> None:
+        """The longest object key this backend can make fits S3's limit (1024 bytes)."""
+        if not self._s3:
+            return
+        shard = self.config.shard
+        longest = (
+            len(self._key_prefix().encode())
+            + len(self.namespace.digest) + 4 + KEY_MAX_LEN + (len(shard) + 1 if shard else 0)
+        )  # fmt: skip
+        if longest > S3_KEY_MAX_BYTES:
+            raise ConfigError(
+                f"prefix is too long: object keys would reach {longest} bytes, over S3's "
+                f"{S3_KEY_MAX_BYTES} (keys of {KEY_MAX_LEN} characters)"
+            )
+
+    def _key_prefix(self) -> str:
+        """What every object key starts with, inside the bucket (S3)."""
+        rest = self._root[len(self._bucket) :].strip("/")
+        return rest + "/" if rest else ""
+
+    def _filesystem(self) -> Any:
+        """The fsspec filesystem, built on the backend's loop (asynchronous where it can)."""
+        opts = self.options
+        extra = opts.fs_options()
+        if self._s3:
+            import s3fs
+
+            config: dict[str, Any] = {
+                "connect_timeout": opts.connect_timeout,
+                "read_timeout": opts.read_timeout,
+                "max_pool_connections": opts.max_concurrency,
+                "retries": {"total_max_attempts": 1},  # ours, with the deadline in view
+            }
+            if opts.path_style:
+                config["s3"] = {"addressing_style": "path"}
+            client: dict[str, Any] = {}
+            if opts.endpoint_url:
+                client["endpoint_url"] = opts.endpoint_url
+            if opts.region:
+                client["region_name"] = opts.region
+            creds = {k: v for k, v in (("key", opts.key), ("secret", opts.secret),
+                                       ("token", opts.token)) if v}  # fmt: skip
+            fs = s3fs.S3FileSystem(
+                asynchronous=True, loop=self._loop.loop, skip_instance_cache=True,
+                use_listings_cache=False, max_concurrency=1,
+                config_kwargs=config, client_kwargs=client, **creds, **extra,
+            )  # fmt: skip
+            fs.retries = 1  # s3fs's own loop: one attempt (the retries are ours)
+            return fs
+        import fsspec
+
+        cls = fsspec.get_filesystem_class(self._protocol)
+        if getattr(cls, "async_impl", False):
+            return cls(asynchronous=True, loop=self._loop.loop, skip_instance_cache=True, **extra)
+        return cls(skip_instance_cache=True, **extra)
+
+    async def _open(self) -> None:
+        """Build the client on the loop and check the location: a clear error now."""
+        self._gate = asyncio.Semaphore(self.options.max_concurrency)
+        self._fs = self._filesystem()
+        if not self._s3:
+            await self._call(self._fs_call("makedirs", self._root, exist_ok=True))
+            return
+        await self._fs.set_session()
+        client = await self._fs.get_s3(self._bucket)
+        try:
+            await client.list_objects_v2(Bucket=self._bucket, Prefix=self._key_prefix(), MaxKeys=1)
+        except Exception as exc:
+            code = _code(exc)
+            if code in ("NoSuchBucket", "404"):
+                raise ConfigError(f"{self._where}: the bucket does not exist") from None
+            if code in _CREDENTIAL_CODES:
+                raise ConfigError(
+                    f"{self._where} refused the credentials: {self._why(exc)}"
+                ) from None
+            if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+                raise ConfigError(
+                    f"{self._where}: no credentials (options key and secret, or the usual "
+                    "chain: environment, ~/.aws, instance role)"
+                ) from None
+            raise
+
+    def _forget_session(self) -> None:
+        """In a forked child: the parent's client lived on the parent's loop."""
+        self._fs = None
+        self._gate = None
+
+    async def _ready(self) -> tuple[Any, asyncio.Semaphore]:
+        """The client and the concurrency gate (rebuilt in a forked child)."""
+        if self._fs is None or self._gate is None:
+            self._gate = asyncio.Semaphore(self.options.max_concurrency)
+            self._fs = self._filesystem()
+            if self._s3:
+                await self._fs.set_session()
+        return self._fs, self._gate
+
+    # ------------------------------------------------------------------ requests
+
+    def _fs_call(self, method: str, *args: Any, **kwargs: Any) -> Callable[[], Awaitable[Any]]:
+        """A request on the filesystem: its async method, or its sync one in a thread."""
+
+        async def request() -> Any:
+            fs, _ = await self._ready()
+            if getattr(fs, "async_impl", False) and getattr(fs, "asynchronous", False):
+                return await getattr(fs, "_" + method)(*args, **kwargs)
+            return await asyncio.to_thread(getattr(fs, method), *args, **kwargs)
+
+        return request
+
+    def _s3_call(self, method: str, **kwargs: Any) -> Callable[[], Awaitable[Any]]:
+        async def request() -> Any:
+            fs, _ = await self._ready()
+            return await fs._call_s3(method, **kwargs)
+
+        return request
+
+    async def _call(self, request: Callable[[], Awaitable[Any]]) -> Any:
+        """One request, at most ``max_concurrency`` at once, retried on transient faults."""
+        _, gate = await self._ready()
+        attempt = 0
+        while True:
+            async with gate:
+                try:
+                    return await request()
+                except (FileNotFoundError, FileExistsError):
+                    raise
+                except Exception as exc:
+                    if attempt >= self.options.retries or not _transient(exc):
+                        raise
+            # 50 ms, 100 ms, 200 ms... up to 2 s, with full jitter; the deadline cuts it
+            await asyncio.sleep(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
+            attempt += 1
+
+    def _path(self, name: ObjectName) -> str:
+        return f"{self._root}/{name.path}"
+
+    async def _get_one(self, path: str) -> bytes | None:
+        try:
+            if self._s3:
+                bucket, key = self._split(path)
+
+                async def read() -> bytes:
+                    fs, _ = await self._ready()
+                    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+                    try:
+                        return bytes(await resp["Body"].read())
+                    finally:
+                        resp["Body"].close()
+
+                return bytes(await self._call(read))
+            return bytes(await self._call(self._fs_call("cat_file", path)))
+        except FileNotFoundError:
+            return None
+
+    async def _head_one(self, path: str) -> bool:
+        if self._negative(path):
+            return False
+        try:
+            if self._s3:
+                bucket, key = self._split(path)
+                info = await self._call(self._s3_call("head_object", Bucket=bucket, Key=key))
+                size = int(info.get("ContentLength", 0))
+            else:
+                info = await self._call(self._fs_call("info", path))
+                if info.get("type") not in (None, "file"):
+                    return False
+                size = int(info.get("size") or 0)
+        except FileNotFoundError:
+            self._remember_absent(path)
+            return False
+        return size >= HEADER_SIZE  # shorter: not one of ours (a miss, as a read would say)
+
+    async def _put_one(self, path: str, data: bytes) -> bool | Present:
+        self._forget_absent(path)
+        opts = self.options
+        try:
+            if self._s3:
+                await self._call(
+                    self._fs_call(
+                        "pipe_file", path, data, mode="create",
+                        chunksize=max(1, opts.multipart_threshold // 2),
+                        max_concurrency=min(8, opts.max_concurrency),
+                    )
+                )  # fmt: skip
+                return True
+            if await self._call(self._fs_call("exists", path)):
+                return PRESENT  # (not atomic with the write below: see the docs)
+            if self._protocol in _ATOMIC_PUT:
+                await self._call(self._fs_call("pipe_file", path, data))
+                return True
+            # Elsewhere (local and network file systems) a write is seen while it runs:
+            # write a temporary name beside it, then rename it into place.
+            temp = f"{path}.tmp-{uuid.uuid4().hex}"
+            await self._call(self._fs_call("makedirs", path.rsplit("/", 1)[0], exist_ok=True))
+            await self._call(self._fs_call("pipe_file", temp, data))
+            try:
+                await self._call(self._fs_call("mv", temp, path))
+            except BaseException:
+                await self._best_effort(self._fs_call("rm_file", temp))
+                raise
+            return True
+        except FileExistsError:
+            return PRESENT
+
+    async def _delete_one(self, path: str) -> bool:
+        if not await self._head_one(path):
+            return False
+        if self._s3:
+            bucket, key = self._split(path)
+            await self._call(self._s3_call("delete_object", Bucket=bucket, Key=key))
+        else:
+            await self._call(self._fs_call("rm_file", path))
+        self._remember_absent(path)
+        return True
+
+    async def _best_effort(self, request: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await request()
+        except Exception:  # noqa: BLE001, S110 - cleaning up after a failure
+            pass
+
+    def _split(self, path: str) -> tuple[str, str]:
+        bucket, _, key = path.partition("/")
+        return bucket, key
+
+    # ------------------------------------------------------------------ negative cache
+
+    def _negative(self, path: str) -> bool:
+        ttl = self.options.negative_cache_ttl
+        if not ttl:
+            return False
+        with self._absent_lock:
+            seen = self._absent.get(path)
+            if seen is None:
+                return False
+            if time.monotonic() - seen < ttl:
+                return True
+            del self._absent[path]
+            return False
+
+    def _remember_absent(self, path: str) -> None:
+        if not self.options.negative_cache_ttl:
+            return
+        with self._absent_lock:
+            if len(self._absent) >= 65536:  # bounded: drop the oldest half
+                for stale in list(self._absent)[:32768]:
+                    del self._absent[stale]
+            self._absent[path] = time.monotonic()
+
+    def _forget_absent(self, path: str) -> None:
+        if self._absent:
+            with self._absent_lock:
+                self._absent.pop(path, None)
+
+    # ------------------------------------------------------------------ BlobStore's part
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run(coro, self.options.deadline)
+
+    @staticmethod
+    async def _each(coros: Sequence[Awaitable[Any]]) -> list[Any]:
+        """Every coroutine's result or exception, in order (the gate bounds them)."""
+        return list(await asyncio.gather(*coros, return_exceptions=True))
+
+    @override
+    def _get_blobs(self, names: list[ObjectName]) -> Sequence[bytes | Exception | None]:
+        return self._run(self._each([self._get_one(self._path(n)) for n in names]))
+
+    @override
+    def _put_blobs_if_absent(
+        self, names: list[ObjectName], blobs: list[Segments]
+    ) -> list[bool | Present | Exception]:
+        # One copy: an object body is one buffer (the segments are views of the pool).
+        coros = [
+            self._put_one(self._path(n), b"".join(s)) for n, s in zip(names, blobs, strict=True)
+        ]
+        return self._run(self._each(coros))
+
+    @override
+    def _exists_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
+        return self._run(self._each([self._head_one(self._path(n)) for n in names]))
+
+    @override
+    def _delete_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
+        return self._run(self._each([self._delete_one(self._path(n)) for n in names]))
+
+    @override
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """The number of leading keys present, asked ``exists_lookahead`` keys ahead.
+
+        Requests go out in order, at most ``exists_lookahead`` beyond the first key not
+        yet answered; the first miss (or failure) ends the call, and the requests still
+        in flight are cancelled.
+        """
+        paths = [self._path(self.object_name(k)) for k in keys]
+        with self._errors():
+            count, error = self._run(self._leading_run(paths))
+        if error is not None:
+            self._item_failed("batch_exists", error)
+            self._add_item_errors(1)
+        return int(count)
+
+    async def _leading_run(self, paths: list[str]) -> tuple[int, BaseException | None]:
+        window = self.options.exists_lookahead
+        pending: collections.deque[asyncio.Task[bool]] = collections.deque()
+        nxt = count = 0
+        try:
+            while True:
+                while len(pending) < window and nxt < len(paths):
+                    pending.append(asyncio.ensure_future(self._head_one(paths[nxt])))
+                    nxt += 1
+                if not pending:
+                    return count, None
+                try:
+                    present = await pending.popleft()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the run ends at a failed key
+                    return count, exc
+                if not present:
+                    return count, None
+                count += 1
+        finally:
+            for task in pending:
+                task.cancel()
+
+    @override
+    def _clear_namespace(self) -> None:
+        self._run(self._clear())
+
+    async def _clear(self) -> None:
+        """Remove every object under this namespace's prefix, a page of keys at a time."""
+        base = f"{self._root}/{self.namespace_prefix}"
+        with self._absent_lock:
+            self._absent.clear()
+        if not self._s3:
+            if await self._call(self._fs_call("exists", base.rstrip("/"))):
+                await self._call(self._fs_call("rm", base.rstrip("/"), recursive=True))
+            return
+        bucket, prefix = self._split(base)
+        token: str | None = None
+        while True:
+            listing = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": 1000}
+            if token:
+                listing["ContinuationToken"] = token
+            page = await self._call(self._s3_call("list_objects_v2", **listing))
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                done = await self._call(
+                    self._s3_call(
+                        "delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True}
+                    )
+                )
+                if done.get("Errors"):
+                    first = done["Errors"][0]
+                    raise BackendError(
+                        f"{self._where}: {len(done['Errors'])} objects not removed "
+                        f"({first.get('Code')}: {first.get('Message')})"
+                    )
+            if not page.get("IsTruncated"):
+                return
+            token = page.get("NextContinuationToken")
+
+    # ------------------------------------------------------------------ the rest
+
+    def _why(self, exc: BaseException) -> str:
+        """An error's text without secrets (a client may echo them)."""
+        return scrub(f"{type(exc).__name__}: {exc}", self._secrets)
+
+    @override
+    def close(self) -> None:
+        fs, self._fs = self._fs, None
+        final = None
+        if fs is not None and self._s3 and getattr(fs, "_s3", None) is not None:
+            final = fs._s3.close()
+        self._loop.close(final)
+
+    @override
+    def __repr__(self) -> str:
+        return f"S3Backend(location={self._where!r}, namespace={self.namespace.digest})"
+
+
+def _check_bucket(bucket: str) -> None:
+    if not 3 <= len(bucket) <= 63 or bucket != bucket.lower() or "/" in bucket:
+        raise ConfigError(
+            f"bad bucket name {bucket!r}: 3 to 63 lower-case letters, digits, '.' and '-'"
+        )
+
+
+def _code(exc: BaseException) -> str:
+    """The S3 error code of ``exc`` or of what caused it ("" when it has none)."""
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            return ""
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error") or {}
+            code = str(error.get("Code") or "")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return code or (str(status) if status else "")
+        seen = seen.__cause__ or seen.__context__
+    return ""
+
+
+def _transient(exc: BaseException) -> bool:
+    """True if ``exc`` is worth a retry: throttling, a 5xx, a dropped connection."""
+    if _code(exc) in _RETRY_CODES:
+        return True
+    try:
+        from botocore import exceptions as bx
+    except ImportError:  # pragma: no cover
+        return False
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            return False
+        if isinstance(seen, (bx.HTTPClientError, bx.ConnectionError, asyncio.TimeoutError)):
+            return True
+        name = type(seen).__name__
+        if name in ("ClientPayloadError", "ServerDisconnectedError", "ClientOSError"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -1,0 +1,487 @@
+"""The ``s3`` backend against a real S3 server (moto's, started by these tests), and over
+other fsspec filesystems (``memory://``, ``file://``)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache_storage import KVCacheNamespace, StorageConfig
+from hicache_storage.conformance import BackendConformance, BackendSpec
+from hicache_storage.errors import BackendUnavailableError, ConfigError
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+
+from fault_proxy import FaultProxy
+from moto_server import MotoServer, running_moto
+from redis_server import free_port
+
+pytestmark = pytest.mark.s3
+
+BUCKET = "hicache-test"
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    with running_moto() as srv:
+        srv.make_bucket(BUCKET)
+        yield srv
+
+
+def options(srv: MotoServer, **extra: Any) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "bucket": BUCKET, "prefix": f"t-{uuid.uuid4().hex[:8]}", "endpoint_url": srv.endpoint,
+        "region": "us-east-1", "key": srv.key, "secret": srv.secret,
+    }  # fmt: skip
+    opts.update(extra)
+    return opts
+
+
+def backend(tenant: str = "t", **opts: Any):  # -> S3Backend
+    from hicache_storage.backends import S3Backend
+
+    ns = KVCacheNamespace(model_id="m", dtype="uint8", page_size=4, tenant=tenant)
+    return S3Backend(StorageConfig(namespace=ns), **opts)
+
+
+def page(value: int, n: int = 4096) -> torch.Tensor:
+    return torch.full((n,), value % 256, dtype=torch.uint8)
+
+
+class TestS3Conformance(BackendConformance):
+    @pytest.fixture
+    def backend_spec(self, moto: MotoServer) -> BackendSpec:
+        return BackendSpec("s3", options(moto, deadline=20.0))
+
+    @pytest.fixture
+    def break_store(self, moto: MotoServer) -> Callable[[object], Any]:
+        """The server killed, then started again on its port (empty: the bucket is made
+        again, as an operator would)."""
+
+        @contextlib.contextmanager
+        def broken(_backend: object) -> Iterator[None]:
+            moto.stop()
+            try:
+                yield
+            finally:
+                moto.start()
+                moto.make_bucket(BUCKET)
+
+        return broken
+
+
+class TestFsspecMemoryConformance(BackendConformance):
+    """The same backend over fsspec's in-process ``memory://`` filesystem."""
+
+    @pytest.fixture
+    def backend_spec(self) -> BackendSpec:
+        return BackendSpec("s3", {"url": f"memory://hicache-kit-{uuid.uuid4().hex[:8]}"})
+
+
+class TestFsspecLocalConformance(BackendConformance):
+    """The same backend over fsspec's ``file://`` filesystem (temporary name, then rename)."""
+
+    @pytest.fixture
+    def backend_spec(self, tmp_path: Path) -> BackendSpec:
+        return BackendSpec("s3", {"url": f"file://{tmp_path}/kit"})
+
+
+def test_round_trip_first_writer_wins_and_misses(moto: MotoServer) -> None:
+    b = backend(**options(moto))
+    try:
+        keys = [f"k{i}" for i in range(20)]
+        assert b.batch_set(keys, [page(i) for i in range(20)]) == [True] * 20
+        assert b.set("k0", page(99)) is True  # already stored: kept, not replaced
+        got = b.batch_get([*keys, "absent"])
+        assert got[-1] is None
+        for i, g in enumerate(got[:-1]):
+            assert g is not None and torch.equal(g, page(i))
+        assert b.batch_exists([*keys[:5], "absent", *keys[5:]]) == 5
+        assert b.delete("k3") is True
+        assert b.delete("k3") is False
+        assert b.batch_exists(keys) == 3
+    finally:
+        b.clear()
+        b.close()
+
+
+def test_two_writers_racing_on_one_key_leave_one_whole_value(moto: MotoServer) -> None:
+    """Conditional writes (If-None-Match: *): one value is stored, whole, and every later
+    read of every instance returns that one."""
+    opts = options(moto)
+    writers = [backend(**opts) for _ in range(4)]
+    try:
+        keys = [f"race{i}" for i in range(10)]
+        start = threading.Barrier(len(writers))
+        results: list[list[bool]] = []
+
+        def write(w: int) -> None:
+            start.wait()
+            results.append(writers[w].batch_set(keys, [page(w, 70_000)] * len(keys)))
+
+        threads = [threading.Thread(target=write, args=(w,)) for w in range(len(writers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(all(r) for r in results)  # each is told the key holds a value
+        for key in keys:
+            seen = {bytes(w.get(key).numpy()) for w in writers}
+            assert len(seen) == 1
+            (value,) = seen
+            assert value in {bytes(page(w, 70_000).numpy()) for w in range(len(writers))}
+    finally:
+        writers[0].clear()
+        for w in writers:
+            w.close()
+
+
+def test_clear_removes_this_namespace_only(moto: MotoServer) -> None:
+    opts = options(moto)
+    mine, other = backend("a", **opts), backend("b", **opts)
+    s3 = moto.client()
+    try:
+        keys = [f"k{i}" for i in range(30)]
+        assert all(mine.batch_set(keys, [page(1)] * 30))
+        assert all(other.batch_set(keys, [page(2)] * 30))
+        lookalike = f"{opts['prefix']}/{mine.namespace.digest}x/00/k"  # same start, not ours
+        s3.put_object(Bucket=BUCKET, Key=lookalike, Body=b"foreign")
+        mine.clear()
+        assert mine.batch_exists(keys) == 0
+        assert other.batch_exists(keys) == 30
+        assert s3.get_object(Bucket=BUCKET, Key=lookalike)["Body"].read() == b"foreign"
+        assert all(mine.batch_set(keys, [page(1)] * 30))  # usable again
+    finally:
+        mine.clear()
+        other.clear()
+        mine.close()
+        other.close()
+
+
+def test_clear_pages_through_more_than_one_listing(moto: MotoServer) -> None:
+    b = backend(**options(moto, max_concurrency=16))
+    try:
+        keys = [f"k{i}" for i in range(1100)]  # over 1000: two listings, two deletes
+        for i in range(0, 1100, 100):
+            assert all(b.batch_set(keys[i : i + 100], [page(j, 64) for j in range(i, i + 100)]))
+        b.clear()
+        assert b.batch_exists(keys[:1]) == 0
+        assert b.batch_exists(keys[-1:]) == 0
+        assert (
+            not moto.client().list_objects_v2(Bucket=BUCKET, Prefix=b._key_prefix()).get("Contents")
+        )
+    finally:
+        b.close()
+
+
+def test_short_truncated_and_foreign_objects_are_misses(moto: MotoServer) -> None:
+    b = backend(**options(moto))
+    s3 = moto.client()
+    try:
+        assert b.set("good", page(5, 1000))
+        key = b._key_prefix() + b.object_path("good")
+        stored = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+        s3.put_object(Bucket=BUCKET, Key=key, Body=stored[:-10])  # truncated behind our back
+        assert b.get("good") is None
+        s3.put_object(Bucket=BUCKET, Key=b._key_prefix() + b.object_path("short"), Body=b"x" * 10)
+        assert b.exists("short") is False  # shorter than any header: not ours
+        assert b.get("short") is None
+        s3.put_object(Bucket=BUCKET, Key=b._key_prefix() + b.object_path("planted"),
+                      Body=b"\x00" * 300)  # fmt: skip
+        assert b.get("planted") is None
+        assert b.get_stats().corrupt_objects >= 3
+        assert b.set("good", page(5, 1000)) is True  # the bad value was removed: stored again
+        got = b.get("good")
+        assert got is not None and torch.equal(got, page(5, 1000))
+    finally:
+        b.clear()
+        b.close()
+
+
+def test_a_missing_bucket_is_a_config_error(moto: MotoServer) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        backend(**options(moto, bucket="no-such-bucket"))
+    with pytest.raises(ConfigError, match="bad bucket name"):
+        backend(**options(moto, bucket="Bad_Bucket"))
+
+
+def test_nothing_listening_is_unavailable_at_construction() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailableError, match="cannot reach"):
+        backend(bucket=BUCKET, endpoint_url=f"http://127.0.0.1:{free_port()}", key="k",
+                secret="s", region="us-east-1", connect_timeout=1.0, retries=1)  # fmt: skip
+    assert time.monotonic() - t0 < 15
+
+
+def test_wrong_credentials_are_a_config_error_and_never_shown() -> None:
+    with running_moto(enforce_auth=True) as srv:
+        srv.make_bucket(BUCKET)
+        good = backend(**options(srv))
+        try:
+            assert good.set("k", page(1)) is True
+            assert srv.secret not in repr(good)
+            assert srv.secret not in repr(good.options)
+        finally:
+            good.clear()
+            good.close()
+        with pytest.raises(ConfigError, match="refused the credentials") as err:
+            backend(**options(srv, secret="wrong-secret-value-7"))
+        assert "wrong-secret-value-7" not in f"{err.value} {err.value!r}"
+        with pytest.raises(ConfigError, match="refused the credentials"):
+            backend(**options(srv, key="AKIAUNKNOWNKEY000000"))
+
+
+def test_object_keys_at_the_s3_length_limit(moto: MotoServer) -> None:
+    """The longest key (200 characters) with a prefix that brings its object key to
+    exactly 1024 bytes works; one byte more is refused at construction."""
+    probe = backend(**options(moto, prefix="p"))
+    fixed = len(probe._key_prefix()) - 1 + len(probe.object_path("x" * 200))  # all but the "p"
+    probe.close()
+    prefix = "p" * (1024 - fixed)
+    b = backend(**options(moto, prefix=prefix))
+    try:
+        key = "k" * 200
+        assert len((b._key_prefix() + b.object_path(key)).encode()) == 1024
+        assert b.set(key, page(3)) is True
+        got = b.get(key)
+        assert got is not None and torch.equal(got, page(3))
+    finally:
+        b.clear()
+        b.close()
+    with pytest.raises(ConfigError, match="too long"):
+        backend(**options(moto, prefix=prefix + "p"))
+
+
+def test_large_pages_go_as_multipart_uploads(moto: MotoServer) -> None:
+    """From multipart_threshold up a page is a multipart upload (parts of half the
+    threshold), still first writer wins, and reads back byte-exact."""
+    b = backend(**options(moto, multipart_threshold=10 * 2**20))
+    try:
+        big = torch.randint(0, 256, (12 * 2**20,), dtype=torch.uint8)
+        assert b.set("big", big) is True
+        head = moto.client().head_object(Bucket=BUCKET, Key=b._key_prefix() + b.object_path("big"))
+        assert head["ETag"].strip('"').endswith("-3")  # 5 + 5 + 2 MiB (+ the header)
+        assert b.set("big", torch.zeros(12 * 2**20, dtype=torch.uint8)) is True  # kept
+        got = b.get("big")
+        assert got is not None and torch.equal(got, big)
+        small = page(7, 100_000)
+        assert b.set("small", small) is True
+        head = moto.client().head_object(
+            Bucket=BUCKET, Key=b._key_prefix() + b.object_path("small")
+        )
+        assert "-" not in head["ETag"]  # one PutObject
+    finally:
+        b.clear()
+        b.close()
+
+
+def test_batch_exists_asks_nothing_past_the_first_miss(moto: MotoServer) -> None:
+    b = backend(**options(moto, exists_lookahead=4))
+    asked: list[str] = []
+    head = b._head_one
+
+    async def counting(path: str) -> bool:
+        asked.append(path)
+        return await head(path)
+
+    b._head_one = counting
+    try:
+        keys = [f"k{i}" for i in range(100)]
+        assert all(b.batch_set(keys[:5], [page(i) for i in range(5)]))
+        assert b.batch_exists(keys) == 5
+        assert len(asked) <= 5 + 1 + 4  # the run, the miss, at most the look-ahead
+        asked.clear()
+        assert all(b.batch_set(keys, [page(i) for i in range(100)]))
+        assert b.batch_exists(keys) == 100
+        assert len(asked) == 100
+    finally:
+        b.clear()
+        b.close()
+
+
+def test_the_negative_cache_answers_absent_for_its_ttl(moto: MotoServer) -> None:
+    opts = options(moto)
+    cached = backend(**opts, negative_cache_ttl=1.0)
+    writer = backend(**opts)
+    try:
+        assert cached.exists("k") is False
+        assert writer.set("k", page(1)) is True
+        assert cached.exists("k") is False  # remembered absent (another writer's page)
+        time.sleep(1.1)
+        assert cached.exists("k") is True
+        assert cached.exists("k2") is False
+        assert cached.set("k2", page(2)) is True  # its own write forgets the absence
+        assert cached.exists("k2") is True
+    finally:
+        writer.clear()
+        cached.close()
+        writer.close()
+
+
+def test_throttling_is_retried_with_backoff(moto: MotoServer) -> None:
+    """503 SlowDown answers are retried (the caller sees successes); a store that keeps
+    throttling past the retries gives failure shapes, not exceptions."""
+    proxy = FaultProxy(moto.port)
+    b = backend(**options(moto, endpoint_url=proxy.endpoint, retries=4))
+    try:
+        proxy.slowdowns_left = 6  # spread over the first requests of the batch
+        assert b.batch_set([f"k{i}" for i in range(8)], [page(i) for i in range(8)]) == [True] * 8
+        assert proxy.slowdowns_left == 0
+        proxy.slowdowns_left = 3
+        got = b.batch_get([f"k{i}" for i in range(8)])
+        assert all(g is not None and torch.equal(g, page(i)) for i, g in enumerate(got))
+        proxy.slowdowns_left = 10_000  # throttled for good
+        assert b.batch_set(["x1", "x2"], [page(1), page(2)]) == [False, False]
+        assert b.get("k0") is None
+        assert b.get_stats().ops["batch_set"].errors >= 2
+        proxy.slowdowns_left = 0
+        assert b.set("x1", page(1)) is True
+    finally:
+        proxy.slowdowns_left = 0
+        b.clear()
+        b.close()
+        proxy.close()
+
+
+def test_a_call_that_hangs_ends_at_its_deadline(moto: MotoServer) -> None:
+    proxy = FaultProxy(moto.port)
+    b = backend(**options(moto, endpoint_url=proxy.endpoint, deadline=2.0, read_timeout=30.0))
+    try:
+        assert b.set("k", page(1)) is True
+        proxy.stalled.set()
+        t0 = time.monotonic()
+        assert b.batch_get(["k"]) == [None]
+        assert b.batch_exists(["k"]) == 0
+        assert b.set("k2", page(2)) is False
+        assert time.monotonic() - t0 < 12  # three calls, a 2 s deadline each
+        proxy.stalled.clear()
+        got = b.get("k")  # the same instance goes on
+        assert got is not None and torch.equal(got, page(1))
+    finally:
+        proxy.stalled.clear()
+        b.clear()
+        b.close()
+        proxy.close()
+
+
+def test_a_server_stopped_mid_use_gives_failure_shapes_then_recovers() -> None:
+    srv = MotoServer()
+    srv.start()
+    srv.make_bucket(BUCKET)
+    b = backend(**options(srv, deadline=5.0, connect_timeout=1.0, retries=2))
+    try:
+        assert b.set("before", page(1)) is True
+        srv.stop()
+        t0 = time.monotonic()
+        assert b.batch_set(["a", "b"], [page(2), page(3)]) == [False, False]
+        assert b.batch_exists(["before"]) == 0
+        assert b.get("before") is None
+        assert time.monotonic() - t0 < 20
+        assert b.get_stats().ops["batch_set"].errors >= 1
+        srv.start()  # same port, empty (moto keeps nothing)
+        srv.make_bucket(BUCKET)
+        assert b.set("after", page(4)) is True  # the same instance recovers
+        got = b.get("after")
+        assert got is not None and torch.equal(got, page(4))
+    finally:
+        b.close()
+        srv.stop()
+
+
+def test_engine_threads_share_the_loop(moto: MotoServer) -> None:
+    b = backend(**options(moto, max_concurrency=4))
+    failures: list[object] = []
+
+    def work(t: int) -> None:
+        for i in range(5):
+            keys = [f"t{t}-{i}-{j}" for j in range(8)]
+            values = [page(t * 100 + i * 10 + j, 2048) for j in range(8)]
+            if not all(b.batch_set(keys, values)):
+                failures.append(("set", t, i))
+            got = b.batch_get(keys)
+            if not all(
+                g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True)
+            ):
+                failures.append(("get", t, i))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert failures == []
+    finally:
+        b.clear()
+        b.close()
+
+
+def _child_round_trip(opts: dict[str, Any], queue: Any) -> None:
+    b = _CHILD_BACKEND[0]
+    try:
+        ok = b.set("from-child", page(42)) is True
+        got = b.get("from-parent")
+        queue.put(ok and got is not None and bool(torch.equal(got, page(41))))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        queue.put(repr(exc))
+
+
+_CHILD_BACKEND: list[Any] = []
+
+
+def test_a_forked_child_gets_a_loop_of_its_own(moto: MotoServer) -> None:
+    """Threads do not survive fork: a child using the parent's instance starts a new
+    event loop and client, and works."""
+    opts = options(moto)
+    b = backend(**opts)
+    _CHILD_BACKEND[:] = [b]
+    try:
+        assert b.set("from-parent", page(41)) is True
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_child_round_trip, args=(opts, queue))
+        child.start()
+        answer = queue.get(timeout=60)
+        child.join(30)
+        assert answer is True
+        got = b.get("from-child")  # and the parent's loop still works
+        assert got is not None and torch.equal(got, page(42))
+    finally:
+        _CHILD_BACKEND.clear()
+        b.clear()
+        b.close()
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="either url"):
+        backend()
+    with pytest.raises(ConfigError, match="either url"):
+        backend(url="s3://abc/x", bucket="abc")
+    with pytest.raises(ConfigError, match="no fsspec filesystem"):
+        backend(url="nosuchproto://x")
+    with pytest.raises(ConfigError):
+        backend(url="memory://x", max_concurrency=0)
+    with pytest.raises(ConfigError, match="JSON object"):
+        backend(url="memory://x", storage_options="[1]")
+
+
+def test_an_s3_url_names_bucket_and_prefix(moto: MotoServer) -> None:
+    b = backend(url=f"s3://{BUCKET}/from-url/deeper", endpoint_url=moto.endpoint,
+                region="us-east-1", key=moto.key, secret=moto.secret)  # fmt: skip
+    try:
+        assert b.set("k", page(1)) is True
+        listed = moto.client().list_objects_v2(Bucket=BUCKET, Prefix="from-url/deeper/")
+        assert [o["Key"] for o in listed["Contents"]] == [b._key_prefix() + b.object_path("k")]
+    finally:
+        b.clear()
+        b.close()

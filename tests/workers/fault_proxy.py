@@ -1,0 +1,89 @@
+"""An HTTP proxy in front of a real server that injects faults, for the S3 tests.
+
+It forwards every request to the upstream server (moto on 127.0.0.1) and returns its
+answer, except while a fault is set: ``slowdown`` answers ``503 SlowDown`` (S3's
+throttling reply) to the next N requests, ``stall`` holds every request without an
+answer until cleared. It counts the requests it saw.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+_SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+
+
+class FaultProxy:
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.requests = 0
+        self.slowdowns_left = 0
+        self.stalled = threading.Event()  # set: hold requests
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy._lock:
+                    proxy.requests += 1
+                    slow = proxy.slowdowns_left > 0
+                    if slow:
+                        proxy.slowdowns_left -= 1
+                while proxy.stalled.is_set() and not proxy._closing:
+                    proxy.stalled.wait(0.05)
+                    if not proxy.stalled.is_set():
+                        break
+                if slow:
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(_SLOWDOWN)))
+                    self.end_headers()
+                    self.wfile.write(_SLOWDOWN)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self._closing = False
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._closing = True
+        self.stalled.clear()
+        self.server.shutdown()
+        self.server.server_close()
