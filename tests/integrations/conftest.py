@@ -49,3 +49,19 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):  # -> Iterator[str]
         sglang_pools.REDIS_URL[:] = [server.url]
         yield server.url
         sglang_pools.REDIS_URL.clear()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def s3_server():  # -> Iterator[str]
+    """One real S3 server (moto's) on 127.0.0.1 for the tests that run SGLang on ``s3``."""
+    import sglang_pools
+    from moto_server import running_moto
+
+    with running_moto() as server:
+        server.make_bucket("hicache-sglang")
+        sglang_pools.S3_OPTIONS.update(
+            endpoint_url=server.endpoint, bucket="hicache-sglang", key=server.key,
+            secret=server.secret, region="us-east-1",
+        )  # fmt: skip
+        yield server.endpoint
+        sglang_pools.S3_OPTIONS.clear()

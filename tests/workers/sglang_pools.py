@@ -120,12 +120,21 @@ def page_bytes(pool: Any, first_index: int) -> bytes:
 REDIS_URL: list[str] = []
 
 
+#: The s3 backend's options for the moto server the integration tests run (set by their
+#: conftest: endpoint_url, bucket, key, secret, region).
+S3_OPTIONS: dict[str, Any] = {}
+
+
 def backend_options(name: str, tmp_path: Path) -> dict[str, Any]:
     """Options of each backend, in ``tmp_path``, for the adapter's extra config."""
     if name == "redis":
         if not REDIS_URL:
             raise RuntimeError("no redis-server: tests/integrations/conftest.py starts one")
         return {"url": REDIS_URL[0], "prefix": f"sglang-{tmp_path.name}:"}
+    if name == "s3":
+        if not S3_OPTIONS:
+            raise RuntimeError("no S3 server: tests/integrations/conftest.py starts one")
+        return {**S3_OPTIONS, "prefix": f"sglang-{tmp_path.name}"}
     options: dict[str, dict[str, Any]] = {
         "file": {"root": str(tmp_path / "file")},
         "shm": {"directory": str(tmp_path / "shm")},
