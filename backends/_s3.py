@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import logging
+import os
 import random
 import threading
 import time
@@ -58,7 +61,7 @@ S3_KEY_MAX_BYTES = 1024
 _RETRY_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
     "TooManyRequestsException", "RequestTimeout", "RequestTimeTooSkewed", "InternalError",
-    "ServiceUnavailable", "503", "500", "502", "504",
+    "ServiceUnavailable", "ConditionalRequestConflict", "503", "500", "502", "504", "409",
 })  # fmt: skip
 #: Error codes that mean the credentials, not the store, are wrong.
 _CREDENTIAL_CODES = frozenset({
@@ -192,6 +195,9 @@ class S3Backend(BlobStore[S3Options]):
         self._gate: asyncio.Semaphore | None = None
         self._absent: dict[str, float] = {}  # object path -> when it was found absent
         self._absent_lock = threading.Lock()
+        self._writes = 0  # puts started so far (the negative cache's clock)
+        self._written: dict[str, int] = {}  # object path -> the number of its last put
+        self._closing = False
         opts = self.options
         protocol, self._bucket, root = self._location()
         self._s3 = protocol in ("s3", "s3a")
@@ -204,6 +210,7 @@ class S3Backend(BlobStore[S3Options]):
         )
         self._secrets = [v for v in (opts.key, opts.secret, opts.token) if v]
         self._secrets += [v for v in opts.fs_options().values() if isinstance(v, str) and v]
+        _LOG_SCRUB.add(self._secrets)
         self._check_key_length()
         if not self._s3 and protocol == "memory":
             self.capabilities = Capabilities(delete=True)  # this process only, not kept
@@ -242,8 +249,10 @@ class S3Backend(BlobStore[S3Options]):
             cls = fsspec.get_filesystem_class(protocol)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"no fsspec filesystem for {protocol}://: {exc}") from None
-        root = str(cls._strip_protocol(opts.url)).rstrip("/")
-        return protocol, "", "/".join(p for p in (root, prefix) if p)
+        root = "/".join(p for p in (str(cls._strip_protocol(opts.url)).rstrip("/"), prefix) if p)
+        if any(c in root for c in "*?["):  # fsspec expands them (clear() would reach others)
+            raise ConfigError(f"the location must not hold glob characters (*?[): {root}")
+        return protocol, "", root
 
     def _check_key_length(self) -> None:
         """The longest object key this backend can make fits S3's limit (1024 bytes)."""
@@ -334,6 +343,8 @@ class S3Backend(BlobStore[S3Options]):
 
     async def _ready(self) -> tuple[Any, asyncio.Semaphore]:
         """The client and the concurrency gate (rebuilt in a forked child)."""
+        if self._closing:
+            raise BackendUnavailableError(f"{type(self).__name__} is closed")
         if self._fs is None or self._gate is None:
             self._gate = asyncio.Semaphore(self.options.max_concurrency)
             self._fs = self._filesystem()
@@ -396,61 +407,104 @@ class S3Backend(BlobStore[S3Options]):
 
                 return bytes(await self._call(read))
             return bytes(await self._call(self._fs_call("cat_file", path)))
+        except FileNotFoundError as exc:
+            if _code(exc) == "NoSuchBucket":  # not a miss: the store is gone
+                raise BackendUnavailableError(f"{self._where}: the bucket does not exist") from None
+            return None
+
+    async def _stat(self, path: str) -> int | None:
+        """The size of the object at ``path``, or None where there is none."""
+        try:
+            if self._s3:
+                bucket, key = self._split(path)
+                info = await self._call(self._s3_call("head_object", Bucket=bucket, Key=key))
+                return int(info.get("ContentLength", 0))
+            info = await self._call(self._fs_call("info", path))
+            if info.get("type") not in (None, "file"):
+                return None
+            return int(info.get("size") or 0)
         except FileNotFoundError:
             return None
 
     async def _head_one(self, path: str) -> bool:
         if self._negative(path):
             return False
-        try:
-            if self._s3:
-                bucket, key = self._split(path)
-                info = await self._call(self._s3_call("head_object", Bucket=bucket, Key=key))
-                size = int(info.get("ContentLength", 0))
-            else:
-                info = await self._call(self._fs_call("info", path))
-                if info.get("type") not in (None, "file"):
-                    return False
-                size = int(info.get("size") or 0)
-        except FileNotFoundError:
-            self._remember_absent(path)
+        started = self._writes
+        size = await self._stat(path)
+        if size is None:
+            if self._written.get(path, -1) < started:  # no put of it began since the HEAD
+                self._remember_absent(path)
             return False
         return size >= HEADER_SIZE  # shorter: not one of ours (a miss, as a read would say)
 
     async def _put_one(self, path: str, data: bytes) -> bool | Present:
+        self._writes += 1
+        if self.options.negative_cache_ttl:
+            self._written[path] = self._writes
+            if len(self._written) > 65536:
+                self._written.clear()  # (then no miss is remembered for a while: safe)
         self._forget_absent(path)
-        opts = self.options
         try:
             if self._s3:
-                await self._call(
-                    self._fs_call(
-                        "pipe_file", path, data, mode="create",
-                        chunksize=max(1, opts.multipart_threshold // 2),
-                        max_concurrency=min(8, opts.max_concurrency),
-                    )
-                )  # fmt: skip
-                return True
-            if await self._call(self._fs_call("exists", path)):
-                return PRESENT  # (not atomic with the write below: see the docs)
-            if self._protocol in _ATOMIC_PUT:
-                await self._call(self._fs_call("pipe_file", path, data))
-                return True
-            # Elsewhere (local and network file systems) a write is seen while it runs:
-            # write a temporary name beside it, then rename it into place.
-            temp = f"{path}.tmp-{uuid.uuid4().hex}"
-            await self._call(self._fs_call("makedirs", path.rsplit("/", 1)[0], exist_ok=True))
-            await self._call(self._fs_call("pipe_file", temp, data))
-            try:
-                await self._call(self._fs_call("mv", temp, path))
-            except BaseException:
-                await self._best_effort(self._fs_call("rm_file", temp))
-                raise
-            return True
+                return await self._put_s3(path, data)
+            return await self._put_fs(path, data)
         except FileExistsError:
             return PRESENT
+        except Exception as exc:
+            if _code(exc) in ("PreconditionFailed", "412"):  # (a 412 without its condition)
+                return PRESENT
+            raise
+
+    async def _put_s3(self, path: str, data: bytes) -> bool:
+        """One conditional PutObject, or a conditional multipart upload from the threshold."""
+        bucket, key = self._split(path)
+        if len(data) < self.options.multipart_threshold:
+            await self._call(
+                self._s3_call("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            )
+            return True
+        part = max(_MIN_PART, self.options.multipart_threshold // 2)
+        made = await self._call(self._s3_call("create_multipart_upload", Bucket=bucket, Key=key))
+        upload = made["UploadId"]
+        try:
+            answers = await asyncio.gather(*[
+                self._call(self._s3_call("upload_part", Bucket=bucket, Key=key, UploadId=upload,
+                                         PartNumber=n + 1, Body=data[off : off + part]))
+                for n, off in enumerate(range(0, len(data), part))
+            ])  # fmt: skip
+            parts = [{"PartNumber": n + 1, "ETag": a["ETag"]} for n, a in enumerate(answers)]
+            await self._call(
+                self._s3_call("complete_multipart_upload", Bucket=bucket, Key=key,
+                              UploadId=upload, MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+            )  # fmt: skip
+        except BaseException:
+            # Cut short (an error, the deadline, a key already there): abort it, even while
+            # being cancelled, or its parts stay in the bucket (and are billed).
+            await asyncio.shield(
+                self._best_effort(
+                    self._s3_call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+                )
+            )
+            raise
+        return True
+
+    async def _put_fs(self, path: str, data: bytes) -> bool | Present:
+        """Any other fsspec filesystem: whole objects, first writer wins as far as it can."""
+        if self._protocol == "memory":
+            with _MEMORY_PUTS:  # this process's only: the check and the write are one step
+                fs, _ = await self._ready()
+                if fs.exists(path):
+                    return PRESENT
+                fs.pipe_file(path, data)
+            return True
+        if self._protocol == "file":
+            return await asyncio.to_thread(_publish_local, path, data)
+        # Elsewhere: the filesystem's exclusive create (as atomic as it makes it).
+        await self._call(self._fs_call("pipe_file", path, data, mode="create"))
+        return True
 
     async def _delete_one(self, path: str) -> bool:
-        if not await self._head_one(path):
+        if await self._stat(path) is None:  # (any size: a short object is removed too)
             return False
         if self._s3:
             bucket, key = self._split(path)
@@ -537,17 +591,21 @@ class S3Backend(BlobStore[S3Options]):
 
         Requests go out in order, at most ``exists_lookahead`` beyond the first key not
         yet answered; the first miss (or failure) ends the call, and the requests still
-        in flight are cancelled.
+        in flight are cancelled. At the deadline the call answers the run confirmed so
+        far.
         """
         paths = [self._path(self.object_name(k)) for k in keys]
+        until = time.monotonic() + 0.9 * self.options.deadline
         with self._errors():
-            count, error = self._run(self._leading_run(paths))
+            count, error = self._run(self._leading_run(paths, until))
         if error is not None:
             self._item_failed("batch_exists", error)
             self._add_item_errors(1)
         return int(count)
 
-    async def _leading_run(self, paths: list[str]) -> tuple[int, BaseException | None]:
+    async def _leading_run(
+        self, paths: list[str], until: float
+    ) -> tuple[int, BaseException | None]:
         window = self.options.exists_lookahead
         pending: collections.deque[asyncio.Task[bool]] = collections.deque()
         nxt = count = 0
@@ -558,8 +616,13 @@ class S3Backend(BlobStore[S3Options]):
                     nxt += 1
                 if not pending:
                     return count, None
+                head = pending.popleft()
                 try:
-                    present = await pending.popleft()
+                    present = await asyncio.wait_for(head, max(0.0, until - time.monotonic()))
+                except TimeoutError:
+                    return count, BackendTimeoutError(
+                        f"batch_exists: the deadline passed after {count} keys"
+                    )
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - the run ends at a failed key
@@ -573,40 +636,67 @@ class S3Backend(BlobStore[S3Options]):
 
     @override
     def _clear_namespace(self) -> None:
-        self._run(self._clear())
+        """Remove every object under this namespace's prefix, 1000 at a time.
 
-    async def _clear(self) -> None:
-        """Remove every object under this namespace's prefix, a page of keys at a time."""
+        Each round (one listing and one delete) has a deadline of its own, so a large
+        namespace is cleared in one call; unfinished multipart uploads under the prefix
+        are aborted too.
+        """
         base = f"{self._root}/{self.namespace_prefix}"
         with self._absent_lock:
             self._absent.clear()
         if not self._s3:
-            if await self._call(self._fs_call("exists", base.rstrip("/"))):
-                await self._call(self._fs_call("rm", base.rstrip("/"), recursive=True))
+            self._run(self._clear_fs(base.rstrip("/")))
             return
+        token: str | None = ""
+        while token is not None:
+            token = self._run(self._clear_round(base, token))
+        marker: tuple[str, str] | None = ("", "")
+        while marker is not None:
+            marker = self._run(self._abort_uploads(base, marker))
+
+    async def _clear_fs(self, base: str) -> None:
+        if await self._call(self._fs_call("exists", base)):
+            await self._call(self._fs_call("rm", base, recursive=True))
+
+    async def _clear_round(self, base: str, token: str) -> str | None:
+        """One listing of up to 1000 keys and their removal; the next token, or None."""
         bucket, prefix = self._split(base)
-        token: str | None = None
-        while True:
-            listing = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": 1000}
-            if token:
-                listing["ContinuationToken"] = token
-            page = await self._call(self._s3_call("list_objects_v2", **listing))
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                done = await self._call(
-                    self._s3_call(
-                        "delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True}
-                    )
+        listing: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": 1000}
+        if token:
+            listing["ContinuationToken"] = token
+        page = await self._call(self._s3_call("list_objects_v2", **listing))
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            done = await self._call(
+                self._s3_call(
+                    "delete_objects", Bucket=bucket, Delete={"Objects": keys, "Quiet": True}
                 )
-                if done.get("Errors"):
-                    first = done["Errors"][0]
-                    raise BackendError(
-                        f"{self._where}: {len(done['Errors'])} objects not removed "
-                        f"({first.get('Code')}: {first.get('Message')})"
-                    )
-            if not page.get("IsTruncated"):
-                return
-            token = page.get("NextContinuationToken")
+            )
+            if done.get("Errors"):
+                first = done["Errors"][0]
+                raise BackendError(
+                    f"{self._where}: {len(done['Errors'])} objects not removed "
+                    f"({first.get('Code')}: {first.get('Message')})"
+                )
+        more = page.get("IsTruncated") and page.get("NextContinuationToken")
+        return str(more) if more else None
+
+    async def _abort_uploads(self, base: str, marker: tuple[str, str]) -> tuple[str, str] | None:
+        """Abort one listing of unfinished multipart uploads under ``base``."""
+        bucket, prefix = self._split(base)
+        listing: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxUploads": 1000}
+        if marker[0]:
+            listing.update(KeyMarker=marker[0], UploadIdMarker=marker[1])
+        page = await self._call(self._s3_call("list_multipart_uploads", **listing))
+        await asyncio.gather(*[
+            self._call(self._s3_call("abort_multipart_upload", Bucket=bucket, Key=u["Key"],
+                                     UploadId=u["UploadId"]))
+            for u in page.get("Uploads", [])
+        ])  # fmt: skip
+        if not page.get("IsTruncated"):
+            return None
+        return str(page.get("NextKeyMarker") or ""), str(page.get("NextUploadIdMarker") or "")
 
     # ------------------------------------------------------------------ the rest
 
@@ -615,7 +705,14 @@ class S3Backend(BlobStore[S3Options]):
         return scrub(f"{type(exc).__name__}: {exc}", self._secrets)
 
     @override
+    def _secret_values(self) -> list[str]:
+        # (the base would take storage_options whole: its values are what may leak)
+        return [*super()._secret_values(), *self._secrets]
+
+    @override
     def close(self) -> None:
+        self._closing = True
+        _LOG_SCRUB.forget(self._secrets)
         fs, self._fs = self._fs, None
         final = None
         if fs is not None and self._s3 and getattr(fs, "_s3", None) is not None:
@@ -625,6 +722,86 @@ class S3Backend(BlobStore[S3Options]):
     @override
     def __repr__(self) -> str:
         return f"S3Backend(location={self._where!r}, namespace={self.namespace.digest})"
+
+
+_MEMORY_PUTS = threading.Lock()
+#: The smallest part of a multipart upload S3 accepts (but the last).
+_MIN_PART = 5 * 2**20
+
+
+def _publish_local(path: str, data: bytes) -> bool | Present:
+    """Write ``data`` to a temporary file beside ``path``, then link it there.
+
+    ``link`` fails when ``path`` exists: the first writer wins, and no reader ever sees
+    part of a value (a rename would replace one).
+    """
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    temp = f"{path}.tmp-{uuid.uuid4().hex}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            return PRESENT
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+
+
+class _Scrub(logging.Filter):
+    """Removes live backends' secrets from the records of the S3 client's loggers.
+
+    botocore logs request headers at DEBUG (the access key in ``Authorization``, the
+    session token in ``X-Amz-Security-Token``).
+    """
+
+    LOGGERS = ("botocore", "botocore.endpoint", "botocore.auth", "botocore.hooks",
+               "botocore.parsers", "botocore.retryhandler", "botocore.credentials",
+               "botocore.httpsession", "botocore.awsrequest", "botocore.client",
+               "botocore.utils", "botocore.regions", "aiobotocore", "aiobotocore.endpoint",
+               "aiobotocore.httpsession", "aiobotocore.credentials", "aiobotocore.client",
+               "s3fs", "fsspec")  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._secrets: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._installed = False
+
+    def add(self, secrets: list[str]) -> None:
+        with self._lock:
+            for value in secrets:
+                self._secrets[value] = self._secrets.get(value, 0) + 1
+            if not self._installed:
+                for name in self.LOGGERS:
+                    logging.getLogger(name).addFilter(self)
+                self._installed = True
+
+    def forget(self, secrets: list[str]) -> None:
+        with self._lock:
+            for value in secrets:
+                left = self._secrets.get(value, 0) - 1
+                if left > 0:
+                    self._secrets[value] = left
+                else:
+                    self._secrets.pop(value, None)
+
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self._secrets:
+            return True
+        text = record.getMessage()
+        clean = scrub(text, list(self._secrets))
+        if clean != text:
+            record.msg, record.args = clean, None
+        return True
+
+
+_LOG_SCRUB = _Scrub()
 
 
 def _check_bucket(bucket: str) -> None:

@@ -98,11 +98,14 @@ class LoopThread:
             future.cancel()
             raise BackendTimeoutError(f"the call did not finish within {deadline:g} s") from None
         except concurrent.futures.CancelledError:
-            raise BackendTimeoutError("the call was cancelled") from None
+            raise BackendUnavailableError(
+                f"{self._name}: the call was cancelled (closed)"
+            ) from None
 
     def close(self, final: Coroutine[Any, Any, Any] | None = None, timeout: float = 5.0) -> None:
-        """Run ``final`` (if given: closing a client session), then stop the loop.
+        """Cancel what still runs, run ``final`` (closing a client session), stop the loop.
 
+        Callers waiting on a cancelled coroutine get BackendUnavailableError at once.
         Idempotent; later calls of :meth:`run` raise BackendUnavailableError.
         """
         with self._lock:
@@ -118,11 +121,20 @@ class LoopThread:
             if final is not None:
                 final.close()
             return
-        if final is not None:
-            try:
-                asyncio.run_coroutine_threadsafe(final, loop).result(timeout)
-            except Exception:  # noqa: BLE001, S110 - closing: nothing left to tell
-                pass
+
+        async def shutdown() -> None:
+            running = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.wait(running, timeout=timeout)
+            if final is not None:
+                await asyncio.wait_for(final, timeout)
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(2 * timeout)
+        except Exception:  # noqa: BLE001, S110 - closing: nothing left to tell
+            pass
         loop.call_soon_threadsafe(loop.stop)
         if threading.current_thread() is not thread:
             thread.join(timeout)

@@ -115,10 +115,18 @@ def test_round_trip_first_writer_wins_and_misses(moto: MotoServer) -> None:
         b.close()
 
 
-def test_two_writers_racing_on_one_key_leave_one_whole_value(moto: MotoServer) -> None:
-    """Conditional writes (If-None-Match: *): one value is stored, whole, and every later
-    read of every instance returns that one."""
-    opts = options(moto)
+@pytest.mark.parametrize("where", ["s3", "memory", "file"])
+def test_two_writers_racing_on_one_key_leave_one_whole_value(
+    moto: MotoServer, where: str, tmp_path: Path
+) -> None:
+    """First writer wins under a race: on S3 by conditional writes (If-None-Match: *),
+    on memory:// by one step in this process, on file:// by a link of a whole temporary
+    file. One value is stored, whole, and every later read of every instance returns it."""
+    opts = {
+        "s3": options(moto),
+        "memory": {"url": f"memory://race-{uuid.uuid4().hex[:8]}"},
+        "file": {"url": f"file://{tmp_path}/race"},
+    }[where]
     writers = [backend(**opts) for _ in range(4)]
     try:
         keys = [f"race{i}" for i in range(10)]
@@ -135,6 +143,8 @@ def test_two_writers_racing_on_one_key_leave_one_whole_value(moto: MotoServer) -
         for t in threads:
             t.join(60)
         assert all(all(r) for r in results)  # each is told the key holds a value
+        written = sum(w.get_stats().bytes_written for w in writers)
+        assert written == len(keys) * 70_000  # one value stored per key, not one per writer
         for key in keys:
             seen = {bytes(w.get(key).numpy()) for w in writers}
             assert len(seen) == 1
@@ -195,7 +205,14 @@ def test_short_truncated_and_foreign_objects_are_misses(moto: MotoServer) -> Non
         assert b.get("good") is None
         s3.put_object(Bucket=BUCKET, Key=b._key_prefix() + b.object_path("short"), Body=b"x" * 10)
         assert b.exists("short") is False  # shorter than any header: not ours
-        assert b.get("short") is None
+        assert b.get("short") is None  # ...and removed, so that a good one can be stored
+        assert b.set("short", page(6, 500)) is True
+        got = b.get("short")
+        assert got is not None and torch.equal(got, page(6, 500))
+        s3.put_object(Bucket=BUCKET, Key=b._key_prefix() + b.object_path("empty"), Body=b"")
+        assert b.get("empty") is None
+        assert b.set("empty", page(8)) is True
+        assert b.exists("empty") is True
         s3.put_object(Bucket=BUCKET, Key=b._key_prefix() + b.object_path("planted"),
                       Body=b"\x00" * 300)  # fmt: skip
         assert b.get("planted") is None
@@ -274,6 +291,19 @@ def test_large_pages_go_as_multipart_uploads(moto: MotoServer) -> None:
         assert b.set("big", torch.zeros(12 * 2**20, dtype=torch.uint8)) is True  # kept
         got = b.get("big")
         assert got is not None and torch.equal(got, big)
+        odd = backend(**options(moto, multipart_threshold=6 * 2**20))  # parts of 5 MiB (S3's least)
+        try:
+            six = torch.randint(0, 256, (6 * 2**20,), dtype=torch.uint8)
+            assert odd.set("six", six) is True
+            key = odd._key_prefix() + odd.object_path("six")
+            assert (
+                moto.client().head_object(Bucket=BUCKET, Key=key)["ETag"].strip('"').endswith("-2")
+            )
+            got = odd.get("six")
+            assert got is not None and torch.equal(got, six)
+        finally:
+            odd.clear()
+            odd.close()
         small = page(7, 100_000)
         assert b.set("small", small) is True
         head = moto.client().head_object(
@@ -485,3 +515,144 @@ def test_an_s3_url_names_bucket_and_prefix(moto: MotoServer) -> None:
     finally:
         b.clear()
         b.close()
+
+
+def test_a_412_without_its_condition_is_still_already_there(moto: MotoServer) -> None:
+    """Some servers answer a failed If-None-Match without naming the condition: the page
+    is there all the same, and its set is a success, not a failure."""
+    proxy = FaultProxy(moto.port)
+    proxy.strip_condition = True
+    b = backend(**options(moto, endpoint_url=proxy.endpoint))
+    try:
+        assert b.set("k", page(1)) is True
+        assert b.set("k", page(2)) is True
+        assert b.get_stats().ops["set"].errors == 0
+        got = b.get("k")
+        assert got is not None and torch.equal(got, page(1))
+    finally:
+        b.clear()
+        b.close()
+        proxy.close()
+
+
+def test_a_multipart_upload_cut_short_is_aborted(moto: MotoServer) -> None:
+    """A multipart upload that the deadline cuts (its parts held by the proxy) is
+    aborted, and clear() aborts those a dead writer left: no parts stay in the bucket."""
+    proxy = FaultProxy(moto.port)
+    b = backend(**options(moto, endpoint_url=proxy.endpoint, multipart_threshold=10 * 2**20,
+                          deadline=3.0))  # fmt: skip
+    s3 = moto.client()
+    try:
+        proxy.stall_if = lambda method, path: method == "PUT" and "partNumber=" in path
+        big = torch.randint(0, 256, (12 * 2**20,), dtype=torch.uint8)
+        assert b.set("big", big) is False
+        proxy.stall_if = None
+        prefix = b._key_prefix()
+        deadline = time.monotonic() + 10
+        while s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads"):
+            assert time.monotonic() < deadline, "the upload was not aborted"
+            time.sleep(0.1)
+        left = s3.create_multipart_upload(Bucket=BUCKET, Key=prefix + b.object_path("left"))
+        assert s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads")
+        b.clear()
+        assert not s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads")
+        assert left["UploadId"]
+    finally:
+        proxy.stall_if = None
+        b.clear()
+        b.close()
+        proxy.close()
+
+
+def test_secrets_never_reach_the_client_logs(
+    moto: MotoServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """botocore logs request headers at DEBUG (the access key, the session token): the
+    backend's secrets are scrubbed from them."""
+    import logging
+
+    token = "session-token-value-" + uuid.uuid4().hex
+    with caplog.at_level(logging.DEBUG):
+        b = backend(**options(moto, token=token))
+        try:
+            assert b.set("k", page(1)) is True
+            assert b.get("k") is not None
+        finally:
+            b.clear()
+            b.close()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "botocore" in " ".join(r.name for r in caplog.records)  # the client did log
+    assert token not in text
+    assert moto.secret not in text
+    assert moto.key not in text
+
+
+def test_storage_options_values_are_secrets() -> None:
+    b = backend(url=f"memory://so-{uuid.uuid4().hex[:6]}", storage_options={"api_token": "tok-7a1"})
+    try:
+        assert "tok-7a1" in b._secret_values()
+        assert "tok-7a1" not in repr(b)
+        assert "tok-7a1" not in repr(b.options)
+    finally:
+        b.close()
+
+
+def test_close_while_a_call_waits_ends_that_call_at_once(moto: MotoServer) -> None:
+    proxy = FaultProxy(moto.port)
+    b = backend(**options(moto, endpoint_url=proxy.endpoint, deadline=30.0))
+    got: list[object] = []
+    try:
+        assert b.set("k", page(1)) is True
+        proxy.stalled.set()
+        caller = threading.Thread(target=lambda: got.append(b.batch_get(["k"])))
+        caller.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        b.close()
+        caller.join(15)
+        assert not caller.is_alive()
+        assert got == [[None]]
+        assert time.monotonic() - t0 < 15  # not the 30 s deadline
+    finally:
+        proxy.stalled.clear()
+        b.close()
+        proxy.close()
+
+
+def test_batch_exists_at_its_deadline_answers_the_run_so_far(moto: MotoServer) -> None:
+    proxy = FaultProxy(moto.port)
+    b = backend(**options(moto, endpoint_url=proxy.endpoint, deadline=2.0, exists_lookahead=2))
+    try:
+        keys = [f"k{i}" for i in range(60)]
+        assert all(b.batch_set(keys, [page(i, 64) for i in range(60)]))
+        proxy.delay = 0.1  # two in flight, 0.1 s each: about 36 answers in 1.8 s
+        count = b.batch_exists(keys)
+        assert 0 < count < 60
+        proxy.delay = 0.0
+        assert b.batch_exists(keys) == 60
+    finally:
+        proxy.delay = 0.0
+        b.clear()
+        b.close()
+        proxy.close()
+
+
+def test_a_bucket_deleted_under_a_live_instance_is_a_failure_not_a_miss(moto: MotoServer) -> None:
+    bucket = f"gone-{uuid.uuid4().hex[:8]}"
+    moto.make_bucket(bucket)
+    b = backend(**options(moto, bucket=bucket))
+    s3 = moto.client()
+    try:
+        assert b.set("k", page(1)) is True
+        for o in s3.list_objects_v2(Bucket=bucket).get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=o["Key"])
+        s3.delete_bucket(Bucket=bucket)
+        assert b.get("k") is None
+        assert b.get_stats().ops["get"].errors == 1  # counted as the store's failure
+    finally:
+        b.close()
+
+
+def test_a_location_with_glob_characters_is_refused() -> None:
+    with pytest.raises(ConfigError, match="glob"):
+        backend(url="memory://c[12]")

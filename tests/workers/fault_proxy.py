@@ -9,7 +9,10 @@ answer until cleared. It counts the requests it saw.
 from __future__ import annotations
 
 import http.client
+import re
 import threading
+import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _SLOWDOWN = (
@@ -24,6 +27,9 @@ class FaultProxy:
         self.requests = 0
         self.slowdowns_left = 0
         self.stalled = threading.Event()  # set: hold requests
+        self.stall_if: Callable[[str, str], bool] | None = None  # (method, path): hold this one
+        self.delay = 0.0  # seconds added before every answer
+        self.strip_condition = False  # 412 answers without their <Condition> element
         self._lock = threading.Lock()
         proxy = self
 
@@ -41,10 +47,12 @@ class FaultProxy:
                     slow = proxy.slowdowns_left > 0
                     if slow:
                         proxy.slowdowns_left -= 1
-                while proxy.stalled.is_set() and not proxy._closing:
-                    proxy.stalled.wait(0.05)
-                    if not proxy.stalled.is_set():
-                        break
+                held = proxy.stall_if is not None and proxy.stall_if(self.command, self.path)
+                while (proxy.stalled.is_set() or held) and not proxy._closing:
+                    time.sleep(0.05)
+                    held = proxy.stall_if is not None and proxy.stall_if(self.command, self.path)
+                if proxy.delay:
+                    time.sleep(proxy.delay)
                 if slow:
                     self.send_response(503)
                     self.send_header("Content-Type", "application/xml")
@@ -60,11 +68,15 @@ class FaultProxy:
                     data = resp.read()
                 finally:
                     conn.close()
+                if resp.status == 412 and proxy.strip_condition:
+                    data = re.sub(rb"<Condition>.*?</Condition>", b"", data)
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # (a HEAD's answer has no body but says the object's length)
+                told = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", told or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
