@@ -93,7 +93,8 @@ class S3Options(BlobOptions):
             servers other than AWS want; default: the client's choice.
         max_concurrency: requests in flight at once, over all calls of this backend.
         exists_lookahead: ``batch_exists`` asks about this many keys ahead of the first
-            unanswered one, and asks nothing past the first miss.
+            unanswered one (twice as many each time that many in a row were present, up
+            to ``max_concurrency``), and asks nothing more once it meets a miss.
         negative_cache_ttl: seconds a key found absent is answered absent without a
             request (0: off). Another writer's page can be missed for that long.
         multipart_threshold: objects of this size or more are written by multipart
@@ -589,8 +590,9 @@ class S3Backend(BlobStore[S3Options]):
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """The number of leading keys present, asked ``exists_lookahead`` keys ahead.
 
-        Requests go out in order, at most ``exists_lookahead`` beyond the first key not
-        yet answered; the first miss (or failure) ends the call, and the requests still
+        Requests go out in order, at most a window beyond the first key not yet
+        answered (``exists_lookahead``, doubled while every key is present, up to
+        ``max_concurrency``); the first miss (or failure) ends the call, and the requests still
         in flight are cancelled. At the deadline the call answers the run confirmed so
         far.
         """
@@ -606,7 +608,11 @@ class S3Backend(BlobStore[S3Options]):
     async def _leading_run(
         self, paths: list[str], until: float
     ) -> tuple[int, BaseException | None]:
+        # The window starts at exists_lookahead and doubles each time that many keys in a
+        # row were present, up to max_concurrency: a short run wastes few requests, a
+        # long one runs at full concurrency.
         window = self.options.exists_lookahead
+        widest = max(window, self.options.max_concurrency)
         pending: collections.deque[asyncio.Task[bool]] = collections.deque()
         nxt = count = 0
         try:
@@ -630,6 +636,8 @@ class S3Backend(BlobStore[S3Options]):
                 if not present:
                     return count, None
                 count += 1
+                if count >= window:
+                    window = min(2 * window, widest)
         finally:
             for task in pending:
                 task.cancel()

@@ -329,7 +329,10 @@ def test_batch_exists_asks_nothing_past_the_first_miss(moto: MotoServer) -> None
         keys = [f"k{i}" for i in range(100)]
         assert all(b.batch_set(keys[:5], [page(i) for i in range(5)]))
         assert b.batch_exists(keys) == 5
-        assert len(asked) <= 5 + 1 + 4  # the run, the miss, at most the look-ahead
+        assert len(asked) <= 5 + 8  # the run, then at most the window (4, doubled after 4 hits)
+        asked.clear()
+        assert b.batch_exists(keys[5:]) == 0
+        assert len(asked) <= 4  # a miss first: at most the first window
         asked.clear()
         assert all(b.batch_set(keys, [page(i) for i in range(100)]))
         assert b.batch_exists(keys) == 100
@@ -621,7 +624,8 @@ def test_close_while_a_call_waits_ends_that_call_at_once(moto: MotoServer) -> No
 
 def test_batch_exists_at_its_deadline_answers_the_run_so_far(moto: MotoServer) -> None:
     proxy = FaultProxy(moto.port)
-    b = backend(**options(moto, endpoint_url=proxy.endpoint, deadline=2.0, exists_lookahead=2))
+    b = backend(**options(moto, endpoint_url=proxy.endpoint, deadline=2.0, exists_lookahead=2,
+                          max_concurrency=2))  # fmt: skip
     try:
         keys = [f"k{i}" for i in range(60)]
         assert all(b.batch_set(keys, [page(i, 64) for i in range(60)]))
