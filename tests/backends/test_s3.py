@@ -660,3 +660,35 @@ def test_a_bucket_deleted_under_a_live_instance_is_a_failure_not_a_miss(moto: Mo
 def test_a_location_with_glob_characters_is_refused() -> None:
     with pytest.raises(ConfigError, match="glob"):
         backend(url="memory://c[12]")
+
+
+def test_a_server_killed_mid_batch_gives_failure_shapes_then_recovers() -> None:
+    """The server dies while a batch is on the wire: the call returns within its
+    deadline with a bool per page (those not stored are False), nothing raises, and the
+    same instance works once the server is back. path_style addressing, too."""
+    srv = MotoServer()
+    srv.start()
+    srv.make_bucket(BUCKET)
+    b = backend(**options(srv, deadline=10.0, connect_timeout=1.0, retries=1, path_style=True,
+                          max_concurrency=4))  # fmt: skip
+    out: list[list[bool]] = []
+    try:
+        keys = [f"k{i}" for i in range(150)]
+        worker = threading.Thread(target=lambda: out.append(b.batch_set(keys, [page(i, 65536)
+                                                                          for i in range(150)])))  # fmt: skip
+        worker.start()
+        time.sleep(0.3)
+        srv.stop()
+        worker.join(30)
+        assert not worker.is_alive()
+        (got,) = out
+        assert len(got) == 150 and all(type(x) is bool for x in got)
+        assert not all(got)  # the pages after the kill failed
+        srv.start()
+        srv.make_bucket(BUCKET)
+        assert b.set("after", page(4)) is True
+        back = b.get("after")
+        assert back is not None and torch.equal(back, page(4))
+    finally:
+        b.close()
+        srv.stop()
