@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from hicache_storage.backends._file import FileBackend, FileOptions
     from hicache_storage.backends._memory import MemoryBackend, MemoryOptions
     from hicache_storage.backends._mmap import MmapBackend, MmapOptions
+    from hicache_storage.backends._mooncake import MooncakeBackend, MooncakeOptions
     from hicache_storage.backends._redis import RedisBackend, RedisOptions
     from hicache_storage.backends._s3 import S3Backend, S3Options
     from hicache_storage.backends._shm import ShmBackend, ShmOptions
@@ -26,6 +27,8 @@ __all__ = [
     "MemoryOptions",
     "MmapBackend",
     "MmapOptions",
+    "MooncakeBackend",
+    "MooncakeOptions",
     "RedisBackend",
     "RedisOptions",
     "S3Backend",
@@ -45,6 +48,8 @@ _LAZY = {
     "ShmOptions": "hicache_storage.backends._shm",
     "RedisBackend": "hicache_storage.backends._redis",
     "RedisOptions": "hicache_storage.backends._redis",
+    "MooncakeBackend": "hicache_storage.backends._mooncake",
+    "MooncakeOptions": "hicache_storage.backends._mooncake",
     "S3Backend": "hicache_storage.backends._s3",
     "S3Options": "hicache_storage.backends._s3",
 }

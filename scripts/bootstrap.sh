@@ -22,7 +22,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   "${pip_q[@]}" pip 2> >(grep -v "is ignored" >&2)
   # torch first, pinned, so pip takes the local CPU wheel and never a CUDA build.
   "${pip_q[@]}" torch==2.13.0 2> >(grep -v "is ignored" >&2)
-  "${pip_q[@]}" -e ".[redis,s3]" --group dev 2> >(grep -v "is ignored" >&2)
+  "${pip_q[@]}" -e ".[redis,s3,mooncake]" --group dev 2> >(grep -v "is ignored" >&2)
   echo "$want" > "$stamp"
 fi
 
@@ -34,4 +34,15 @@ if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$
            redis-server redis-tools)
   "${apt_get[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && "${apt_get[@]}" >/dev/null; } ||
     echo "bootstrap: apt-get could not install redis-server" >&2
+fi
+
+# The Mooncake client (mooncake.store) links libibverbs.so.1, even over TCP: Debian's
+# libibverbs1.
+if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 " && command -v apt-get >/dev/null &&
+  [ "$(id -u)" = 0 ]; then
+  echo "bootstrap: installing libibverbs1 (apt)" >&2
+  apt_get=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
+           libibverbs1)
+  "${apt_get[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && "${apt_get[@]}" >/dev/null; } ||
+    echo "bootstrap: apt-get could not install libibverbs1" >&2
 fi

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite, from nothing: set up .venv, lint, type-check, run pytest, then the
-# integration tests (tests/integrations/) in .venv-sglang with the real SGLang (built by
+# The whole test suite, from nothing: set up .venv, lint, type-check, run pytest, the
+# Mooncake tests in a private network namespace (unshare -n), then the integration tests
+# (tests/integrations/) in .venv-sglang with the real SGLang (built by
 # scripts/sglang_env.sh, about 50 s and 2.3 GB the first time), then the vendor smoke (the
 # built wheel in a fresh venv passes the kit, about 15 s).
 # Extra arguments go to the main pytest run (e.g. scripts/test.sh -k file -x) and skip the
@@ -19,6 +20,11 @@ echo "== pytest" >&2
 # is still collected (pytest ignores --ignore for it), and its conftest then stops the run.
 .venv/bin/python -m pytest --ignore=tests/integrations "$@"
 if [ $# -eq 0 ]; then
+  # The Mooncake client binds wildcard addresses: its tests run in a private network
+  # namespace, where those binds reach nothing but loopback.
+  echo "== mooncake tests (private network namespace)" >&2
+  unshare -n bash -c 'ip link set lo up &&
+    exec .venv/bin/python -m pytest -p no:cacheprovider tests/backends/test_mooncake.py'
   echo "== integration tests (.venv-sglang)" >&2
   bash scripts/sglang_env.sh
   .venv-sglang/bin/python -m pytest -p no:cacheprovider tests/integrations

@@ -1,0 +1,497 @@
+"""The ``mooncake`` backend: pages in a Mooncake Store, over TCP or RDMA.
+
+Mooncake Store is the distributed KV store that the field runs with SGLang. This backend
+is built on :class:`~hicache_storage.storekit.blobstore.BlobStore` for the tensor path,
+with the v1 page path done zero-copy: ``batch_put_from_multi_buffers`` sends the core
+header (from a small registered arena) and the page's segments (K and V) straight from
+the host pool as one object (a page of many segments, ``layer_first``, is copied once
+through a registered staging buffer), and ``batch_get_into_multi_buffers`` reads
+an object back into a header slot and the page's own segments, then the header is
+checked against the page (length, name, xxh3): a foreign, truncated or evicted object
+is a miss, never wrong bytes. Options and guarantees: ``docs/backends/mooncake.md``.
+
+The client's traps, handled here: a zero-length value kills the process (every object
+here has a 48-byte header at least); ``put`` never replaces an object (first writer
+wins, our rule anyway); a missing key reads as empty bytes; ``get_into`` returns a byte
+count; removal is refused during a lease (``clear()`` forces it); ``setup`` against a
+master that does not answer blocks for about 90 s (the master's port is checked first,
+with ``connect_timeout``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+from typing_extensions import override
+
+from hicache_storage.config import Size, StorageConfig
+from hicache_storage.errors import BackendError, BackendUnavailableError, ConfigError, ErrorMap
+from hicache_storage.protocol import Capabilities
+from hicache_storage.storekit.blobstore import PRESENT, BlobOptions, BlobStore, Present, Segments
+from hicache_storage.storekit.header import (
+    HEADER_SIZE,
+    checksum,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hicache_storage.buffers import PageBuffer
+    from hicache_storage.keys import ObjectName
+    from hicache_storage.protocol import HostPool
+
+__all__ = ["MooncakeBackend", "MooncakeOptions"]
+
+#: Mooncake's "object not found" (a miss, not a failure).
+_NOT_FOUND = -704
+_GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MooncakeOptions(BlobOptions):
+    """Options of the ``mooncake`` backend (environment: ``HICACHE_STORAGE_MOONCAKE_<NAME>``).
+
+    Attributes:
+        master_server_address: the Mooncake master, ``host:port``.
+        metadata_server: ``P2PHANDSHAKE`` (no metadata server), or the URL of one
+            (``http://host:port/metadata``, ``etcd://...``).
+        protocol: ``tcp``, or ``rdma`` where the hosts have it.
+        device_name: RDMA devices (``mlx5_0,mlx5_1``); empty for TCP.
+        local_hostname: the address this client gives its peers.
+        global_segment_size: memory this client lends to the store (its segment).
+        local_buffer_size: the client's registered transfer buffer.
+        replica_num: copies of each object.
+        prefix: what every key starts with, before the object name.
+        config_file: a JSON file of these options (the options given directly win).
+        connect_timeout: seconds to wait for the master's port before ``setup``.
+        max_buffers_per_object: a page of at most this many segments (K and V: 2) goes
+            straight from its segments; one of more (``layer_first``: two per layer) is
+            copied once through a registered staging buffer (the transfer engine fails
+            objects made of many small remote slices).
+        staging_size: bytes of that staging buffer, per engine thread (at least one
+            page is staged at a time).
+    """
+
+    master_server_address: str = "127.0.0.1:50051"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = ""
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: Size = Size(_GiB)  # noqa: RUF009 - an int subclass, immutable
+    local_buffer_size: Size = Size(64 * 2**20)  # noqa: RUF009 - an int subclass, immutable
+    replica_num: int = 1
+    prefix: str = "hicache/"
+    config_file: str | None = None
+    connect_timeout: float = 5.0
+    max_buffers_per_object: int = 8
+    staging_size: Size = Size(64 * 2**20)  # noqa: RUF009 - an int subclass, immutable
+
+    def __post_init__(self) -> None:
+        host, _, port = self.master_server_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError("master_server_address must be host:port")
+        if self.replica_num < 1:
+            raise ConfigError("replica_num must be >= 1")
+        if not 0 < self.connect_timeout < float("inf"):
+            raise ConfigError("connect_timeout must be a positive number of seconds")
+        if self.global_segment_size < 0 or self.local_buffer_size <= 0:
+            raise ConfigError("global_segment_size must be >= 0 and local_buffer_size > 0")
+
+
+def _with_config_file(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` over the JSON file they (or the environment) name, if any."""
+    path = options.get("config_file") or os.environ.get("HICACHE_STORAGE_MOONCAKE_CONFIG_FILE")
+    if not path:
+        return options
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the mooncake config_file {path}: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"the mooncake config_file {path} must hold a JSON object")
+    return {**loaded, **options}
+
+
+class MooncakeBackend(BlobStore[MooncakeOptions]):
+    """Pages as objects of a Mooncake Store; v1 pages move without a copy."""
+
+    name = "mooncake"
+    capabilities = Capabilities(zero_copy=True, delete=True, shared=True)
+    options_class = MooncakeOptions
+    error_map: ClassVar[ErrorMap] = {RuntimeError: BackendError, OSError: BackendUnavailableError}
+    exists_chunk: ClassVar[int] = 0  # batch_is_exist is one call for the whole batch
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config, **_with_config_file(dict(options)))
+        self._mc: Any = None
+        self._local = threading.local()  # each thread's registered header arena
+        self._registered: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as exc:
+            raise ConfigError(
+                "the mooncake backend needs the Mooncake client: pip install "
+                "'hicache-storage[mooncake]' (CPU hosts) or 'hicache-storage[mooncake-cuda]'"
+                f" (GPU hosts) ({exc})"
+            ) from exc
+        opts = self.options
+        self._prefix = opts.prefix
+        self._check_master()
+        store = MooncakeDistributedStore()
+        rc = store.setup(
+            opts.local_hostname, opts.metadata_server, int(opts.global_segment_size),
+            int(opts.local_buffer_size), opts.protocol, opts.device_name,
+            opts.master_server_address,
+        )  # fmt: skip
+        if rc != 0:
+            raise BackendUnavailableError(
+                f"mooncake setup failed (rc {rc}) against the master at "
+                f"{opts.master_server_address} (metadata {opts.metadata_server})"
+            )
+        self._mc = store
+        self._replicate = ReplicateConfig()
+        self._replicate.replica_num = opts.replica_num
+        # The bytes path (tensors, not v1 pages) goes through the local buffer.
+        self.capabilities = dataclasses.replace(
+            self.capabilities, max_object_bytes=int(opts.local_buffer_size) - HEADER_SIZE
+        )
+
+    def _check_master(self) -> None:
+        """The master's port answers (``setup`` would block for about 90 s otherwise)."""
+        host, _, port = self.options.master_server_address.rpartition(":")
+        try:
+            with socket.create_connection(
+                (host.strip("[]"), int(port)), self.options.connect_timeout
+            ):
+                pass
+        except OSError as exc:
+            raise BackendUnavailableError(
+                f"no Mooncake master answers at {self.options.master_server_address}: {exc}"
+            ) from None
+
+    # ------------------------------------------------------------------ keys, arenas
+
+    def _keys(self, names: list[ObjectName]) -> list[str]:
+        prefix = self._prefix
+        return [prefix + n.path for n in names]
+
+    def _headers(self, n: int) -> torch.Tensor:
+        """This thread's registered arena of at least ``n`` header slots."""
+        arena: torch.Tensor | None = getattr(self._local, "arena", None)
+        if arena is None or arena.numel() < n * HEADER_SIZE:
+            arena = torch.zeros(max(n, 128) * HEADER_SIZE, dtype=torch.uint8)
+            self._register(int(arena.data_ptr()), arena.numel())
+            self._local.arena = arena  # (the old arena stays registered: tiny, and safe)
+        return arena
+
+    def _register(self, ptr: int, size: int) -> None:
+        """Register ``[ptr, ptr + size)`` with the transfer engine, once.
+
+        A region of ours that overlaps it is stale (that memory was freed and reused: a
+        new pool or arena at the same addresses) and is unregistered first; the engine
+        refuses overlapping regions.
+        """
+        with self._lock:
+            if (ptr, size) in self._registered:
+                return
+            for old in [r for r in self._registered if r[0] < ptr + size and ptr < r[0] + r[1]]:
+                self._mc.unregister_buffer(old[0])
+                self._registered.remove(old)
+            rc = self._mc.register_buffer(ptr, size)
+            if rc != 0:
+                raise BackendError(f"mooncake register_buffer failed (rc {rc})")
+            self._registered.append((ptr, size))
+
+    @override
+    def register_mem_pool_host(self, mem_pool_host: HostPool) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        # RDMA needs the pool's memory registered; over TCP it is not needed but harmless.
+        buffers = getattr(mem_pool_host, "kv_buffer", None)
+        for t in buffers if isinstance(buffers, (list, tuple)) else [buffers]:
+            if isinstance(t, torch.Tensor) and t.numel():
+                self._register(int(t.data_ptr()), int(t.nbytes))
+
+    # ------------------------------------------------------------------ BlobStore's part
+
+    @override
+    def _get_blobs(self, names: list[ObjectName]) -> Sequence[bytes | None]:
+        got = self._mc.get_batch(self._keys(names))
+        return [bytes(v) if v else None for v in got]  # (a missing key reads as b"")
+
+    @override
+    def _put_blobs_if_absent(
+        self, names: list[ObjectName], blobs: list[Segments]
+    ) -> list[bool | Present | Exception]:
+        keys = self._keys(names)
+        out: list[bool | Present | Exception] = []
+        for key, present, segments in zip(keys, self._mc.batch_is_exist(keys), blobs, strict=True):
+            if present == 1:
+                out.append(PRESENT)
+                continue
+            value = b"".join(segments)  # (never empty: the header is in it)
+            rc = self._mc.put(key, value, self._replicate)
+            out.append(True if rc == 0 else BackendError(f"mooncake put failed (rc {rc})"))
+        return out
+
+    @override
+    def _exists_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
+        return [_exists(rc) for rc in self._mc.batch_is_exist(self._keys(names))]
+
+    @override
+    def _delete_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
+        out: list[bool | Exception] = []
+        for rc in self._mc.batch_remove(self._keys(names), True):  # forced: past a lease
+            if rc == 0:
+                out.append(True)
+            elif rc == _NOT_FOUND:
+                out.append(False)
+            else:
+                out.append(BackendError(f"mooncake remove failed (rc {rc})"))
+        return out
+
+    @override
+    def _clear_namespace(self) -> None:
+        # Only this namespace's keys, even under a lease (never remove_all).
+        pattern = "^" + re.escape(self._prefix + self.namespace_prefix)
+        rc = self._mc.remove_by_regex(pattern, True)
+        if rc < 0:
+            raise BackendError(f"mooncake remove_by_regex failed (rc {rc})")
+
+    # ------------------------------------------------------------------ v1 pages, zero-copy
+
+    def _direct(self, page: PageBuffer) -> bool:
+        return len(page.segments) <= self.options.max_buffers_per_object
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """This thread's registered staging buffer of at least ``nbytes`` bytes."""
+        buf: torch.Tensor | None = getattr(self._local, "staging", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, int(self.options.staging_size)), dtype=torch.uint8)
+            self._register(int(buf.data_ptr()), buf.numel())
+            self._local.staging = buf
+        return buf
+
+    def _groups(self, idx: list[int], pages: Sequence[PageBuffer]) -> list[list[int]]:
+        """``idx`` in runs whose staged objects fit the staging size (one page at least)."""
+        groups: list[list[int]] = []
+        size = 0
+        for i in idx:
+            n = HEADER_SIZE + pages[i].nbytes
+            if groups and size + n <= self.options.staging_size:
+                groups[-1].append(i)
+                size += n
+            else:
+                groups.append([i])
+                size = n
+        return groups
+
+    @override
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        """Store the pages not already present, each as its header then its segments."""
+        names = [self.object_name(k) for k in keys]
+        mkeys = self._keys(names)
+        out = [False] * len(keys)
+        with self._errors():
+            present = self._mc.batch_is_exist(mkeys)
+        todo: list[int] = []
+        staged: list[int] = []
+        for i, rc in enumerate(present):
+            if rc == 1:
+                out[i] = True
+            elif self._direct(pages[i]):
+                todo.append(i)
+            else:
+                staged.append(i)
+        for group in self._groups(staged, pages):
+            self._set_staged(group, names, mkeys, pages, out)
+        if not todo:
+            return out
+        arena = self._headers(len(todo))
+        base = int(arena.data_ptr())
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for slot, i in enumerate(todo):
+            page = pages[i]
+            views = page.views
+            header = encode_header(page.nbytes, checksum(views, self._algorithm), self._algorithm,
+                                   names[i].path)  # fmt: skip
+            arena[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE] = torch.frombuffer(
+                bytearray(header), dtype=torch.uint8
+            )
+            ptrs.append([base + slot * HEADER_SIZE, *(s.ptr for s in page.segments)])
+            sizes.append([HEADER_SIZE, *(s.nbytes for s in page.segments)])
+        with self._errors():
+            rcs = self._mc.batch_put_from_multi_buffers(
+                [mkeys[i] for i in todo], ptrs, sizes, self._replicate
+            )
+        self._settle_puts(todo, rcs, pages, out)
+        return out
+
+    def _set_staged(self, group: list[int], names: list[ObjectName], mkeys: list[str],
+                    pages: Sequence[PageBuffer], out: list[bool]) -> None:  # fmt: skip
+        """Store ``group``'s pages, each copied (header and payload) into the staging buffer."""
+        buf = self._staging(sum(HEADER_SIZE + pages[i].nbytes for i in group))
+        base = int(buf.data_ptr())
+        view = memoryview(buf.numpy().data).cast("B")
+        ptrs, sizes, off = [], [], 0
+        for i in group:
+            page = pages[i]
+            views = page.views
+            header = encode_header(page.nbytes, checksum(views, self._algorithm), self._algorithm,
+                                   names[i].path)  # fmt: skip
+            view[off : off + HEADER_SIZE] = header
+            pos = off + HEADER_SIZE
+            for v in views:
+                view[pos : pos + v.nbytes] = v
+                pos += v.nbytes
+            ptrs.append(base + off)
+            sizes.append(HEADER_SIZE + page.nbytes)
+            off = pos
+        with self._errors():
+            rcs = self._mc.batch_put_from([mkeys[i] for i in group], ptrs, sizes, self._replicate)
+        self._settle_puts(group, rcs, pages, out)
+
+    def _settle_puts(self, idx: list[int], rcs: Sequence[int], pages: Sequence[PageBuffer],
+                     out: list[bool]) -> None:  # fmt: skip
+        written = failed = 0
+        for i, rc in zip(idx, rcs, strict=True):
+            if rc == 0:
+                out[i] = True
+                written += pages[i].nbytes
+            else:
+                failed += 1
+                self._item_failed("batch_set_pages", BackendError(f"mooncake put failed (rc {rc})"))
+        self._record(bytes_written=written)
+        self._add_item_errors(failed)
+
+    @override
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        """Read each object into a header slot and the page's own segments, then check."""
+        names = [self.object_name(k) for k in keys]
+        if not names:
+            return []
+        out = [False] * len(names)
+        direct = [i for i, p in enumerate(pages) if self._direct(p)]
+        staged = [i for i, p in enumerate(pages) if not self._direct(p)]
+        for group in self._groups(staged, pages):
+            self._get_staged(group, names, pages, out)
+        if direct:
+            self._get_direct(direct, names, pages, out)
+        return out
+
+    def _get_staged(self, group: list[int], names: list[ObjectName],
+                    pages: Sequence[PageBuffer], out: list[bool]) -> None:  # fmt: skip
+        buf = self._staging(sum(HEADER_SIZE + pages[i].nbytes for i in group))
+        base = int(buf.data_ptr())
+        view = memoryview(buf.numpy().data).cast("B")
+        ptrs, sizes, off = [], [], 0
+        for i in group:
+            ptrs.append(base + off)
+            sizes.append(HEADER_SIZE + pages[i].nbytes)
+            off += HEADER_SIZE + pages[i].nbytes
+        with self._errors():
+            got = self._mc.batch_get_into(
+                [self._prefix + names[i].path for i in group], ptrs, sizes
+            )
+        failed = read = 0
+        off = 0
+        for i, n in zip(group, got, strict=True):
+            page, start = pages[i], off
+            off += HEADER_SIZE + page.nbytes
+            payload = view[start + HEADER_SIZE : off]
+            if not self._accept(n, page, names[i], view[start : start + HEADER_SIZE], [payload]):
+                failed += int(n < 0 and n != _NOT_FOUND)
+                continue
+            pos = 0
+            for seg in page.views:
+                seg[:] = payload[pos : pos + seg.nbytes]
+                pos += seg.nbytes
+            out[i] = True
+            read += page.nbytes
+        self._record(bytes_read=read)
+        self._add_item_errors(failed)
+
+    def _accept(self, n: int, page: PageBuffer, name: ObjectName, header_raw: memoryview,
+                payload: list[memoryview]) -> bool:  # fmt: skip
+        """Whether a read of ``n`` bytes gave this page, checked (counted when not)."""
+        if n == _NOT_FOUND:
+            return False
+        if n < 0:
+            self._item_failed("batch_get_pages", BackendError(f"mooncake get failed (rc {n})"))
+            return False
+        if n != HEADER_SIZE + page.nbytes:
+            self._record(size_mismatches=1)
+            return False
+        try:
+            header = decode_header(bytes(header_raw), name.path)
+            if self.options.verify_checksum:
+                verify_payload(header, payload)
+            elif header.payload_len != page.nbytes:
+                raise ValueError("length")
+        except Exception as exc:  # noqa: BLE001 - any failed check is a miss
+            self._record(corrupt_objects=1)
+            self._log("corrupt", "object %s (%s): the read is a miss", name.path, exc)
+            return False
+        return True
+
+    def _get_direct(self, idx: list[int], names: list[ObjectName],
+                    pages: Sequence[PageBuffer], out: list[bool]) -> None:  # fmt: skip
+        arena = self._headers(len(idx))
+        base = int(arena.data_ptr())
+        ptrs = [[base + j * HEADER_SIZE, *(s.ptr for s in pages[i].segments)]
+                for j, i in enumerate(idx)]  # fmt: skip
+        sizes = [[HEADER_SIZE, *(s.nbytes for s in pages[i].segments)] for i in idx]
+        with self._errors():
+            got = self._mc.batch_get_into_multi_buffers(
+                [self._prefix + names[i].path for i in idx], ptrs, sizes
+            )
+        raw = memoryview(bytes(arena[: len(idx) * HEADER_SIZE].numpy()))
+        failed = read = 0
+        for j, (i, n) in enumerate(zip(idx, got, strict=True)):
+            page = pages[i]
+            if self._accept(n, page, names[i], raw[j * HEADER_SIZE : (j + 1) * HEADER_SIZE],
+                            page.views):  # fmt: skip
+                out[i] = True
+                read += page.nbytes
+            else:
+                failed += int(n < 0 and n != _NOT_FOUND)
+        self._record(bytes_read=read)
+        self._add_item_errors(failed)
+
+    # ------------------------------------------------------------------ the rest
+
+    def health(self) -> int:
+        """Mooncake's health check: 0 healthy, 1 not set up or closed, 2 master unreachable."""
+        return int(self._mc.health_check()) if self._mc is not None else 1
+
+    @override
+    def close(self) -> None:
+        store, self._mc = self._mc, None
+        if store is not None:
+            store.close()
+
+    @override
+    def __repr__(self) -> str:
+        return (
+            f"MooncakeBackend(master={self.options.master_server_address!r}, "
+            f"prefix={self._prefix!r}, namespace={self.namespace.digest})"
+        )
+
+
+def _exists(rc: int) -> bool | Exception:
+    if rc in (0, 1):
+        return bool(rc)
+    return BackendError(f"mooncake batch_is_exist failed (rc {rc})")

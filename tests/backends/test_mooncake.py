@@ -1,0 +1,146 @@
+"""The ``mooncake`` backend against a real ``mooncake_master`` started by these tests.
+
+They run inside a private network namespace (``unshare -n``): scripts/test.sh runs this
+file that way; anywhere else the module fails at once (never a skip).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache_storage import KVCacheNamespace, StorageConfig
+from hicache_storage.conformance import BackendConformance, BackendSpec
+from hicache_storage.errors import BackendUnavailableError, ConfigError
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+
+from mooncake_master import MooncakeHolder, MooncakeMaster, require_private_network, running_store
+from redis_server import free_port
+
+require_private_network()
+
+pytestmark = pytest.mark.mooncake
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[tuple[MooncakeMaster, MooncakeHolder]]:
+    with running_store() as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def master(store: tuple[MooncakeMaster, MooncakeHolder]) -> MooncakeMaster:
+    return store[0]
+
+
+def options(m: MooncakeMaster, **extra: Any) -> dict[str, Any]:
+    """Pure clients: their objects live in the holder's segment."""
+    return {"master_server_address": m.address, "global_segment_size": 0,
+            "local_buffer_size": "64MiB", "prefix": f"t-{uuid.uuid4().hex[:8]}/", **extra}  # fmt: skip
+
+
+def backend(tenant: str = "t", **opts: Any):  # -> MooncakeBackend
+    from hicache_storage.backends import MooncakeBackend
+
+    ns = KVCacheNamespace(model_id="m", dtype="uint8", page_size=4, tenant=tenant)
+    return MooncakeBackend(StorageConfig(namespace=ns), **opts)
+
+
+class TestMooncakeConformance(BackendConformance):
+    @pytest.fixture
+    def backend_spec(self, master: MooncakeMaster) -> BackendSpec:
+        return BackendSpec("mooncake", options(master))
+
+
+def test_round_trip_first_writer_wins_and_clear(master: MooncakeMaster) -> None:
+    b = backend(**options(master))
+    other = backend("o", **{**options(master), "prefix": b._prefix})
+    try:
+        keys = [f"k{i}" for i in range(10)]
+        vals = [torch.full((5000,), i, dtype=torch.uint8) for i in range(10)]
+        assert b.batch_set(keys, vals) == [True] * 10
+        assert other.batch_set(keys[:3], vals[:3]) == [True] * 3
+        assert b.set("k0", vals[5]) is True  # kept, not replaced
+        got = b.batch_get([*keys, "absent"])
+        assert got[-1] is None
+        assert all(g is not None and torch.equal(g, v) for g, v in zip(got, vals, strict=False))
+        assert b.batch_exists([*keys, "absent"]) == 10
+        b.clear()  # under the leases the reads just took
+        assert b.batch_exists(keys) == 0
+        assert other.batch_exists(keys[:3]) == 3
+    finally:
+        b.close()
+        other.close()
+
+
+def test_no_master_is_a_clear_error_at_once() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailableError, match="no Mooncake master"):
+        backend(master_server_address=f"127.0.0.1:{free_port()}", connect_timeout=1.0)
+    assert time.monotonic() - t0 < 10  # not setup's 90 s
+
+
+def test_options_from_a_config_file(master: MooncakeMaster, tmp_path: Path) -> None:
+    import json
+
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": master.address,
+                                "global_segment_size": "128MiB", "replica_num": 1}))  # fmt: skip
+    b = backend(config_file=str(path), local_buffer_size="16MiB")
+    try:
+        assert b.options.global_segment_size == 128 * 2**20
+        assert b.options.local_buffer_size == 16 * 2**20
+        assert b.set("k", torch.ones(100, dtype=torch.uint8)) is True
+        assert b.health() == 0
+    finally:
+        b.close()
+    with pytest.raises(ConfigError, match="config_file"):
+        backend(config_file=str(tmp_path / "missing.json"))
+
+
+def test_pages_whose_storage_node_went_away_are_misses_never_wrong_bytes() -> None:
+    """The node lending the memory dies: its pages read as misses (the v1 path and the
+    tensor path), nothing wrong comes back, and once a node is back pages store again."""
+    with running_store() as (m, holder):
+        b = backend(**options(m))
+        try:
+            keys = [f"k{i}" for i in range(8)]
+            vals = [torch.full((4096,), i + 1, dtype=torch.uint8) for i in range(8)]
+            assert all(b.batch_set(keys, vals))
+            holder.stop()
+            got = b.batch_get(keys)
+            assert all(g is None or torch.equal(g, v) for g, v in zip(got, vals, strict=True))
+            assert all(g is None for g in got)
+            assert b.get_stats().corrupt_objects == 0
+            holder.start()
+            deadline = time.monotonic() + 60  # the master drops the dead node's segment
+            while not b.set("again", vals[0]):
+                assert time.monotonic() < deadline, "no page stored after a node came back"
+                time.sleep(1)
+            back = b.get("again")
+            assert back is not None and torch.equal(back, vals[0])
+        finally:
+            b.close()
+
+
+def test_a_master_killed_under_a_live_instance_gives_failure_shapes() -> None:
+    with running_store() as (m, _holder):
+        b = backend(**options(m))
+        try:
+            assert b.set("before", torch.ones(100, dtype=torch.uint8)) is True
+            m.stop()
+            t0 = time.monotonic()
+            assert b.batch_set(["a"], [torch.ones(100, dtype=torch.uint8)]) == [False]
+            assert b.get("before") is None or b.get("before") is not None  # no exception
+            assert b.batch_exists(["x"]) == 0
+            assert time.monotonic() - t0 < 120
+        finally:
+            b.close()
