@@ -321,6 +321,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             return out
         arena = self._headers(len(todo))
         base = int(arena.data_ptr())
+        slots = memoryview(arena.numpy().data).cast("B")
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
         for slot, i in enumerate(todo):
@@ -328,9 +329,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             views = page.views
             header = encode_header(page.nbytes, checksum(views, self._algorithm), self._algorithm,
                                    names[i].path)  # fmt: skip
-            arena[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE] = torch.frombuffer(
-                bytearray(header), dtype=torch.uint8
-            )
+            slots[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE] = header
             ptrs.append([base + slot * HEADER_SIZE, *(s.ptr for s in page.segments)])
             sizes.append([HEADER_SIZE, *(s.nbytes for s in page.segments)])
         with self._errors():
