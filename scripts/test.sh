@@ -6,7 +6,8 @@
 # built wheel in a fresh venv passes the kit, about 15 s).
 # Extra arguments go to the main pytest run (e.g. scripts/test.sh -k file -x) and skip the
 # integration tests and the smoke. The integration tests alone:
-#   bash scripts/sglang_env.sh && .venv-sglang/bin/python -m pytest tests/integrations
+#   bash scripts/sglang_env.sh &&
+#   unshare -n bash -c 'ip link set lo up && .venv-sglang/bin/python -m pytest tests/integrations'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -27,7 +28,9 @@ if [ $# -eq 0 ]; then
     exec .venv/bin/python -m pytest -p no:cacheprovider tests/backends/test_mooncake.py'
   echo "== integration tests (.venv-sglang)" >&2
   bash scripts/sglang_env.sh
-  .venv-sglang/bin/python -m pytest -p no:cacheprovider tests/integrations
+  # (in a private network namespace too: SGLang runs on mooncake there)
+  unshare -n bash -c 'ip link set lo up &&
+    exec .venv-sglang/bin/python -m pytest -p no:cacheprovider tests/integrations'
   echo "== vendor smoke" >&2
   bash scripts/vendor_smoke.sh
 fi

@@ -65,3 +65,17 @@ def s3_server():  # -> Iterator[str]
         )  # fmt: skip
         yield server.endpoint
         sglang_pools.S3_OPTIONS.clear()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mooncake_store():  # -> Iterator[str]
+    """A Mooncake master and one storage node, for the tests that run SGLang on
+    ``mooncake`` (this run is inside a private network namespace: scripts/test.sh)."""
+    import sglang_pools
+    from mooncake_master import require_private_network, running_store
+
+    require_private_network()
+    with running_store(256 << 20) as (master, _holder):
+        sglang_pools.MOONCAKE_MASTER[:] = [master.address]
+        yield master.address
+        sglang_pools.MOONCAKE_MASTER.clear()

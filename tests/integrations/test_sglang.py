@@ -59,7 +59,7 @@ def build(name: str, tmp_path: Path, **config: Any) -> SGLangStorage:
     return backend
 
 
-BACKENDS = ["file", "shm", "mmap", "memory", "redis", "s3"]
+BACKENDS = ["file", "shm", "mmap", "memory", "redis", "s3", "mooncake"]
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -120,6 +120,9 @@ def page_bytes(pool: Any, first_index: int) -> bytes:
 REDIS_URL: list[str] = []
 
 
+#: The address of the Mooncake master the integration tests run (set by their conftest).
+MOONCAKE_MASTER: list[str] = []
+
 #: The s3 backend's options for the moto server the integration tests run (set by their
 #: conftest: endpoint_url, bucket, key, secret, region).
 S3_OPTIONS: dict[str, Any] = {}
@@ -131,6 +134,11 @@ def backend_options(name: str, tmp_path: Path) -> dict[str, Any]:
         if not REDIS_URL:
             raise RuntimeError("no redis-server: tests/integrations/conftest.py starts one")
         return {"url": REDIS_URL[0], "prefix": f"sglang-{tmp_path.name}:"}
+    if name == "mooncake":
+        if not MOONCAKE_MASTER:
+            raise RuntimeError("no Mooncake store: tests/integrations/conftest.py starts one")
+        return {"master_server_address": MOONCAKE_MASTER[0], "global_segment_size": 0,
+                "local_buffer_size": "32MiB", "prefix": f"sglang-{tmp_path.name}/"}  # fmt: skip
     if name == "s3":
         if not S3_OPTIONS:
             raise RuntimeError("no S3 server: tests/integrations/conftest.py starts one")
