@@ -26,6 +26,7 @@ import os
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -55,6 +56,10 @@ __all__ = ["MooncakeBackend", "MooncakeOptions"]
 
 #: Mooncake's "object not found" (a miss, not a failure).
 _NOT_FOUND = -704
+#: Mooncake's "invalid parameters": on a read, a buffer of another size than the object.
+_INVALID = -600
+#: Mooncake's RPC failures (the master did not answer) are this code and below.
+_RPC_FAIL = -900
 _GiB = 2**30
 
 
@@ -136,8 +141,12 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config, **_with_config_file(dict(options)))
         self._mc: Any = None
-        self._local = threading.local()  # each thread's registered header arena
-        self._registered: list[tuple[int, int]] = []
+        self._local = threading.local()  # each thread's header arena and staging buffer
+        # address -> (bytes, the tensor): holding the tensor keeps that memory from being
+        # freed and reused while the transfer engine has it registered
+        self._registered: dict[int, tuple[int, torch.Tensor]] = {}
+        self._pool_regions: list[int] = []
+        self._down_until = 0.0  # the master failed a call: fail fast until then
         self._lock = threading.Lock()
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -189,47 +198,110 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         return [prefix + n.path for n in names]
 
     def _headers(self, n: int) -> torch.Tensor:
-        """This thread's registered arena of at least ``n`` header slots."""
+        """This thread's registered arena of at least ``n`` header slots (zeroed)."""
         arena: torch.Tensor | None = getattr(self._local, "arena", None)
         if arena is None or arena.numel() < n * HEADER_SIZE:
             arena = torch.zeros(max(n, 128) * HEADER_SIZE, dtype=torch.uint8)
-            self._register(int(arena.data_ptr()), arena.numel())
-            self._local.arena = arena  # (the old arena stays registered: tiny, and safe)
+            self._register(arena)
+            self._local.arena = arena
+        arena[: n * HEADER_SIZE].zero_()  # (a slot never holds an earlier call's header)
         return arena
 
-    def _register(self, ptr: int, size: int) -> None:
-        """Register ``[ptr, ptr + size)`` with the transfer engine, once.
+    def _register(self, t: torch.Tensor) -> int:
+        """Register ``t``'s memory with the transfer engine (once) and hold ``t``.
 
-        A region of ours that overlaps it is stale (that memory was freed and reused: a
-        new pool or arena at the same addresses) and is unregistered first; the engine
-        refuses overlapping regions.
+        Held, the memory cannot be freed and reused elsewhere while registered (with
+        RDMA, a registration pins physical pages: a reused address would move the old
+        pages' bytes). A region of ours that overlaps it (another view of the same
+        memory) is unregistered first; the engine refuses overlapping regions.
         """
+        ptr, size = int(t.data_ptr()), int(t.nbytes)
         with self._lock:
-            if (ptr, size) in self._registered:
-                return
-            for old in [r for r in self._registered if r[0] < ptr + size and ptr < r[0] + r[1]]:
-                self._mc.unregister_buffer(old[0])
-                self._registered.remove(old)
+            held = self._registered.get(ptr)
+            if held is not None and held[0] == size and held[1] is t:
+                return ptr
+            for old, (old_size, _) in list(self._registered.items()):
+                if old < ptr + size and ptr < old + old_size:
+                    self._mc.unregister_buffer(old)
+                    del self._registered[old]
             rc = self._mc.register_buffer(ptr, size)
             if rc != 0:
                 raise BackendError(f"mooncake register_buffer failed (rc {rc})")
-            self._registered.append((ptr, size))
+            self._registered[ptr] = (size, t)
+        return ptr
 
     @override
     def register_mem_pool_host(self, mem_pool_host: HostPool) -> None:
         super().register_mem_pool_host(mem_pool_host)
         # RDMA needs the pool's memory registered; over TCP it is not needed but harmless.
+        # A pool registered before is let go (its memory may be freed now).
+        with self._lock:
+            for ptr in self._pool_regions:
+                if ptr in self._registered:
+                    self._mc.unregister_buffer(ptr)
+                    del self._registered[ptr]
+            self._pool_regions = []
         buffers = getattr(mem_pool_host, "kv_buffer", None)
         for t in buffers if isinstance(buffers, (list, tuple)) else [buffers]:
             if isinstance(t, torch.Tensor) and t.numel():
-                self._register(int(t.data_ptr()), int(t.nbytes))
+                self._pool_regions.append(self._register(t))
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """One client call, failing at once while the master is known down."""
+        self._check_up()
+        result = getattr(self._mc, method)(*args)
+        self._note(
+            result if isinstance(result, list) else [result] if isinstance(result, int) else []
+        )
+        return result
+
+    def _check_up(self) -> None:
+        """Fail at once while the master is known down (each call would block seconds)."""
+        if self._down_until and time.monotonic() < self._down_until:
+            raise BackendUnavailableError(
+                f"the Mooncake master at {self.options.master_server_address} failed a "
+                "call lately; trying again shortly"
+            )
+
+    def _note(self, codes: Sequence[object]) -> None:
+        """After a call: an RPC failure (``-900`` and below) marks the master down."""
+        if any(type(c) is int and c <= _RPC_FAIL for c in codes):
+            self._down_until = time.monotonic() + max(1.0, 2 * self.options.connect_timeout)
+        elif self._down_until:
+            self._down_until = 0.0
 
     # ------------------------------------------------------------------ BlobStore's part
 
     @override
     def _get_blobs(self, names: list[ObjectName]) -> Sequence[bytes | None]:
-        got = self._mc.get_batch(self._keys(names))
-        return [bytes(v) if v else None for v in got]  # (a missing key reads as b"")
+        keys = self._keys(names)
+        got: list[bytes | None] = [bytes(v) if v else None for v in self._call("get_batch", keys)]
+        # A missing key reads as b"", and so does one the batch could not carry (more
+        # than the local buffer at once): those that exist are read again one by one.
+        empty = [i for i, v in enumerate(got) if v is None]
+        if empty:
+            lost = []
+            for i, rc in zip(
+                empty, self._call("batch_is_exist", [keys[i] for i in empty]), strict=True
+            ):
+                if rc == 1:
+                    value = self._call("get", keys[i])
+                    got[i] = bytes(value) if value else None
+                    if got[i] is None:
+                        lost.append(keys[i])
+            self._forget_lost(lost)
+        return got
+
+    def _forget_lost(self, keys: list[str]) -> None:
+        """Remove keys the master lists but whose bytes cannot be read (a storage node gone).
+
+        Else ``exists`` says yes and a ``set`` of them does nothing for a while. Best effort.
+        """
+        if keys:
+            try:
+                self._call("batch_remove", keys, True)
+            except Exception:  # noqa: BLE001, S110 - the reads already answered misses
+                pass
 
     @override
     def _put_blobs_if_absent(
@@ -237,23 +309,25 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
     ) -> list[bool | Present | Exception]:
         keys = self._keys(names)
         out: list[bool | Present | Exception] = []
-        for key, present, segments in zip(keys, self._mc.batch_is_exist(keys), blobs, strict=True):
+        for key, present, segments in zip(
+            keys, self._call("batch_is_exist", keys), blobs, strict=True
+        ):
             if present == 1:
                 out.append(PRESENT)
                 continue
             value = b"".join(segments)  # (never empty: the header is in it)
-            rc = self._mc.put(key, value, self._replicate)
+            rc = self._call("put", key, value, self._replicate)
             out.append(True if rc == 0 else BackendError(f"mooncake put failed (rc {rc})"))
         return out
 
     @override
     def _exists_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
-        return [_exists(rc) for rc in self._mc.batch_is_exist(self._keys(names))]
+        return [_exists(rc) for rc in self._call("batch_is_exist", self._keys(names))]
 
     @override
     def _delete_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
         out: list[bool | Exception] = []
-        for rc in self._mc.batch_remove(self._keys(names), True):  # forced: past a lease
+        for rc in self._call("batch_remove", self._keys(names), True):  # forced: past a lease
             if rc == 0:
                 out.append(True)
             elif rc == _NOT_FOUND:
@@ -266,7 +340,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
     def _clear_namespace(self) -> None:
         # Only this namespace's keys, even under a lease (never remove_all).
         pattern = "^" + re.escape(self._prefix + self.namespace_prefix)
-        rc = self._mc.remove_by_regex(pattern, True)
+        rc = self._call("remove_by_regex", pattern, True)
         if rc < 0:
             raise BackendError(f"mooncake remove_by_regex failed (rc {rc})")
 
@@ -280,7 +354,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         buf: torch.Tensor | None = getattr(self._local, "staging", None)
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, int(self.options.staging_size)), dtype=torch.uint8)
-            self._register(int(buf.data_ptr()), buf.numel())
+            self._register(buf)
             self._local.staging = buf
         return buf
 
@@ -305,7 +379,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         mkeys = self._keys(names)
         out = [False] * len(keys)
         with self._errors():
-            present = self._mc.batch_is_exist(mkeys)
+            present = self._call("batch_is_exist", mkeys)
         todo: list[int] = []
         staged: list[int] = []
         for i, rc in enumerate(present):
@@ -333,8 +407,12 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             ptrs.append([base + slot * HEADER_SIZE, *(s.ptr for s in page.segments)])
             sizes.append([HEADER_SIZE, *(s.nbytes for s in page.segments)])
         with self._errors():
-            rcs = self._mc.batch_put_from_multi_buffers(
-                [mkeys[i] for i in todo], ptrs, sizes, self._replicate
+            rcs = self._call(
+                "batch_put_from_multi_buffers",
+                [mkeys[i] for i in todo],
+                ptrs,
+                sizes,
+                self._replicate,
             )
         self._settle_puts(todo, rcs, pages, out)
         return out
@@ -360,7 +438,9 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             sizes.append(HEADER_SIZE + page.nbytes)
             off = pos
         with self._errors():
-            rcs = self._mc.batch_put_from([mkeys[i] for i in group], ptrs, sizes, self._replicate)
+            rcs = self._call(
+                "batch_put_from", [mkeys[i] for i in group], ptrs, sizes, self._replicate
+            )
         self._settle_puts(group, rcs, pages, out)
 
     def _settle_puts(self, idx: list[int], rcs: Sequence[int], pages: Sequence[PageBuffer],
@@ -402,9 +482,11 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             sizes.append(HEADER_SIZE + pages[i].nbytes)
             off += HEADER_SIZE + pages[i].nbytes
         with self._errors():
-            got = self._mc.batch_get_into(
-                [self._prefix + names[i].path for i in group], ptrs, sizes
+            got = self._call(
+                "batch_get_into", [self._prefix + names[i].path for i in group], ptrs, sizes
             )
+        self._forget_lost([self._prefix + names[i].path for i, n in zip(group, got, strict=True)
+                           if _RPC_FAIL < n < 0 and n not in (_NOT_FOUND, _INVALID)])  # fmt: skip
         failed = read = 0
         off = 0
         for i, n in zip(group, got, strict=True):
@@ -412,7 +494,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             off += HEADER_SIZE + page.nbytes
             payload = view[start + HEADER_SIZE : off]
             if not self._accept(n, page, names[i], view[start : start + HEADER_SIZE], [payload]):
-                failed += int(n < 0 and n != _NOT_FOUND)
+                failed += int(n < 0 and n not in (_NOT_FOUND, _INVALID))
                 continue
             pos = 0
             for seg in page.views:
@@ -427,6 +509,9 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
                 payload: list[memoryview]) -> bool:  # fmt: skip
         """Whether a read of ``n`` bytes gave this page, checked (counted when not)."""
         if n == _NOT_FOUND:
+            return False
+        if n == _INVALID:  # (the buffers are not the object's size)
+            self._record(size_mismatches=1)
             return False
         if n < 0:
             self._item_failed("batch_get_pages", BackendError(f"mooncake get failed (rc {n})"))
@@ -454,9 +539,14 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
                 for j, i in enumerate(idx)]  # fmt: skip
         sizes = [[HEADER_SIZE, *(s.nbytes for s in pages[i].segments)] for i in idx]
         with self._errors():
-            got = self._mc.batch_get_into_multi_buffers(
-                [self._prefix + names[i].path for i in idx], ptrs, sizes
+            got = self._call(
+                "batch_get_into_multi_buffers",
+                [self._prefix + names[i].path for i in idx],
+                ptrs,
+                sizes,
             )
+        self._forget_lost([self._prefix + names[i].path for i, n in zip(idx, got, strict=True)
+                           if _RPC_FAIL < n < 0 and n not in (_NOT_FOUND, _INVALID)])  # fmt: skip
         raw = memoryview(bytes(arena[: len(idx) * HEADER_SIZE].numpy()))
         failed = read = 0
         for j, (i, n) in enumerate(zip(idx, got, strict=True)):
@@ -466,15 +556,22 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
                 out[i] = True
                 read += page.nbytes
             else:
-                failed += int(n < 0 and n != _NOT_FOUND)
+                failed += int(n < 0 and n not in (_NOT_FOUND, _INVALID))
         self._record(bytes_read=read)
         self._add_item_errors(failed)
 
     # ------------------------------------------------------------------ the rest
 
     def health(self) -> int:
-        """Mooncake's health check: 0 healthy, 1 not set up or closed, 2 master unreachable."""
-        return int(self._mc.health_check()) if self._mc is not None else 1
+        """0 healthy, 1 not set up or closed, 2 master unreachable.
+
+        The client's health check, or 2 after a call the master failed in the last seconds.
+        """
+        if self._mc is None:
+            return 1
+        if self._down_until and time.monotonic() < self._down_until:
+            return 2
+        return int(self._mc.health_check())
 
     @override
     def close(self) -> None:
