@@ -28,29 +28,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "workers"))
 
 from mooncake_master import require_private_network, running_store
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hot_paths import timed  # one timer for the benchmarks: gc off while it runs
+from v1_pages import V1Pages
 
-from hicache_storage import StorageConfig, page_hashes
+from hicache_storage import StorageConfig
 from hicache_storage.backends import MooncakeBackend
-from hicache_storage.cli.bench import BenchShape, fill_random, namespace_for, verify_pages
+from hicache_storage.cli.bench import BenchShape, namespace_for
 
 
 def run_shape(master: str, shape: BenchShape, rounds: int) -> dict[str, Any]:
     from mooncake.store import MooncakeDistributedStore
 
-    pool = shape.pool(2 * shape.pages)
-    fill_random(pool, seed=3)
-    ps = shape.page_size
-    src = torch.arange(0, shape.pages * ps)
-    dst = torch.arange(shape.pages * ps, 2 * shape.pages * ps)
-    src_pages, dst_pages = pool.page_buffers(src), pool.page_buffers(dst)
+    pages = V1Pages(shape)
+    pool = pages.pool
+    src_pages, dst_pages = pages.src_pages, pages.dst_pages
     b = MooncakeBackend(StorageConfig(namespace=namespace_for(shape, "bench")),
                         master_server_address=master, global_segment_size=0,
                         local_buffer_size="64MiB", prefix="ours/")  # fmt: skip
@@ -64,21 +60,7 @@ def run_shape(master: str, shape: BenchShape, rounds: int) -> dict[str, Any]:
 
     def ours() -> None:
         nonlocal bad
-        keys = page_hashes(torch.randint(0, 2**31 - 1, (shape.pages * ps,)).tolist(), ps)
-        rows_s, rows_d = src.view(-1, ps), dst.view(-1, ps)
-
-        def go(call: Any, rows: torch.Tensor) -> None:
-            for i in range(0, shape.pages, shape.batch):
-                if not all(call(keys[i : i + shape.batch], rows[i : i + shape.batch].reshape(-1))):
-                    raise RuntimeError("a page failed")
-
-        out["ours set"].append(timed(lambda: go(b.batch_set_v1, rows_s)))
-        for p in dst_pages:
-            for seg in p.segments:
-                seg.memoryview[:] = b"\0" * seg.nbytes
-        out["ours get"].append(timed(lambda: go(b.batch_get_v1, rows_d)))
-        bad += verify_pages(pool, src, dst)
-        b.clear()
+        bad += pages.ours(b, out)
 
     def raw_round() -> None:
         keys = [f"raw/{secrets.token_hex(16)}" for _ in range(shape.pages)]
@@ -98,8 +80,9 @@ def run_shape(master: str, shape: BenchShape, rounds: int) -> dict[str, Any]:
     for r in range(rounds):
         for fn in (ours, raw_round) if r % 2 == 0 else (raw_round, ours):
             fn()
-    nbytes = shape.pages * pool.page_bytes
-    result: dict[str, Any] = {name: nbytes / statistics.median(v) / 1e9 for name, v in out.items()}
+    result: dict[str, Any] = {
+        name: pages.nbytes / statistics.median(v) / 1e9 for name, v in out.items()
+    }
     result["mismatched pages"] = bad
     b.close()
     raw.close()

@@ -29,33 +29,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "workers"))
 
 from redis_server import running
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hot_paths import timed  # one timer for the benchmarks: gc off while it runs
+from v1_pages import V1Pages
 
 from hicache_storage import StorageConfig, page_hashes
 from hicache_storage.backends import RedisBackend
-from hicache_storage.cli.bench import BenchShape, fill_random, namespace_for, verify_pages
+from hicache_storage.cli.bench import BenchShape, namespace_for
 
 
 def run_shape(url: str, shape: BenchShape, rounds: int) -> dict[str, Any]:
     import redis
 
-    pool = shape.pool(2 * shape.pages)
-    fill_random(pool, seed=3)
-    ps = shape.page_size
-    src = torch.arange(0, shape.pages * ps)
-    dst = torch.arange(shape.pages * ps, 2 * shape.pages * ps)
-    src_pages, dst_pages = pool.page_buffers(src), pool.page_buffers(dst)
-    dst_segments = [
-        [torch.frombuffer(seg.memoryview, dtype=torch.uint8) for seg in p.segments]
-        for p in dst_pages
-    ]
+    pages = V1Pages(shape)
+    pool, src, ps = pages.pool, pages.src, shape.page_size
     client = redis.Redis.from_url(url)
     b = RedisBackend(StorageConfig(namespace=namespace_for(shape, "bench")), url=url,
                      prefix="bench:", max_connections=4)  # fmt: skip
@@ -65,21 +56,7 @@ def run_shape(url: str, shape: BenchShape, rounds: int) -> dict[str, Any]:
 
     def ours() -> None:
         nonlocal bad
-        keys = page_hashes(torch.randint(0, 2**31 - 1, (shape.pages * ps,)).tolist(), ps)
-        rows_s, rows_d = src.view(-1, ps), dst.view(-1, ps)
-
-        def go(call: Any, rows: torch.Tensor) -> None:
-            for i in range(0, shape.pages, shape.batch):
-                if not all(call(keys[i : i + shape.batch], rows[i : i + shape.batch].reshape(-1))):
-                    raise RuntimeError("a page failed")
-
-        out["ours set"].append(timed(lambda: go(b.batch_set_v1, rows_s)))
-        for segs in dst_segments:
-            for t in segs:
-                t.zero_()
-        out["ours get"].append(timed(lambda: go(b.batch_get_v1, rows_d)))
-        bad += verify_pages(pool, src, dst)
-        b.clear()
+        bad += pages.ours(b, out)
 
     def raw() -> None:
         keys = [f"raw:{secrets.token_hex(16)}" for _ in range(shape.pages)]
@@ -87,7 +64,7 @@ def run_shape(url: str, shape: BenchShape, rounds: int) -> dict[str, Any]:
         def set_all() -> None:
             for i in range(0, shape.pages, shape.batch):
                 pipe = client.pipeline(transaction=False)
-                for k, page in zip(keys[i : i + shape.batch], src_pages[i : i + shape.batch],
+                for k, page in zip(keys[i : i + shape.batch], pages.src_pages[i : i + shape.batch],
                                    strict=True):  # fmt: skip
                     pipe.set(k, b"".join(seg.memoryview for seg in page.segments))
                 pipe.execute()
@@ -97,12 +74,8 @@ def run_shape(url: str, shape: BenchShape, rounds: int) -> dict[str, Any]:
                 pipe = client.pipeline(transaction=False)
                 for k in keys[i : i + shape.batch]:
                     pipe.get(k)
-                for value, segs in zip(pipe.execute(), dst_segments[i : i + shape.batch],
-                                       strict=True):  # fmt: skip
-                    data, off = torch.frombuffer(bytearray(value), dtype=torch.uint8), 0
-                    for t in segs:
-                        t.copy_(data[off : off + t.numel()])
-                        off += t.numel()
+                for j, value in enumerate(pipe.execute()):
+                    pages.copy_into_destination(i + j, value)
 
         out["raw set"].append(timed(set_all))
         out["raw get"].append(timed(get_all))
@@ -111,8 +84,9 @@ def run_shape(url: str, shape: BenchShape, rounds: int) -> dict[str, Any]:
     for r in range(rounds):
         for fn in (ours, raw) if r % 2 == 0 else (raw, ours):
             fn()
-    nbytes = shape.pages * pool.page_bytes
-    result: dict[str, Any] = {name: nbytes / statistics.median(v) / 1e9 for name, v in out.items()}
+    result: dict[str, Any] = {
+        name: pages.nbytes / statistics.median(v) / 1e9 for name, v in out.items()
+    }
     # batch_exists(128), one round trip each, against a raw pipeline of EXISTS
     keys = page_hashes(list(range(128 * ps)), ps)
     b.batch_set_v1(keys, src[: 128 * ps])

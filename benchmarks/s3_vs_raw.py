@@ -30,18 +30,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "workers"))
 
 from moto_server import running_moto
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hot_paths import timed  # one timer for the benchmarks: gc off while it runs
+from v1_pages import V1Pages
 
 from hicache_storage import StorageConfig, page_hashes
 from hicache_storage.backends import S3Backend
-from hicache_storage.cli.bench import BenchShape, fill_random, namespace_for, verify_pages
+from hicache_storage.cli.bench import BenchShape, namespace_for
 
 BUCKET = "hicache-bench"
 
@@ -50,16 +49,8 @@ def run_shape(endpoint: str, creds: tuple[str, str], shape: BenchShape, rounds: 
               concurrency: int) -> dict[str, Any]:  # fmt: skip
     import s3fs
 
-    pool = shape.pool(2 * shape.pages)
-    fill_random(pool, seed=3)
-    ps = shape.page_size
-    src = torch.arange(0, shape.pages * ps)
-    dst = torch.arange(shape.pages * ps, 2 * shape.pages * ps)
-    src_pages = pool.page_buffers(src)
-    dst_segments = [
-        [torch.frombuffer(seg.memoryview, dtype=torch.uint8) for seg in p.segments]
-        for p in pool.page_buffers(dst)
-    ]
+    pages = V1Pages(shape)
+    pool, src, ps = pages.pool, pages.src, shape.page_size
     key, secret = creds
     fs = s3fs.S3FileSystem(key=key, secret=secret, skip_instance_cache=True, max_concurrency=1,
                            client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"})  # fmt: skip
@@ -72,21 +63,7 @@ def run_shape(endpoint: str, creds: tuple[str, str], shape: BenchShape, rounds: 
 
     def ours() -> None:
         nonlocal bad
-        keys = page_hashes(torch.randint(0, 2**31 - 1, (shape.pages * ps,)).tolist(), ps)
-        rows_s, rows_d = src.view(-1, ps), dst.view(-1, ps)
-
-        def go(call: Any, rows: torch.Tensor) -> None:
-            for i in range(0, shape.pages, shape.batch):
-                if not all(call(keys[i : i + shape.batch], rows[i : i + shape.batch].reshape(-1))):
-                    raise RuntimeError("a page failed")
-
-        out["ours set"].append(timed(lambda: go(b.batch_set_v1, rows_s)))
-        for segs in dst_segments:
-            for t in segs:
-                t.zero_()
-        out["ours get"].append(timed(lambda: go(b.batch_get_v1, rows_d)))
-        bad += verify_pages(pool, src, dst)
-        b.clear()
+        bad += pages.ours(b, out)
 
     def raw() -> None:
         paths = [f"{BUCKET}/raw/{secrets.token_hex(16)}" for _ in range(shape.pages)]
@@ -95,18 +72,15 @@ def run_shape(endpoint: str, creds: tuple[str, str], shape: BenchShape, rounds: 
             for i in range(0, shape.pages, shape.batch):
                 fs.pipe({p: b"".join(seg.memoryview for seg in page.segments)
                          for p, page in zip(paths[i : i + shape.batch],
-                                            src_pages[i : i + shape.batch], strict=True)},
+                                            pages.src_pages[i : i + shape.batch], strict=True)},
                         batch_size=concurrency)  # fmt: skip
 
         def get_all() -> None:
             for i in range(0, shape.pages, shape.batch):
                 part = paths[i : i + shape.batch]
                 got = fs.cat(part, batch_size=concurrency)
-                for p, segs in zip(part, dst_segments[i : i + shape.batch], strict=True):
-                    data, off = torch.frombuffer(bytearray(got[p]), dtype=torch.uint8), 0
-                    for t in segs:
-                        t.copy_(data[off : off + t.numel()])
-                        off += t.numel()
+                for j, p in enumerate(part):
+                    pages.copy_into_destination(i + j, got[p])
 
         out["raw set"].append(timed(set_all))
         out["raw get"].append(timed(get_all))
