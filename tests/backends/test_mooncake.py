@@ -165,3 +165,39 @@ def test_a_tensor_batch_larger_than_the_local_buffer_reads_whole(master: Mooncak
     finally:
         b.clear()
         b.close()
+
+
+def _write_in_another_engine(opts: dict[str, Any], keys: list[str], queue: Any) -> None:
+    """A second engine process: its own client of the same master writes the pages."""
+    try:
+        b = backend(**opts)
+        vals = [torch.full((8192,), i + 7, dtype=torch.uint8) for i in range(len(keys))]
+        ok = b.batch_set(keys, vals)
+        b.close()  # a pure client: the pages stay in the storage node's memory
+        queue.put(ok)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        queue.put(repr(exc))
+
+
+def test_two_engine_processes_share_pages_through_one_master(master: MooncakeMaster) -> None:
+    """Pages one engine process stored are hits, byte-exact, for another process."""
+    import multiprocessing
+
+    opts = options(master)
+    keys = [f"shared{i}" for i in range(6)]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_write_in_another_engine, args=(opts, keys, queue))
+    child.start()
+    answer = queue.get(timeout=120)
+    child.join(60)
+    assert answer == [True] * len(keys)
+    reader = backend(**opts)
+    try:
+        assert reader.batch_exists(keys) == len(keys)
+        got = reader.batch_get(keys)
+        for i, g in enumerate(got):
+            assert g is not None and torch.equal(g, torch.full((8192,), i + 7, dtype=torch.uint8))
+    finally:
+        reader.clear()
+        reader.close()
