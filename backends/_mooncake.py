@@ -417,26 +417,36 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         self._settle_puts(todo, rcs, pages, out)
         return out
 
+    def _stage(
+        self, group: list[int], pages: Sequence[PageBuffer]
+    ) -> tuple[memoryview, list[int], list[int]]:
+        """This thread's staging buffer laid out for ``group``.
+
+        A view of it, and each page's object address and size (header then payload, the
+        objects one after another).
+        """
+        sizes = [HEADER_SIZE + pages[i].nbytes for i in group]
+        buf = self._staging(sum(sizes))
+        base, ptrs = int(buf.data_ptr()), []
+        for size in sizes:
+            ptrs.append(base)
+            base += size
+        return memoryview(buf.numpy().data).cast("B"), ptrs, sizes
+
     def _set_staged(self, group: list[int], names: list[ObjectName], mkeys: list[str],
                     pages: Sequence[PageBuffer], out: list[bool]) -> None:  # fmt: skip
         """Store ``group``'s pages, each copied (header and payload) into the staging buffer."""
-        buf = self._staging(sum(HEADER_SIZE + pages[i].nbytes for i in group))
-        base = int(buf.data_ptr())
-        view = memoryview(buf.numpy().data).cast("B")
-        ptrs, sizes, off = [], [], 0
-        for i in group:
-            page = pages[i]
+        view, ptrs, sizes = self._stage(group, pages)
+        for i, ptr in zip(group, ptrs, strict=True):
+            page, off = pages[i], ptr - ptrs[0]
             views = page.views
-            header = encode_header(page.nbytes, checksum(views, self._algorithm), self._algorithm,
-                                   names[i].path)  # fmt: skip
-            view[off : off + HEADER_SIZE] = header
+            view[off : off + HEADER_SIZE] = encode_header(
+                page.nbytes, checksum(views, self._algorithm), self._algorithm, names[i].path
+            )
             pos = off + HEADER_SIZE
             for v in views:
                 view[pos : pos + v.nbytes] = v
                 pos += v.nbytes
-            ptrs.append(base + off)
-            sizes.append(HEADER_SIZE + page.nbytes)
-            off = pos
         with self._errors():
             rcs = self._call(
                 "batch_put_from", [mkeys[i] for i in group], ptrs, sizes, self._replicate
@@ -473,20 +483,12 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
 
     def _get_staged(self, group: list[int], names: list[ObjectName],
                     pages: Sequence[PageBuffer], out: list[bool]) -> None:  # fmt: skip
-        buf = self._staging(sum(HEADER_SIZE + pages[i].nbytes for i in group))
-        base = int(buf.data_ptr())
-        view = memoryview(buf.numpy().data).cast("B")
-        ptrs, sizes, off = [], [], 0
-        for i in group:
-            ptrs.append(base + off)
-            sizes.append(HEADER_SIZE + pages[i].nbytes)
-            off += HEADER_SIZE + pages[i].nbytes
+        view, ptrs, sizes = self._stage(group, pages)
         with self._errors():
             got = self._call(
                 "batch_get_into", [self._prefix + names[i].path for i in group], ptrs, sizes
             )
-        self._forget_lost([self._prefix + names[i].path for i, n in zip(group, got, strict=True)
-                           if _RPC_FAIL < n < 0 and n not in (_NOT_FOUND, _INVALID)])  # fmt: skip
+        self._forget_lost(_transfer_failed([self._prefix + names[i].path for i in group], got))
         failed = read = 0
         off = 0
         for i, n in zip(group, got, strict=True):
@@ -545,8 +547,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
                 ptrs,
                 sizes,
             )
-        self._forget_lost([self._prefix + names[i].path for i, n in zip(idx, got, strict=True)
-                           if _RPC_FAIL < n < 0 and n not in (_NOT_FOUND, _INVALID)])  # fmt: skip
+        self._forget_lost(_transfer_failed([self._prefix + names[i].path for i in idx], got))
         raw = memoryview(bytes(arena[: len(idx) * HEADER_SIZE].numpy()))
         failed = read = 0
         for j, (i, n) in enumerate(zip(idx, got, strict=True)):
@@ -591,3 +592,9 @@ def _exists(rc: int) -> bool | Exception:
     if rc in (0, 1):
         return bool(rc)
     return BackendError(f"mooncake batch_is_exist failed (rc {rc})")
+
+
+def _transfer_failed(keys: list[str], codes: Sequence[int]) -> list[str]:
+    """The keys whose read failed in the transfer (not a miss, a size or the master)."""
+    return [k for k, n in zip(keys, codes, strict=True)
+            if _RPC_FAIL < n < 0 and n not in (_NOT_FOUND, _INVALID)]  # fmt: skip

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from redis_server import free_port
+from redis_server import free_port, wait_ready
 
 
 def require_private_network() -> None:
@@ -60,24 +60,19 @@ class MooncakeMaster:
                "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
                f"--log_dir={self.logdir}", *self.args]  # fmt: skip
         log = open(os.path.join(self.logdir, "stderr.log"), "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+        self.proc = proc = subprocess.Popen(cmd, stdout=log, stderr=log)
         log.close()
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                text = Path(self.logdir, "stderr.log").read_text(errors="replace")
-                raise RuntimeError(
-                    f"mooncake_master exited ({self.proc.returncode}): {text[-800:]}"
-                )
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), 0.5):
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"mooncake_master did not listen on port {self.port}")
-            time.sleep(0.05)
+
+        def listening() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), 0.5):
+                return True
+
+        try:
+            wait_ready(proc, listening, f"mooncake_master on port {self.port}", timeout,
+                       lambda: Path(self.logdir, "stderr.log").read_text(errors="replace"))  # fmt: skip
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None

@@ -13,12 +13,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from redis_server import free_port
+from redis_server import free_port, wait_ready
 
 #: Requests moto lets through without checking credentials when auth is enforced: the
 #: ones that make the user, its policy and its key.
@@ -46,23 +45,22 @@ class MotoServer:
                "-H", "127.0.0.1", "-p", str(self.port)]  # fmt: skip
         # moto logs every request: to a file (a pipe nobody reads would fill and stop it)
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self._log)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                self._log.seek(0)
-                err = self._log.read().decode(errors="replace")
-                raise RuntimeError(f"moto_server exited ({self.proc.returncode}): {err[-800:]}")
-            try:
-                with urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"moto_server did not answer on port {self.port}")
-            time.sleep(0.1)
+        self.proc = proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                            stderr=self._log)  # fmt: skip
+
+        def answers() -> bool:
+            with urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1) as r:
+                return bool(r.status == 200)
+
+        def output() -> str:
+            self._log.seek(0)
+            return self._log.read().decode(errors="replace")
+
+        try:
+            wait_ready(proc, answers, f"moto_server on port {self.port}", timeout, output)
+        except RuntimeError:
+            self.stop()
+            raise
         if self.enforce_auth:
             self._make_user()
 

