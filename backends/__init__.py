@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from hicache_storage.backends._memory import MemoryBackend, MemoryOptions
     from hicache_storage.backends._mmap import MmapBackend, MmapOptions
     from hicache_storage.backends._mooncake import MooncakeBackend, MooncakeOptions
+    from hicache_storage.backends._nixl import NixlBackend, NixlOptions
     from hicache_storage.backends._redis import RedisBackend, RedisOptions
     from hicache_storage.backends._s3 import S3Backend, S3Options
     from hicache_storage.backends._shm import ShmBackend, ShmOptions
@@ -29,6 +30,8 @@ __all__ = [
     "MmapOptions",
     "MooncakeBackend",
     "MooncakeOptions",
+    "NixlBackend",
+    "NixlOptions",
     "RedisBackend",
     "RedisOptions",
     "S3Backend",
@@ -50,6 +53,8 @@ _LAZY = {
     "RedisOptions": "hicache_storage.backends._redis",
     "MooncakeBackend": "hicache_storage.backends._mooncake",
     "MooncakeOptions": "hicache_storage.backends._mooncake",
+    "NixlBackend": "hicache_storage.backends._nixl",
+    "NixlOptions": "hicache_storage.backends._nixl",
     "S3Backend": "hicache_storage.backends._s3",
     "S3Options": "hicache_storage.backends._s3",
 }

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TEMP_PREFIX",
     "commit_temp",
+    "finish_temp",
     "fsync_dir",
     "is_stale_temporary",
     "is_temporary",
@@ -233,8 +234,26 @@ def commit_temp(
     already existed; raises ``OSError`` on failure.
     """
     try:
+        written = writev_all(fd, views)
+    except BaseException:
+        os.close(fd)
+        _remove(tmp)
+        raise
+    return finish_temp(tmp, fd, final, written, fsync=fsync, allocated=allocated)
+
+
+def finish_temp(
+    tmp: str, fd: int, final: str, written: int, *, fsync: bool = False, allocated: int = 0
+) -> bool:
+    """Publish the temporary ``tmp`` (open as ``fd``, ``written`` bytes long) as ``final``.
+
+    For a writer that filled the temporary by other means than :func:`commit_temp` (a
+    transfer engine writing into ``fd``). First writer wins; this always closes ``fd``
+    and removes ``tmp``. ``allocated`` as in :func:`commit_temp`. Returns True if this
+    call published ``final``, False if it already existed; raises ``OSError`` on failure.
+    """
+    try:
         try:
-            written = writev_all(fd, views)
             if allocated > written:
                 os.ftruncate(fd, written)
             if fsync:
@@ -243,10 +262,7 @@ def commit_temp(
             os.close(fd)
         published = publish(tmp, final)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _remove(tmp)
         raise
     if published and fsync:
         try:
@@ -263,6 +279,13 @@ def commit_temp(
                 level=logging.ERROR,
             )
     return published
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def write_atomic(

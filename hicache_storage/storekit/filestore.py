@@ -67,6 +67,7 @@ from hicache_storage.storekit.atomic import (
 from hicache_storage.storekit.capacity import CapacityTracker, Reservation
 from hicache_storage.storekit.header import (
     HEADER_SIZE,
+    ObjectHeader,
     algorithm_id,
     checksum,
     decode_header,
@@ -224,6 +225,26 @@ def _is_object_name(fanout: str, leaf: str) -> bool:
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
     return a.st_ino == b.st_ino and a.st_dev == b.st_dev
+
+
+class _ReadItem:
+    """One object being read: its name and path, open file, target views and result."""
+
+    __slots__ = ("fd", "header", "name", "ok", "out", "path", "st", "views")
+
+    def __init__(
+        self,
+        name: ObjectName,
+        path: str,
+        fd: int,
+        st: os.stat_result,
+        views: list[memoryview],
+        out: Any,
+    ) -> None:
+        self.name, self.path, self.fd, self.st, self.views = name, path, fd, st, views
+        self.out = out  # what a successful read returns (True, or a new tensor)
+        self.header: ObjectHeader | None = None
+        self.ok = True
 
 
 @dataclass(frozen=True)
@@ -928,50 +949,88 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
 
     def _read(self, name: ObjectName, views: list[memoryview] | None) -> Any:
         """Read an object into ``views`` (or a new tensor); None on miss, mismatch or corruption."""
+        item = self._open_for_read(name, views)
+        if item is None:
+            return None
+        with self._reading(item):
+            head = bytearray(HEADER_SIZE)
+            got = preadv_all(item.fd, [memoryview(head), *item.views], 0)
+            if got != item.st.st_size:
+                raise CorruptObjectError(f"short read: {got} of {item.st.st_size} bytes")
+            item.header = self._check_header(item, head)
+            self._finish_read(item)
+        return item.out if item.ok else None
+
+    def _open_for_read(self, name: ObjectName, views: list[memoryview] | None) -> _ReadItem | None:
+        """Open ``name``'s object for a read into ``views``; None on a miss or a size mismatch.
+
+        With ``views`` None, a new uint8 tensor of the stored size is the target (``out``).
+        The caller reads the header and the payload, then :meth:`_finish_read`, inside
+        :meth:`_reading` (which closes the file and turns damage into a miss).
+        """
         path = self._path(name)
         opened = self._open_published(path)
         if opened is None:
             self._meta.discard(path)
             return None
         fd, st = opened
-        out: Any = True
-        try:
+        item = _ReadItem(name, path, fd, st, views or [], True)
+        with self._reading(item, close=False):
             payload = st.st_size - HEADER_SIZE
             if payload < 0:
                 raise CorruptObjectError(f"{st.st_size}-byte file is shorter than a header")
             if views is None:
                 import torch
 
-                out = torch.empty(payload, dtype=torch.uint8)
-                views = [memoryview_at(int(out.data_ptr()), payload, out)]
+                item.out = torch.empty(payload, dtype=torch.uint8)
+                item.views = [memoryview_at(int(item.out.data_ptr()), payload, item.out)]
             elif total_nbytes(views) != payload:
                 self._record(size_mismatches=1)
-                return None
-            head = bytearray(HEADER_SIZE)
-            got = preadv_all(fd, [memoryview(head), *views], 0)
-            if got != st.st_size:
-                raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
-            header = decode_header(head, name.path)  # renamed or swapped: not this key's
-            if header.payload_len != payload:
-                raise CorruptObjectError(
-                    f"header says {header.payload_len} bytes, file holds {payload}"
-                )
-            if self.options.verify_checksum:
-                verify_payload(header, views)
-            self._record(bytes_read=payload)
-            self._touch(name, path, st, fd)
+                item.ok = False
+        return item if item.ok else None  # (a failed item's file is closed)
+
+    @contextlib.contextmanager
+    def _reading(self, item: _ReadItem, close: bool = True) -> Iterator[None]:
+        """Around the steps of a read: damage makes it a miss.
+
+        A damaged object (``item.ok`` becomes False) is quarantined; ``OSError`` is mapped
+        to the SDK's errors; the file is closed at the end (``close``) or on any failure.
+        """
+        try:
+            yield
         except UnsupportedFormatError as exc:
             # A newer release's object in a shared store: a miss here, not damage.
-            self._log("newer", "object %s (%s): kept; the read is a miss", path, exc)
-            return None
+            self._log("newer", "object %s (%s): kept; the read is a miss", item.path, exc)
+            item.ok = False
         except CorruptObjectError as exc:
-            self._quarantine(path, fd, exc)
-            return None
+            self._quarantine(item.path, item.fd, exc)
+            item.ok = False
         except OSError as exc:
-            raise from_os_error(exc, f"read {path}") from exc
-        finally:
-            os.close(fd)
-        return out
+            os.close(item.fd)
+            raise from_os_error(exc, f"read {item.path}") from exc
+        except BaseException:
+            os.close(item.fd)
+            raise
+        if close or not item.ok:
+            os.close(item.fd)
+
+    def _check_header(self, item: _ReadItem, head: bytes | bytearray) -> ObjectHeader:
+        """The object's header, checked against its name and size (CorruptObjectError)."""
+        header = decode_header(head, item.name.path)  # renamed or swapped: not this key's
+        payload = item.st.st_size - HEADER_SIZE
+        if header.payload_len != payload:
+            raise CorruptObjectError(
+                f"header says {header.payload_len} bytes, file holds {payload}"
+            )
+        return header
+
+    def _finish_read(self, item: _ReadItem) -> None:
+        """After the payload is in ``item.views``: verify it, count it, note the use."""
+        assert item.header is not None
+        if self.options.verify_checksum:
+            verify_payload(item.header, item.views)
+        self._record(bytes_read=item.header.payload_len)
+        self._touch(item.name, item.path, item.st, item.fd)
 
     def _quarantine(self, path: str, fd: int, exc: CorruptObjectError) -> None:
         """Remove a corrupt object so the next ``set`` can store a good one."""
@@ -1052,17 +1111,9 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
 
     def _write(self, name: ObjectName, views: list[memoryview]) -> bool:
         path = self._path(name)
-        st = self._stored(path, remove=True)  # a planted FIFO, link... must not block the key
-        if st is not None:
-            self._meta.add(path)
-            self._touch(name, path, st)
+        if self._already_stored(name, path):
             return True
-        self._tracker.refresh_if_due()  # a cap shared with other processes: catch up
-        payload = total_nbytes(views)
-        nbytes = HEADER_SIZE + payload
-        header = encode_header(
-            payload, checksum(views, self._algorithm), self._algorithm, name.path
-        )
+        header, nbytes = self._new_header(name, views)
         data: list[memoryview | bytes] = [header, *views]
         reservation: Reservation | None = None
         try:  # released on any exit unless committed (the reservation may be replaced)
@@ -1080,34 +1131,94 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                     reservation = None
             if published is None:
                 reservation, published = self._write_file(name, path, data, nbytes)
-            assert reservation is not None  # held by the recycled or the new file
-            if published:
-                if not reservation.commit() and self._on_disk(path):
-                    # clear() ran during the write and the object landed after it.
-                    self._tracker.add(name.path, nbytes)
-                self._record(bytes_written=payload)
-            elif self._stored(path) is None:
-                # The name is taken, but not by a page (a non-empty directory, another
-                # user's file): never report stored what a read would not return.
-                raise BackendError(f"write {path}: the name is held by something else")
-            else:
-                self._touch(name, path)
+            self._settle(name, path, reservation, published, nbytes)
         except OSError as exc:
             raise from_os_error(exc, f"write {path}") from exc
         finally:
             if reservation is not None:
                 reservation.release()
-        self._meta.add(path)
         return True
+
+    def _already_stored(self, name: ObjectName, path: str) -> bool:
+        """True (and the object's use noted) if a good object is stored at ``path``.
+
+        Anything else there (a planted FIFO, a link...) is removed: it must not block the key.
+        """
+        st = self._stored(path, remove=True)
+        if st is None:
+            return False
+        self._meta.add(path)
+        self._touch(name, path, st)
+        return True
+
+    def _new_header(self, name: ObjectName, views: Sequence[memoryview]) -> tuple[bytes, int]:
+        """The header of a new object of ``views`` for ``name``, and the object's size."""
+        self._tracker.refresh_if_due()  # a cap shared with other processes: catch up
+        payload = total_nbytes(views)
+        header = encode_header(
+            payload, checksum(views, self._algorithm), self._algorithm, name.path
+        )
+        return header, HEADER_SIZE + payload
+
+    def _settle(
+        self,
+        name: ObjectName,
+        path: str,
+        reservation: Reservation | None,
+        published: bool,
+        nbytes: int,
+    ) -> None:
+        """Account for a write that published ``path`` (or found it taken meanwhile)."""
+        assert reservation is not None  # held by the recycled or the new file
+        if published:
+            if not reservation.commit() and self._on_disk(path):
+                # clear() ran during the write and the object landed after it.
+                self._tracker.add(name.path, nbytes)
+            self._record(bytes_written=nbytes - HEADER_SIZE)
+        elif self._stored(path) is None:
+            # The name is taken, but not by a page (a non-empty directory, another
+            # user's file): never report stored what a read would not return.
+            raise BackendError(f"write {path}: the name is held by something else")
+        else:
+            self._touch(name, path)
+        self._meta.add(path)
 
     def _write_file(
         self, name: ObjectName, path: str, data: list[memoryview | bytes], nbytes: int
     ) -> tuple[Reservation, bool]:
         """Reserve room for a new file, write it and publish it; (reservation, published).
 
-        The reservation (and, when :attr:`serialize_free_space`, the file's allocation)
-        happens under the root's free-space lock. A directory that vanished meanwhile
-        (clear() in another process, the root removed) is recreated and the write retried.
+        A directory that vanished meanwhile (clear() in another process, the root removed)
+        is recreated and the write retried.
+        """
+        for attempt in (0, 1):
+            reservation, tmp, fd, allocated = self._open_new(name, path, nbytes)
+            try:
+                published = commit_temp(
+                    tmp, fd, path, data, fsync=self.options.fsync, allocated=allocated
+                )
+            except FileNotFoundError:
+                reservation.release()
+                if attempt:
+                    raise
+                self._forget_dirs()
+                continue
+            except BaseException:
+                reservation.release()
+                raise
+            return reservation, published
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _open_new(
+        self, name: ObjectName, path: str, nbytes: int
+    ) -> tuple[Reservation, str, int, int]:
+        """Reserve room for a new object of ``nbytes`` at ``path`` and open its temporary.
+
+        Returns ``(reservation, temporary path, write descriptor, bytes allocated)``. The
+        reservation (and, when :attr:`serialize_free_space`, the file's allocation) happens
+        under the root's free-space lock. A directory that vanished meanwhile is recreated
+        and the open retried. The caller writes the object, then publishes it (or releases
+        the reservation, closes and removes the temporary).
         """
         for attempt in (0, 1):
             self._ensure_fanout(name)
@@ -1133,20 +1244,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                     raise
                 self._forget_dirs()
                 continue
-            try:
-                published = commit_temp(
-                    tmp, fd, path, data, fsync=self.options.fsync, allocated=allocate
-                )
-            except FileNotFoundError:
-                reservation.release()
-                if attempt:
-                    raise
-                self._forget_dirs()
-                continue
-            except BaseException:
-                reservation.release()
-                raise
-            return reservation, published
+            return reservation, tmp, fd, allocate
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _reserve(self, name: ObjectName, nbytes: int) -> Reservation:

@@ -1,0 +1,541 @@
+"""The ``nixl`` backend: pages as files, moved by NIXL's storage plugins (POSIX by default).
+
+NIXL is the transfer library behind several distributed KV stores; its file plugins
+(``POSIX`` here, ``GDS``/``GDS_MT`` on GPU hosts with GPUDirect Storage) move bytes between
+registered memory and files in batches. This backend keeps the store of the ``file``
+backend (the same directory tree, object format, trust rules, capacity accounting and
+atomic publication, from :class:`~hicache_storage.storekit.filestore.FileTreeStore`) and
+moves the payloads through one NIXL transfer per batch:
+
+* a write opens a temporary per page, writes the core header, then one NIXL ``WRITE``
+  carries every page's segments from the host pool into their temporaries; each is then
+  published (``link``: first writer wins) only if the transfer completed and the file has
+  its full length. A reader never sees a page being written (the reference writes in
+  place, so ``exists`` can see partial files).
+* a read opens each published page, checks its size and header, then one NIXL ``READ``
+  fills the host-pool pages; the checksum is verified as for ``file``. A transfer that
+  fails fails its pages (a short read is an error in NIXL, never stale bytes).
+
+The host pool is registered with the agent once (``register_mem_pool_host``); memory
+outside it (tensors given to ``get``/``set``) is registered for the call. The agent loads
+only the chosen plugin (never UCX, which crashes the interpreter at exit on CPU hosts)
+and opens no socket. Options and guarantees: ``docs/backends/nixl.md``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import importlib
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from typing_extensions import override
+
+from hicache_storage.buffers import is_tensor, source_views, target_views, total_nbytes
+from hicache_storage.errors import BackendError, ConfigError, from_os_error
+from hicache_storage.protocol import Capabilities
+from hicache_storage.storekit.atomic import finish_temp
+from hicache_storage.storekit.filestore import FileTreeOptions, FileTreeStore
+from hicache_storage.storekit.header import HEADER_SIZE
+from hicache_storage.storekit.pathsafety import user_dir
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+    from hicache_storage.buffers import PageBuffer, ReadTarget, WriteValue
+    from hicache_storage.config import StorageConfig
+    from hicache_storage.keys import ObjectName
+    from hicache_storage.protocol import HostPool
+    from hicache_storage.storekit.capacity import Reservation
+    from hicache_storage.storekit.filestore import _ReadItem
+
+__all__ = ["NixlBackend", "NixlOptions"]
+
+logger = logging.getLogger(__name__)
+
+#: The NIXL Python API, in the order tried: the meta package (it picks the build for the
+#: host's CUDA), then either build installed on its own.
+_API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+#: Polls of a transfer's state before the poller starts to sleep between polls.
+_SPINS = 64
+_MAX_NAP = 0.001
+_agent_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class NixlOptions(FileTreeOptions):
+    """Options of the ``nixl`` backend (environment: ``HICACHE_STORAGE_NIXL_<NAME>``).
+
+    Attributes:
+        root: directory under which every namespace gets its own subdirectory; default
+            ``/tmp/hicache-storage-nixl-<uid>``, private to the user. The files are those of
+            the ``file`` backend: both backends can share one root.
+        plugin: the NIXL plugin that moves the bytes: ``POSIX`` (default; any host), or
+            another plugin of files and host memory (``GDS_MT``, ``GDS`` on hosts with
+            GPUDirect Storage). A plugin that does not load, or that does not move files,
+            is a ``ConfigError``.
+        plugin_params: the plugin's own parameters, ``"name=value,name=value"`` (POSIX:
+            ``use_aio``, ``use_uring``, ``use_posix_aio``, ``kernel_queue_size``...).
+        batch_pages: pages per transfer (and files open at once per call).
+        (and every option of :class:`~hicache_storage.storekit.filestore.FileTreeOptions`.)
+    """
+
+    root: str | None = None
+    plugin: str = "POSIX"
+    plugin_params: str = ""
+    batch_pages: int = 256
+
+    @override
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.root is not None and not self.root:
+            raise ConfigError("root must not be empty")
+        if not self.plugin or not self.plugin.replace("_", "").isalnum():
+            raise ConfigError(f"plugin must be a NIXL plugin name, got {self.plugin!r}")
+        if self.batch_pages < 1:
+            raise ConfigError(f"batch_pages must be >= 1, got {self.batch_pages}")
+        _parse_params(self.plugin_params)
+
+
+def _parse_params(text: str) -> dict[str, str]:
+    """``"a=1,b=2"`` as ``{"a": "1", "b": "2"}`` (ConfigError when malformed)."""
+    params: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"plugin_params must be name=value pairs, got {item!r}")
+        params[name.strip()] = value.strip()
+    return params
+
+
+def _nixl_api() -> Any:
+    """The NIXL Python API module (ConfigError naming the package when none is installed)."""
+    errors = []
+    for name in _API_MODULES:
+        try:
+            api = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            # NIXL's Python logger prints INFO lines (one per agent and plugin) to stdout,
+            # which an engine may use: only its warnings and errors, unless the user asks.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return api
+    raise ConfigError(
+        "the nixl backend needs NIXL: pip install 'hicache-storage[nixl]' ("
+        + "; ".join(errors)
+        + ")"
+    )
+
+
+def _spans(views: Sequence[memoryview]) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of each non-empty view."""
+    return [
+        (int(np.frombuffer(v, dtype=np.uint8).ctypes.data), v.nbytes) for v in views if v.nbytes
+    ]
+
+
+class _WriteItem:
+    """A page on its way to the store: its open temporary and its reservation."""
+
+    __slots__ = ("fd", "name", "nbytes", "path", "reservation", "tmp")
+
+    def __init__(
+        self, name: ObjectName, path: str, reservation: Reservation, tmp: str, fd: int, nbytes: int
+    ) -> None:
+        self.name, self.path, self.reservation = name, path, reservation
+        self.tmp, self.fd, self.nbytes = tmp, fd, nbytes
+
+
+class NixlBackend(FileTreeStore[NixlOptions]):
+    """Pages as files of the ``file`` format, moved by one NIXL transfer per batch."""
+
+    name = "nixl"
+    capabilities = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
+    options_class = NixlOptions
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config, **options)
+        self._api = None
+        self._lock = threading.Lock()
+        self._agent_obj: Any = None
+        self._agent_pid = -1
+        # Registered host memory: sorted starts and ends, and the tensors held (so that
+        # registered memory is never freed and reused while the agent has it).
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._pool_tensors: list[Any] = []
+        self._pool_regs: list[Any] = []
+        try:
+            self._api = _nixl_api()
+            self._agent()  # ConfigError now for a plugin that does not load
+        except BaseException:
+            super().close()
+            raise
+
+    # ------------------------------------------------------------------ the agent
+
+    @override
+    def _location(self, opts: NixlOptions) -> str:
+        return opts.root if opts.root is not None else user_dir("/tmp", "hicache-storage-nixl")
+
+    def _agent(self) -> Any:
+        """This process's NIXL agent (a forked child makes its own: threads do not survive)."""
+        agent = self._agent_obj
+        if agent is not None and self._agent_pid == os.getpid():
+            return agent
+        with self._lock:
+            if self._agent_obj is None or self._agent_pid != os.getpid():
+                self._agent_obj = self._new_agent()
+                self._agent_pid = os.getpid()
+                self._pool_regs = [self._agent_obj.register_memory(t) for t in self._pool_tensors]
+            return self._agent_obj
+
+    def _new_agent(self) -> Any:
+        api, opts = self._api, self.options
+        assert api is not None
+        config = api.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=[],  # only the chosen plugin is loaded, below (never UCX)
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # several threads
+        )
+        agent = api.nixl_agent(f"hicache-{os.getpid()}-{next(_agent_ids)}", config)
+        # The plugin's memory types are read before it is made: making one that moves no
+        # files (UCX) would be useless, and UCX crashes the interpreter at exit here.
+        plugins = sorted(agent.get_plugin_list())
+        if opts.plugin not in plugins:
+            raise ConfigError(f"NIXL has no plugin {opts.plugin!r}; its plugins: {plugins}")
+        mems = set(agent.get_plugin_mem_types(opts.plugin))
+        if not {"FILE_SEG", "DRAM_SEG"} <= mems:
+            raise ConfigError(
+                f"the NIXL plugin {opts.plugin!r} cannot move files to and from host memory "
+                f"here (its memory types: {sorted(mems)}; none when it did not load)"
+            )
+        params = _parse_params(opts.plugin_params)
+        unknown = sorted(set(params) - set(agent.get_plugin_params(opts.plugin)))
+        if unknown:
+            raise ConfigError(
+                f"the NIXL plugin {opts.plugin!r} has no parameters {unknown}; its "
+                f"parameters: {sorted(agent.get_plugin_params(opts.plugin))}"
+            )
+        try:
+            agent.create_backend(opts.plugin, params)
+        except Exception as exc:  # noqa: BLE001 - the bindings' error types
+            raise ConfigError(
+                f"the NIXL plugin {opts.plugin!r} did not start with plugin_params "
+                f"{opts.plugin_params!r}: {type(exc).__name__}: {exc}"
+            ) from None
+        return agent
+
+    @override
+    def register_mem_pool_host(self, mem_pool_host: HostPool) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        buffers: Any = getattr(mem_pool_host, "kv_buffer", None)
+        tensors: list[Any] = [
+            t
+            for t in (buffers if isinstance(buffers, (list, tuple)) else [buffers])
+            if is_tensor(t) and t.device.type == "cpu" and t.numel()
+        ]
+        agent = self._agent()
+        with self._lock:
+            for reg in self._pool_regs:  # a pool registered before is let go
+                agent.deregister_memory(reg)
+            self._pool_regs = [agent.register_memory(t) for t in tensors]
+            self._pool_tensors = tensors
+            spans = sorted((int(t.data_ptr()), int(t.data_ptr()) + int(t.nbytes)) for t in tensors)
+            self._starts = [s for s, _ in spans]
+            self._ends = [e for _, e in spans]
+
+    def _unregistered(self, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, str]]:
+        """The spans outside the registered host pool, as DRAM registration entries."""
+        starts, ends = self._starts, self._ends
+        out = []
+        for addr, n in spans:
+            i = bisect.bisect_right(starts, addr) - 1
+            if i < 0 or addr + n > ends[i]:
+                out.append((addr, n, 0, ""))
+        return out
+
+    def _transfer(
+        self, op: str, spans: list[tuple[int, int]], places: list[tuple[int, int, int]],
+        files: list[tuple[int, int]],
+    ) -> None:  # fmt: skip
+        """One NIXL transfer between host memory and files; BackendError when it fails.
+
+        ``spans``: ``(address, bytes)`` in host memory; ``places``: the matching
+        ``(offset, bytes, fd)`` in files; ``files``: ``(fd, size)`` of each file involved.
+        Returns only once the transfer is over (done, failed, or cancelled by NIXL).
+        """
+        agent = self._agent()
+        extra = self._unregistered(spans)
+        try:
+            with contextlib.ExitStack() as stack:
+                if extra:
+                    reg = agent.register_memory(extra, "DRAM")
+                    stack.callback(agent.deregister_memory, reg)
+                file_reg = agent.register_memory(
+                    np.array([(0, size, fd) for fd, size in files], dtype=np.uint64), "FILE"
+                )
+                stack.callback(agent.deregister_memory, file_reg)
+                local = agent.get_xfer_descs(
+                    np.array([(a, n, 0) for a, n in spans], dtype=np.uint64), "DRAM"
+                )
+                remote = agent.get_xfer_descs(np.array(places, dtype=np.uint64), "FILE")
+                handle = agent.initialize_xfer(op, local, remote, agent.name)
+                stack.callback(self._release, agent, handle)
+                state = agent.transfer(handle)
+                spins = 0
+                while state == "PROC":
+                    spins += 1
+                    if spins > _SPINS:  # a slow device: do not burn a core polling it
+                        time.sleep(min(_MAX_NAP, 1e-5 * (spins - _SPINS)))
+                    state = agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise BackendError(f"NIXL {op} of {len(places)} ranges failed ({state})")
+        except BackendError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the bindings' nixl*Error types
+            raise BackendError(f"NIXL {op} of {len(places)} ranges failed: {exc!r}") from None
+
+    def _release(self, agent: Any, handle: Any) -> None:
+        try:
+            agent.release_xfer_handle(handle)
+        except Exception as exc:  # noqa: BLE001 - the pages already failed or succeeded
+            self._log("release", "NIXL could not release a transfer handle: %r", exc)
+
+    # ------------------------------------------------------------------ writes
+
+    @override
+    def set(self, key: str, value: WriteValue) -> bool:
+        return self._write_each("set", [key], [source_views(value)])[0]
+
+    @override
+    def _write_each(self, op: str, keys: list[str], views: list[list[memoryview]]) -> list[bool]:
+        """Write every item (a key twice in the batch is written once, with its first value)."""
+        first: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        unique = list(first.values())
+        names = [self.object_name(keys[i]) for i in unique]
+        step = self.options.batch_pages
+        done: list[bool] = []
+        for at in range(0, len(unique), step):
+            part = unique[at : at + step]
+            done += self._write_part(op, names[at : at + step], [views[i] for i in part])
+        if len(unique) == len(keys):
+            return done
+        by_key = {keys[i]: ok for i, ok in zip(unique, done, strict=True)}
+        return [by_key[k] for k in keys]
+
+    def _write_part(
+        self, op: str, names: list[ObjectName], views: list[list[memoryview]]
+    ) -> list[bool]:
+        """Write one part of a batch: temporaries, one transfer, then publication."""
+        n = len(names)
+        items: list[_WriteItem | None] = [None] * n
+        spans = [_spans(v) for v in views]
+
+        def prepare(i: int) -> bool:
+            name = names[i]
+            path = self._path(name)
+            if self._already_stored(name, path):
+                return True
+            header, nbytes = self._new_header(name, views[i])
+            try:
+                reservation, tmp, fd, _ = self._open_new(name, path, nbytes)
+            except OSError as exc:
+                raise from_os_error(exc, f"write {path}") from exc
+            item = _WriteItem(name, path, reservation, tmp, fd, nbytes)
+            try:
+                if os.pwrite(fd, header, 0) != HEADER_SIZE:
+                    raise BackendError(f"write {tmp}: short header write")
+            except BaseException as exc:
+                self._abandon(item)
+                if isinstance(exc, OSError):
+                    raise from_os_error(exc, f"write {tmp}") from exc
+                raise
+            items[i] = item
+            return True
+
+        big = self._io.worth_threads(sum(map(total_nbytes, views)), n)
+        ok = self._map_pages(op, n, prepare, self._io.map if big else None)
+        todo = [i for i in range(n) if items[i] is not None]
+        if not todo:
+            return ok
+        try:
+            self._move_pages("WRITE", [items[i] for i in todo], [spans[i] for i in todo])  # type: ignore[misc]
+        except BackendError as exc:
+            for i in todo:
+                self._abandon(items[i])  # type: ignore[arg-type]
+                ok[i] = False
+            self._log_failure(op, exc)
+            self._add_item_errors(len(todo))
+            return ok
+
+        def publish(j: int) -> bool:
+            item = items[todo[j]]
+            assert item is not None
+            try:
+                published = finish_temp(
+                    item.tmp, item.fd, item.path, item.nbytes, fsync=self.options.fsync
+                )
+                self._settle(item.name, item.path, item.reservation, published, item.nbytes)
+            except OSError as exc:
+                raise from_os_error(exc, f"write {item.path}") from exc
+            finally:
+                item.reservation.release()
+            return True
+
+        published = self._map_pages(op, len(todo), publish, self._io.map if big else None)
+        for i, done in zip(todo, published, strict=True):
+            ok[i] = done
+        return ok
+
+    def _move_pages(
+        self,
+        op: str,
+        items: Sequence[_WriteItem | _ReadItem],
+        spans: Sequence[list[tuple[int, int]]],
+    ) -> None:
+        """One transfer of the payloads of ``items`` (after their headers) to or from ``spans``."""
+        places: list[tuple[int, int, int]] = []
+        flat: list[tuple[int, int]] = []
+        files: list[tuple[int, int]] = []
+        for item, item_spans in zip(items, spans, strict=True):
+            offset = HEADER_SIZE
+            for addr, nbytes in item_spans:
+                places.append((offset, nbytes, item.fd))
+                flat.append((addr, nbytes))
+                offset += nbytes
+            size = item.nbytes if isinstance(item, _WriteItem) else item.st.st_size
+            files.append((item.fd, size))
+        if places:
+            self._transfer(op, flat, places, files)
+        if op == "WRITE":  # every byte is there, or the page fails
+            for item in items:
+                assert isinstance(item, _WriteItem)
+                size = os.fstat(item.fd).st_size
+                if size != item.nbytes:
+                    raise BackendError(f"NIXL wrote {size} of {item.nbytes} bytes to {item.tmp}")
+
+    def _abandon(self, item: _WriteItem) -> None:
+        """A write that will not be published: close and remove its temporary, free its room."""
+        try:
+            os.close(item.fd)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            os.unlink(item.tmp)
+        item.reservation.release()
+
+    # ------------------------------------------------------------------ reads
+
+    @override
+    def get(self, key: str, target: ReadTarget | None = None) -> Any:
+        views = None if target is None else target_views(target)
+        out = self._read_each("get", [key], [views])[0]
+        if out is None:
+            return None
+        return out if target is None else target
+
+    @override
+    def batch_get(self, keys: list[str], targets: Sequence[ReadTarget] | None = None) -> list[Any]:
+        views = [None] * len(keys) if targets is None else [target_views(t) for t in targets]
+        got = self._read_each("batch_get", keys, views)
+        if targets is None:
+            return got
+        return [None if g is None else t for g, t in zip(got, targets, strict=True)]
+
+    @override
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        got = self._read_each("batch_get_pages", keys, [p.views for p in pages])
+        return [g is not None for g in got]
+
+    def _read_each(
+        self, op: str, keys: list[str], views: Sequence[list[memoryview] | None]
+    ) -> list[Any]:
+        """Read every key into its views (None: into a new tensor); None for each miss."""
+        names = [self.object_name(k) for k in keys]
+        step = self.options.batch_pages
+        out: list[Any] = []
+        for at in range(0, len(keys), step):
+            out += self._read_part(op, names[at : at + step], views[at : at + step])
+        return out
+
+    def _read_part(
+        self, op: str, names: list[ObjectName], views: Sequence[list[memoryview] | None]
+    ) -> list[Any]:
+        """Read one part of a batch: open and check each object, one transfer, verify."""
+        n = len(names)
+        items: list[_ReadItem | None] = [None] * n
+
+        def open_one(i: int) -> bool:
+            item = self._open_for_read(names[i], views[i])
+            if item is None:
+                return False
+            with self._reading(item, close=False):
+                head = os.pread(item.fd, HEADER_SIZE, 0)
+                item.header = self._check_header(item, head)
+            if item.ok:
+                items[i] = item
+            return item.ok
+
+        big = self._io.worth_threads(sum(total_nbytes(v) for v in views if v is not None), n)
+        with self._closing(items):
+            self._map_pages(op, n, open_one, self._io.map if big else None)
+            live = [i for i in range(n) if items[i] is not None]
+            if not live:
+                return [None] * n
+            try:
+                self._move_pages(
+                    "READ",
+                    [items[i] for i in live],  # type: ignore[misc]
+                    [_spans(items[i].views) for i in live],  # type: ignore[union-attr]
+                )
+            except BackendError as exc:
+                self._log_failure(op, exc)
+                self._add_item_errors(len(live))
+                return [None] * n
+            out: list[Any] = [None] * n
+            for i in live:
+                item = items[i]
+                assert item is not None
+                items[i] = None  # closed by _reading from here on
+                with self._reading(item):
+                    self._finish_read(item)
+                if item.ok:
+                    out[i] = item.out
+            return out
+
+    @contextlib.contextmanager
+    def _closing(self, items: list[_ReadItem | None]) -> Iterator[None]:
+        """Close the files of the items still in ``items`` on the way out."""
+        try:
+            yield
+        finally:
+            for item in items:
+                if item is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(item.fd)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @override
+    def close(self) -> None:
+        with self._lock:
+            agent, self._agent_obj = self._agent_obj, None
+            regs, self._pool_regs = self._pool_regs, []
+            if agent is not None and self._agent_pid == os.getpid():
+                for reg in regs:
+                    with contextlib.suppress(Exception):
+                        agent.deregister_memory(reg)
+        super().close()
