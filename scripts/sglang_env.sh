@@ -60,6 +60,9 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   quiet "${pip_q[@]}" s3fs aiobotocore botocore boto3 "moto[s3]" flask flask-cors
   # The mooncake backend's client (CPU build), for the tests that run SGLang on it.
   quiet "${pip_q[@]}" mooncake-transfer-engine-non-cuda
+  # The nixl backend's NIXL: one build (nixl-cu13, about 235 MB) rather than the meta
+  # package, which installs both builds; the backend imports either.
+  quiet "${pip_q[@]}" nixl-cu13
   # Refuse to stamp a venv whose torch was replaced after all, or where a package other
   # than sglang lacks a requirement (sglang's own are left out on purpose).
   "$VENV/bin/python" - <<'PY'

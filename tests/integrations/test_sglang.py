@@ -59,7 +59,7 @@ def build(name: str, tmp_path: Path, **config: Any) -> SGLangStorage:
     return backend
 
 
-BACKENDS = ["file", "shm", "mmap", "memory", "redis", "s3", "mooncake"]
+BACKENDS = ["file", "shm", "mmap", "memory", "redis", "s3", "mooncake", "nixl"]
 
 
 @pytest.mark.parametrize("name", BACKENDS)

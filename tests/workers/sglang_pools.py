@@ -145,6 +145,7 @@ def backend_options(name: str, tmp_path: Path) -> dict[str, Any]:
         return {**S3_OPTIONS, "prefix": f"sglang-{tmp_path.name}"}
     options: dict[str, dict[str, Any]] = {
         "file": {"root": str(tmp_path / "file")},
+        "nixl": {"root": str(tmp_path / "nixl")},
         "shm": {"directory": str(tmp_path / "shm")},
         "mmap": {"path": str(tmp_path / "arena"), "capacity": "64MiB", "prefault": False},
         "memory": {"store": f"sglang-{tmp_path.name}"},
