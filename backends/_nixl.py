@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import importlib
 import itertools
 import logging
@@ -66,6 +67,8 @@ _API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 #: Polls of a transfer's state before the poller starts to sleep between polls.
 _SPINS = 64
 _MAX_NAP = 0.001
+#: Mean object size from which reads verify their checksums on the I/O threads.
+_THREADED_VERIFY = 512 << 10
 _agent_ids = itertools.count()
 
 
@@ -138,9 +141,15 @@ def _nixl_api() -> Any:
 
 def _spans(views: Sequence[memoryview]) -> list[tuple[int, int]]:
     """``(address, bytes)`` of each non-empty view."""
-    return [
-        (int(np.frombuffer(v, dtype=np.uint8).ctypes.data), v.nbytes) for v in views if v.nbytes
-    ]
+    return [(_address(v), v.nbytes) for v in views if v.nbytes]
+
+
+def _address(view: memoryview) -> int:
+    """The address of ``view``'s first byte (a C-contiguous byte view)."""
+    obj = view.obj
+    if isinstance(obj, ctypes.Array) and ctypes.sizeof(obj) == view.nbytes:
+        return ctypes.addressof(obj)  # a whole host-pool segment (buffers.memoryview_at)
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 class _WriteItem:
@@ -319,8 +328,24 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         return self._write_each("set", [key], [source_views(value)])[0]
 
     @override
-    def _write_each(self, op: str, keys: list[str], views: list[list[memoryview]]) -> list[bool]:
-        """Write every item (a key twice in the batch is written once, with its first value)."""
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        spans = [[(s.ptr, s.nbytes) for s in p.segments if s.nbytes] for p in pages]
+        return self._write_each("batch_set_pages", keys, [p.views for p in pages], spans)
+
+    @override
+    def _write_each(
+        self,
+        op: str,
+        keys: list[str],
+        views: list[list[memoryview]],
+        spans: list[list[tuple[int, int]]] | None = None,
+    ) -> list[bool]:
+        """Write every item (a key twice in the batch is written once, with its first value).
+
+        ``spans``: the items' ``(address, bytes)`` ranges, when the caller knows them.
+        """
+        if spans is None:
+            spans = [_spans(v) for v in views]
         first: dict[str, int] = {}
         for i, key in enumerate(keys):
             first.setdefault(key, i)
@@ -330,19 +355,24 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         done: list[bool] = []
         for at in range(0, len(unique), step):
             part = unique[at : at + step]
-            done += self._write_part(op, names[at : at + step], [views[i] for i in part])
+            done += self._write_part(
+                op, names[at : at + step], [views[i] for i in part], [spans[i] for i in part]
+            )
         if len(unique) == len(keys):
             return done
         by_key = {keys[i]: ok for i, ok in zip(unique, done, strict=True)}
         return [by_key[k] for k in keys]
 
     def _write_part(
-        self, op: str, names: list[ObjectName], views: list[list[memoryview]]
+        self,
+        op: str,
+        names: list[ObjectName],
+        views: list[list[memoryview]],
+        spans: list[list[tuple[int, int]]],
     ) -> list[bool]:
         """Write one part of a batch: temporaries, one transfer, then publication."""
         n = len(names)
         items: list[_WriteItem | None] = [None] * n
-        spans = [_spans(v) for v in views]
 
         def prepare(i: int) -> bool:
             name = names[i]
@@ -355,8 +385,8 @@ class NixlBackend(FileTreeStore[NixlOptions]):
             except OSError as exc:
                 raise from_os_error(exc, f"write {path}") from exc
             item = _WriteItem(name, path, reservation, tmp, fd, nbytes)
-            try:
-                if os.pwrite(fd, header, 0) != HEADER_SIZE:
+            try:  # the header is a trailer: the payload starts at 0, as the raw layout
+                if os.pwrite(fd, header, nbytes - HEADER_SIZE) != HEADER_SIZE:
                     raise BackendError(f"write {tmp}: short header write")
             except BaseException as exc:
                 self._abandon(item)
@@ -411,7 +441,7 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         flat: list[tuple[int, int]] = []
         files: list[tuple[int, int]] = []
         for item, item_spans in zip(items, spans, strict=True):
-            offset = HEADER_SIZE
+            offset = 0 if isinstance(item, _WriteItem) else item.offset
             for addr, nbytes in item_spans:
                 places.append((offset, nbytes, item.fd))
                 flat.append((addr, nbytes))
@@ -457,22 +487,35 @@ class NixlBackend(FileTreeStore[NixlOptions]):
 
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        got = self._read_each("batch_get_pages", keys, [p.views for p in pages])
+        spans = [[(s.ptr, s.nbytes) for s in p.segments if s.nbytes] for p in pages]
+        got = self._read_each("batch_get_pages", keys, [p.views for p in pages], spans)
         return [g is not None for g in got]
 
     def _read_each(
-        self, op: str, keys: list[str], views: Sequence[list[memoryview] | None]
+        self,
+        op: str,
+        keys: list[str],
+        views: Sequence[list[memoryview] | None],
+        spans: list[list[tuple[int, int]]] | None = None,
     ) -> list[Any]:
-        """Read every key into its views (None: into a new tensor); None for each miss."""
+        """Read every key into its views (None: into a new tensor); None for each miss.
+
+        ``spans``: the views' ``(address, bytes)`` ranges, when the caller knows them.
+        """
         names = [self.object_name(k) for k in keys]
         step = self.options.batch_pages
         out: list[Any] = []
         for at in range(0, len(keys), step):
-            out += self._read_part(op, names[at : at + step], views[at : at + step])
+            part = None if spans is None else spans[at : at + step]
+            out += self._read_part(op, names[at : at + step], views[at : at + step], part)
         return out
 
     def _read_part(
-        self, op: str, names: list[ObjectName], views: Sequence[list[memoryview] | None]
+        self,
+        op: str,
+        names: list[ObjectName],
+        views: Sequence[list[memoryview] | None],
+        spans: list[list[tuple[int, int]]] | None,
     ) -> list[Any]:
         """Read one part of a batch: open and check each object, one transfer, verify."""
         n = len(names)
@@ -483,37 +526,45 @@ class NixlBackend(FileTreeStore[NixlOptions]):
             if item is None:
                 return False
             with self._reading(item, close=False):
-                head = os.pread(item.fd, HEADER_SIZE, 0)
-                item.header = self._check_header(item, head)
+                self._locate_header(item)
             if item.ok:
                 items[i] = item
             return item.ok
 
-        big = self._io.worth_threads(sum(total_nbytes(v) for v in views if v is not None), n)
+        out: list[Any] = [None] * n
         with self._closing(items):
-            self._map_pages(op, n, open_one, self._io.map if big else None)
+            # Opens run in this thread: a few microseconds each, less than a hand-off.
+            self._map_pages(op, n, open_one)
             live = [i for i in range(n) if items[i] is not None]
-            if not live:
-                return [None] * n
+            opened = [item for item in items if item is not None]
+            if not opened:
+                return out
             try:
                 self._move_pages(
                     "READ",
-                    [items[i] for i in live],  # type: ignore[misc]
-                    [_spans(items[i].views) for i in live],  # type: ignore[union-attr]
+                    opened,
+                    [_spans(it.views) for it in opened]
+                    if spans is None
+                    else [spans[i] for i in live],
                 )
             except BackendError as exc:
                 self._log_failure(op, exc)
-                self._add_item_errors(len(live))
-                return [None] * n
-            out: list[Any] = [None] * n
-            for i in live:
-                item = items[i]
-                assert item is not None
-                items[i] = None  # closed by _reading from here on
+                self._add_item_errors(len(opened))
+                return out
+
+            def finish(j: int) -> bool:
+                item, items[live[j]] = opened[j], None  # closed by _reading from here on
                 with self._reading(item):
                     self._finish_read(item)
                 if item.ok:
-                    out[i] = item.out
+                    out[live[j]] = item.out
+                return item.ok
+
+            # The checksums of large pages are worth the I/O threads (xxhash lets go of
+            # the GIL); small ones are not.
+            nbytes = sum(item.st.st_size for item in opened)
+            threads = self.options.verify_checksum and nbytes >= _THREADED_VERIFY * len(opened)
+            self._map_pages(op, len(live), finish, self._io.map if threads else None)
             return out
 
     @contextlib.contextmanager

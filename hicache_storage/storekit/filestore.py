@@ -3,7 +3,8 @@
 Shared by the ``file`` backend (any POSIX filesystem) and the ``shm`` backend (``/dev/shm``),
 which differ only in their options and defaults. Layout:
 ``<root>/<namespace digest>/<fanout>/<key>[~<shard>]``; every file is
-``header || payload`` (see :mod:`hicache_storage.storekit.header`), published atomically
+``payload || header`` (the header as a trailer, see :mod:`hicache_storage.storekit.header`;
+objects of earlier releases, header first, are still read), published atomically
 (:mod:`hicache_storage.storekit.atomic`); capacity is tracked with
 :class:`~hicache_storage.storekit.capacity.CapacityTracker`. Every directory used and every file read
 passes the trust rule of :mod:`hicache_storage.storekit.pathsafety` (owned by this user or, in group
@@ -230,7 +231,7 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 class _ReadItem:
     """One object being read: its name and path, open file, target views and result."""
 
-    __slots__ = ("fd", "header", "name", "ok", "out", "path", "st", "views")
+    __slots__ = ("fd", "header", "name", "offset", "ok", "out", "path", "st", "views")
 
     def __init__(
         self,
@@ -244,6 +245,7 @@ class _ReadItem:
         self.name, self.path, self.fd, self.st, self.views = name, path, fd, st, views
         self.out = out  # what a successful read returns (True, or a new tensor)
         self.header: ObjectHeader | None = None
+        self.offset = 0  # where the payload starts (after the header in earlier objects)
         self.ok = True
 
 
@@ -948,18 +950,61 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         return None
 
     def _read(self, name: ObjectName, views: list[memoryview] | None) -> Any:
-        """Read an object into ``views`` (or a new tensor); None on miss, mismatch or corruption."""
+        """Read an object into ``views`` (or a new tensor); None on miss, mismatch or corruption.
+
+        One ``preadv`` of the payload and its trailer; an object of the earlier layout
+        (header first) is read again that way.
+        """
         item = self._open_for_read(name, views)
         if item is None:
             return None
         with self._reading(item):
-            head = bytearray(HEADER_SIZE)
-            got = preadv_all(item.fd, [memoryview(head), *item.views], 0)
-            if got != item.st.st_size:
-                raise CorruptObjectError(f"short read: {got} of {item.st.st_size} bytes")
-            item.header = self._check_header(item, head)
+            size = item.st.st_size
+            tail = bytearray(HEADER_SIZE)
+            got = preadv_all(item.fd, [*item.views, memoryview(tail)], 0)
+            if got != size:
+                raise CorruptObjectError(f"short read: {got} of {size} bytes")
+            try:
+                item.header = self._check_header(item, tail, trailer=True)
+            except UnsupportedFormatError:
+                raise
+            except CorruptObjectError as exc:
+                head = bytearray(HEADER_SIZE)
+                if preadv_all(item.fd, [memoryview(head), *item.views], 0) != size:
+                    raise
+                item.header = self._check_legacy(item, head, exc)
             self._finish_read(item)
         return item.out if item.ok else None
+
+    def _locate_header(self, item: _ReadItem) -> None:
+        """Read and check ``item``'s header (a trailer, or first in an earlier object).
+
+        Sets ``item.header`` and ``item.offset`` (where the payload starts), for readers
+        that move the payload by other means than :meth:`_read`.
+        """
+        size = item.st.st_size
+        tail = os.pread(item.fd, HEADER_SIZE, size - HEADER_SIZE)
+        try:
+            item.header = self._check_header(item, tail, trailer=True)
+        except UnsupportedFormatError:
+            raise
+        except CorruptObjectError as exc:
+            item.header = self._check_legacy(item, os.pread(item.fd, HEADER_SIZE, 0), exc)
+            item.offset = HEADER_SIZE
+
+    def _check_legacy(
+        self, item: _ReadItem, head: bytes | bytearray, trailer_error: CorruptObjectError
+    ) -> ObjectHeader:
+        """``head`` as the header of an object stored header first (earlier releases).
+
+        When it is not one either, the trailer's error stands (``trailer_error``).
+        """
+        try:
+            return self._check_header(item, head, trailer=False)
+        except UnsupportedFormatError:
+            raise
+        except CorruptObjectError:
+            raise trailer_error from None
 
     def _open_for_read(self, name: ObjectName, views: list[memoryview] | None) -> _ReadItem | None:
         """Open ``name``'s object for a read into ``views``; None on a miss or a size mismatch.
@@ -1014,9 +1059,12 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         if close or not item.ok:
             os.close(item.fd)
 
-    def _check_header(self, item: _ReadItem, head: bytes | bytearray) -> ObjectHeader:
+    def _check_header(
+        self, item: _ReadItem, head: bytes | bytearray, *, trailer: bool
+    ) -> ObjectHeader:
         """The object's header, checked against its name and size (CorruptObjectError)."""
-        header = decode_header(head, item.name.path)  # renamed or swapped: not this key's
+        # (renamed or swapped: not this key's)
+        header = decode_header(head, item.name.path, trailer=trailer)
         payload = item.st.st_size - HEADER_SIZE
         if header.payload_len != payload:
             raise CorruptObjectError(
@@ -1114,7 +1162,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         if self._already_stored(name, path):
             return True
         header, nbytes = self._new_header(name, views)
-        data: list[memoryview | bytes] = [header, *views]
+        data: list[memoryview | bytes] = [*views, header]  # the header is a trailer
         reservation: Reservation | None = None
         try:  # released on any exit unless committed (the reservation may be replaced)
             published = None
@@ -1156,7 +1204,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         self._tracker.refresh_if_due()  # a cap shared with other processes: catch up
         payload = total_nbytes(views)
         header = encode_header(
-            payload, checksum(views, self._algorithm), self._algorithm, name.path
+            payload, checksum(views, self._algorithm), self._algorithm, name.path, trailer=True
         )
         return header, HEADER_SIZE + payload
 

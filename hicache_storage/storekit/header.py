@@ -7,12 +7,19 @@ bytes, little-endian::
     0      4    magic         b"HCS\x01"
     4      1    version       2
     5      1    algorithm     0 = no payload checksum, 1 = xxh3-64
-    6      2    flags         0 (reserved)
-    8      8    payload_len   bytes of payload that follow the header
+    6      2    flags         bit 0: a trailer (the header follows its payload);
+                                 the other bits are 0
+    8      8    payload_len   bytes of payload
     16     8    checksum      payload checksum (0 when algorithm is 0)
     24     16   name_digest   BLAKE2b-128 of the object's name
     40     4    header_crc    CRC-32 of bytes 0..39
     44     4    reserved      0
+
+Objects are ``header || payload`` (blob stores: one value), or ``payload || header``
+with the trailer flag (file-like stores, since the header-first layout cost their reads
+up to half their speed: a payload at offset 48 is copied out of the page cache
+misaligned, and is never held in large folios). A reader asks for the header where it
+expects it; one found in the other place is damage.
 
 The name digest binds an object to the name it was stored under: a file renamed,
 copied or linked to another key's name (another user swapping two of a victim's pages in
@@ -45,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALGORITHMS",
+    "FLAG_TRAILER",
     "HEADER_SIZE",
     "ObjectHeader",
     "checksum",
@@ -59,6 +67,9 @@ VERSION = 2
 HEADER_SIZE = 48
 _FMT = struct.Struct("<4sBBHQQ16s")  # 40 bytes, then header_crc and reserved
 _TAIL = struct.Struct("<II")
+
+#: ``flags`` bit: the header follows its payload (a trailer).
+FLAG_TRAILER = 1
 
 #: Checksum algorithms by option name.
 ALGORITHMS = {"none": 0, "xxh3": 1}
@@ -102,25 +113,32 @@ def name_digest(name: str) -> bytes:
     return hashlib.blake2b(name.encode("utf-8"), digest_size=16).digest()
 
 
-def encode_header(payload_len: int, payload_checksum: int, algorithm: int, name: str) -> bytes:
-    """Return the header for a payload stored under ``name``."""
-    head = _FMT.pack(MAGIC, VERSION, algorithm, 0, payload_len, payload_checksum, name_digest(name))
+def encode_header(
+    payload_len: int, payload_checksum: int, algorithm: int, name: str, *, trailer: bool = False
+) -> bytes:
+    """Return the header for a payload stored under ``name`` (``trailer``: stored after it)."""
+    flags = FLAG_TRAILER if trailer else 0
+    digest = name_digest(name)
+    head = _FMT.pack(MAGIC, VERSION, algorithm, flags, payload_len, payload_checksum, digest)
     return head + _TAIL.pack(zlib.crc32(head), 0)
 
 
-def decode_header(raw: bytes | bytearray | memoryview, name: str | None = None) -> ObjectHeader:
-    """Decode and check a header.
+def decode_header(
+    raw: bytes | bytearray | memoryview, name: str | None = None, *, trailer: bool = False
+) -> ObjectHeader:
+    """Decode and check a header, read before its payload (or after it: ``trailer``).
 
-    Raises :class:`CorruptObjectError` if it is not valid or, with ``name``, if it was not
-    stored under ``name``; :class:`UnsupportedFormatError` (a subclass) for a header
-    version or checksum algorithm this release does not know.
+    Raises :class:`CorruptObjectError` if it is not valid, if it belongs in the other
+    place, or, with ``name``, if it was not stored under ``name``;
+    :class:`UnsupportedFormatError` (a subclass) for a header version, flag or checksum
+    algorithm this release does not know.
     """
     if len(raw) < HEADER_SIZE:
         raise CorruptObjectError(f"object shorter than its header ({len(raw)} bytes)")
     head = bytes(raw[: _FMT.size])
     if head[:4] != MAGIC:
         raise CorruptObjectError("bad magic: not a hicache-storage object")
-    _magic, version, algorithm, _flags, payload_len, csum, digest = _FMT.unpack(head)
+    _magic, version, algorithm, flags, payload_len, csum, digest = _FMT.unpack(head)
     crc, _reserved = _TAIL.unpack(bytes(raw[_FMT.size : HEADER_SIZE]))
     # The header CRC first: a damaged version byte is damage, not a newer format.
     if zlib.crc32(head) != crc:
@@ -129,6 +147,11 @@ def decode_header(raw: bytes | bytearray | memoryview, name: str | None = None) 
         raise UnsupportedFormatError(f"unsupported object version {version}")
     if algorithm not in ALGORITHMS.values():
         raise UnsupportedFormatError(f"unknown checksum algorithm id {algorithm}")
+    if flags & ~FLAG_TRAILER:
+        raise UnsupportedFormatError(f"unknown header flags {flags:#x}")
+    if bool(flags & FLAG_TRAILER) != trailer:
+        where = "after" if trailer else "before"
+        raise CorruptObjectError(f"a header found {where} the payload belongs on the other side")
     if name is not None and digest != name_digest(name):
         raise CorruptObjectError("the object was stored under another name")
     return ObjectHeader(algorithm, payload_len, csum)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hicache_storage import StorageConfig
-from hicache_storage.backends import FileBackend, MmapBackend, ShmBackend
+from hicache_storage.backends import FileBackend, MmapBackend, NixlBackend, ShmBackend
 from hicache_storage.storekit.header import HEADER_SIZE
 
 PAGE = bytes(range(256)) * 64  # 16 KiB
@@ -37,27 +37,32 @@ def flip(path: str, offset: int) -> None:
 
 # damage -> expected outcome with default options
 FILE_LIKE = {
-    "payload-bit-flip": {"file": "miss", "shm": "served"},
-    "header-bit-flip": {"file": "miss", "shm": "miss"},
-    "truncated": {"file": "miss", "shm": "miss"},
-    "extended": {"file": "miss", "shm": "miss"},
+    "payload-bit-flip": {"file": "miss", "shm": "served", "nixl": "miss"},
+    "header-bit-flip": {"file": "miss", "shm": "miss", "nixl": "miss"},
+    "truncated": {"file": "miss", "shm": "miss", "nixl": "miss"},
+    "extended": {"file": "miss", "shm": "miss", "nixl": "miss"},
 }
 
 
 @pytest.mark.parametrize("damage", sorted(FILE_LIKE))
-@pytest.mark.parametrize("kind", ["file", "shm"])
+@pytest.mark.parametrize("kind", ["file", "shm", "nixl"])
 def test_file_like_defaults(kind: str, damage: str, tmp_path: Path, shm_dir: str) -> None:
+    b: FileBackend | ShmBackend | NixlBackend
     if kind == "file":
-        b: FileBackend | ShmBackend = FileBackend(StorageConfig(), root=str(tmp_path / "r"))
+        b = FileBackend(StorageConfig(), root=str(tmp_path / "r"))
+    elif kind == "nixl":
+        b = NixlBackend(StorageConfig(), root=str(tmp_path / "r"))
     else:
         b = ShmBackend(StorageConfig(), directory=shm_dir)
     try:
         assert b.set("k", PAGE)
         path = only_file(b.directory)
+        size = os.path.getsize(path)
+        assert size == len(PAGE) + HEADER_SIZE
         if damage == "payload-bit-flip":
-            flip(path, HEADER_SIZE + 1000)
-        elif damage == "header-bit-flip":
-            flip(path, 9)
+            flip(path, 1000)
+        elif damage == "header-bit-flip":  # the header is a trailer: payload_len
+            flip(path, size - HEADER_SIZE + 9)
         elif damage == "truncated":
             os.truncate(path, os.path.getsize(path) - 100)
         else:

@@ -102,7 +102,7 @@ def test_group_sharing_with_a_real_unprivileged_process(shm_dir: str) -> None:
     assert stat.S_IMODE(root.st_mode) == 0o2770 and root.st_gid == gid
     member = as_nobody(["cat", path], [gid])
     assert member.returncode == 0, member.stderr
-    assert member.stdout.endswith(b"shared page")  # the header, then the page
+    assert member.stdout.startswith(b"shared page")  # the page, then its header
     assert as_nobody(["touch", os.path.join(fan, "probe")], [gid]).returncode == 0  # may write too
     outsider = as_nobody(["cat", path], [])
     assert outsider.returncode != 0
@@ -272,7 +272,7 @@ def test_a_file_a_reader_holds_is_not_overwritten(shm_dir: str) -> None:
         assert b.set("k2", value_of(2))
         assert not b.exists("k0")
         assert os.fstat(fd).st_ino != inode(b, "k2")
-        held = os.pread(fd, HEAD + SIZE, 0)[HEAD:]
+        held = os.pread(fd, SIZE, 0)  # the page, then its header
         assert held == value_of(0).numpy().tobytes()  # the reader's bytes never changed
     finally:
         os.close(fd)

@@ -126,9 +126,17 @@ def test_unknown_names_list_what_is_installed(site: Path) -> None:
         create_backend("dup@nobody")
 
 
-def test_known_but_missing_builtin_has_an_install_hint() -> None:
-    with pytest.raises(UnknownBackendError, match=r"hicache-storage\[nixl\]"):
+def test_known_but_missing_builtin_has_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache_storage import registry
+
+    real = registry._entry_points
+    # As if the nixl extra were not installed: its entry point is not there.
+    monkeypatch.setattr(
+        registry, "_entry_points", lambda: {k: v for k, v in real().items() if k != "nixl"}
+    )
+    with pytest.raises(UnknownBackendError, match=r"hicache-storage\[nixl\]") as err:
         create_backend("nixl")
+    assert "Known but not installed: nixl" in str(err.value)
 
 
 def test_module_class_path(site: Path) -> None:
