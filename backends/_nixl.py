@@ -31,6 +31,7 @@ import importlib
 import itertools
 import logging
 import os
+import resource
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ import numpy as np
 from typing_extensions import override
 
 from hicache_storage.buffers import is_tensor, source_views, target_views, total_nbytes
-from hicache_storage.errors import BackendError, ConfigError, from_os_error
+from hicache_storage.errors import BackendClosedError, BackendError, ConfigError, from_os_error
 from hicache_storage.protocol import Capabilities
 from hicache_storage.storekit.atomic import finish_temp
 from hicache_storage.storekit.filestore import FileTreeOptions, FileTreeStore
@@ -67,6 +68,8 @@ _API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 #: Polls of a transfer's state before the poller starts to sleep between polls.
 _SPINS = 64
 _MAX_NAP = 0.001
+#: The plugin's I/O queue when it does not say (POSIX's default ``ios_pool_size``).
+_DEFAULT_QUEUE = 65536
 #: Mean object size from which reads verify their checksums on the I/O threads.
 _THREADED_VERIFY = 512 << 10
 _agent_ids = itertools.count()
@@ -183,6 +186,20 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         self._ends: list[int] = []
         self._pool_tensors: list[Any] = []
         self._pool_regs: list[Any] = []
+        self._closing_agent = False
+        # Agents a failed transfer left (see _retire): kept, never used again.
+        self._retired: list[Any] = []
+        # Descriptors in flight on the agent, and the most a transfer may carry: NIXL's
+        # POSIX plugin queues every I/O of every transfer in one pool of ios_pool_size
+        # entries, and a transfer that finds it full fails after queueing part of itself.
+        self._post_lock = threading.Lock()
+        self._room = threading.Condition()
+        self._in_flight = 0
+        self._queue = _DEFAULT_QUEUE
+        # Files open at once per call: at most an eighth of the descriptor limit.
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = soft // 8 if soft != resource.RLIM_INFINITY else self.options.batch_pages
+        self._batch_pages = max(1, min(self.options.batch_pages, limit))
         try:
             self._api = _nixl_api()
             self._agent()  # ConfigError now for a plugin that does not load
@@ -197,11 +214,16 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         return opts.root if opts.root is not None else user_dir("/tmp", "hicache-storage-nixl")
 
     def _agent(self) -> Any:
-        """This process's NIXL agent (a forked child makes its own: threads do not survive)."""
+        """This process's NIXL agent (a forked child makes its own: threads do not survive).
+
+        A new one is made after a failed transfer retired the last (:meth:`_retire`).
+        """
         agent = self._agent_obj
         if agent is not None and self._agent_pid == os.getpid():
             return agent
         with self._lock:
+            if self._closing_agent:
+                raise BackendClosedError("the nixl backend is closed")
             if self._agent_obj is None or self._agent_pid != os.getpid():
                 self._agent_obj = self._new_agent()
                 self._agent_pid = os.getpid()
@@ -236,6 +258,13 @@ class NixlBackend(FileTreeStore[NixlOptions]):
                 f"the NIXL plugin {opts.plugin!r} has no parameters {unknown}; its "
                 f"parameters: {sorted(agent.get_plugin_params(opts.plugin))}"
             )
+        queue = params.get(
+            "ios_pool_size", agent.get_plugin_params(opts.plugin).get("ios_pool_size")
+        )
+        try:
+            self._queue = max(16, int(queue)) if queue else _DEFAULT_QUEUE
+        except ValueError:
+            raise ConfigError(f"ios_pool_size must be a number, got {queue!r}") from None
         try:
             agent.create_backend(opts.plugin, params)
         except Exception as exc:  # noqa: BLE001 - the bindings' error types
@@ -278,15 +307,34 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         self, op: str, spans: list[tuple[int, int]], places: list[tuple[int, int, int]],
         files: list[tuple[int, int]],
     ) -> None:  # fmt: skip
-        """One NIXL transfer between host memory and files; BackendError when it fails.
+        """NIXL transfers between host memory and files; BackendError when one fails.
 
         ``spans``: ``(address, bytes)`` in host memory; ``places``: the matching
         ``(offset, bytes, fd)`` in files; ``files``: ``(fd, size)`` of each file involved.
-        Returns only once the transfer is over (done, failed, or cancelled by NIXL).
+        A quarter of the plugin's I/O queue at most goes in one transfer. Returns only once
+        every transfer is over.
         """
-        agent = self._agent()
-        extra = self._unregistered(spans)
+        step = max(1, self._queue // 4)
+        sizes = dict(files)
+        for at in range(0, len(places), step):
+            part = places[at : at + step]
+            fds = sorted({fd for _, _, fd in part})
+            self._transfer_part(op, spans[at : at + step], part, [(fd, sizes[fd]) for fd in fds])
+
+    def _transfer_part(
+        self, op: str, spans: list[tuple[int, int]], places: list[tuple[int, int, int]],
+        files: list[tuple[int, int]],
+    ) -> None:  # fmt: skip
+        """One NIXL transfer (see :meth:`_transfer`)."""
+        n = len(places)
+        with self._room:  # wait until the plugin's queue has room for all of it
+            while self._in_flight and self._in_flight + n > self._queue:
+                self._room.wait()
+            self._in_flight += n
+        agent = None
         try:
+            agent = self._agent()
+            extra = self._unregistered(spans)
             with contextlib.ExitStack() as stack:
                 if extra:
                     reg = agent.register_memory(extra, "DRAM")
@@ -296,12 +344,21 @@ class NixlBackend(FileTreeStore[NixlOptions]):
                 )
                 stack.callback(agent.deregister_memory, file_reg)
                 local = agent.get_xfer_descs(
-                    np.array([(a, n, 0) for a, n in spans], dtype=np.uint64), "DRAM"
+                    np.array([(a, k, 0) for a, k in spans], dtype=np.uint64), "DRAM"
                 )
                 remote = agent.get_xfer_descs(np.array(places, dtype=np.uint64), "FILE")
                 handle = agent.initialize_xfer(op, local, remote, agent.name)
                 stack.callback(self._release, agent, handle)
-                state = agent.transfer(handle)
+                with self._post_lock:
+                    if agent is not self._agent_obj:  # retired by a failure meanwhile
+                        raise BackendError("the NIXL agent was replaced after a failure")
+                    try:
+                        state = agent.transfer(handle)
+                    except BaseException:
+                        self._retire(agent)
+                        raise
+                    if state == "ERR":
+                        self._retire(agent)
                 spins = 0
                 while state == "PROC":
                     spins += 1
@@ -309,11 +366,34 @@ class NixlBackend(FileTreeStore[NixlOptions]):
                         time.sleep(min(_MAX_NAP, 1e-5 * (spins - _SPINS)))
                     state = agent.check_xfer_state(handle)
                 if state != "DONE":
-                    raise BackendError(f"NIXL {op} of {len(places)} ranges failed ({state})")
-        except BackendError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the bindings' nixl*Error types
-            raise BackendError(f"NIXL {op} of {len(places)} ranges failed: {exc!r}") from None
+                    raise BackendError(f"NIXL {op} of {n} ranges failed ({state})")
+        except BaseException as exc:
+            if agent is not None:
+                self._retire(agent)
+            if isinstance(exc, BackendError):
+                raise
+            if not isinstance(exc, Exception):
+                raise
+            raise BackendError(f"NIXL {op} of {n} ranges failed: {exc!r}") from None
+        finally:
+            with self._room:
+                self._in_flight -= n
+                self._room.notify_all()
+
+    def _retire(self, agent: Any) -> None:
+        """Never use ``agent`` again; the next call makes a new one.
+
+        A transfer that fails may leave part of its I/O queued in the agent (NIXL does not
+        take back what it queued before a full queue stopped it), and the agent's next
+        transfer would run it, into descriptors and memory this call has given back. So
+        after any failure the agent is kept aside, unused, until :meth:`close`.
+        """
+        with self._lock:
+            if self._agent_obj is agent:
+                self._agent_obj = None
+                self._pool_regs = []
+                self._retired.append(agent)
+                self._log("retired", "a NIXL transfer failed: the backend starts a new agent")
 
     def _release(self, agent: Any, handle: Any) -> None:
         try:
@@ -351,7 +431,7 @@ class NixlBackend(FileTreeStore[NixlOptions]):
             first.setdefault(key, i)
         unique = list(first.values())
         names = [self.object_name(keys[i]) for i in unique]
-        step = self.options.batch_pages
+        step = self._batch_pages
         done: list[bool] = []
         for at in range(0, len(unique), step):
             part = unique[at : at + step]
@@ -397,38 +477,42 @@ class NixlBackend(FileTreeStore[NixlOptions]):
             return True
 
         big = self._io.worth_threads(sum(map(total_nbytes, views)), n)
-        ok = self._map_pages(op, n, prepare, self._io.map if big else None)
-        todo = [i for i in range(n) if items[i] is not None]
-        if not todo:
-            return ok
+        mapper = self._io.map if big else None
         try:
-            self._move_pages("WRITE", [items[i] for i in todo], [spans[i] for i in todo])  # type: ignore[misc]
-        except BackendError as exc:
-            for i in todo:
-                self._abandon(items[i])  # type: ignore[arg-type]
-                ok[i] = False
-            self._log_failure(op, exc)
-            self._add_item_errors(len(todo))
-            return ok
-
-        def publish(j: int) -> bool:
-            item = items[todo[j]]
-            assert item is not None
+            ok = self._map_pages(op, n, prepare, mapper)
+            todo = [i for i in range(n) if items[i] is not None]
+            if not todo:
+                return ok
             try:
-                published = finish_temp(
-                    item.tmp, item.fd, item.path, item.nbytes, fsync=self.options.fsync
-                )
-                self._settle(item.name, item.path, item.reservation, published, item.nbytes)
-            except OSError as exc:
-                raise from_os_error(exc, f"write {item.path}") from exc
-            finally:
-                item.reservation.release()
-            return True
+                self._move_pages("WRITE", [items[i] for i in todo], [spans[i] for i in todo])  # type: ignore[misc]
+            except BackendError as exc:
+                for i in todo:
+                    ok[i] = False
+                self._log_failure(op, exc)
+                self._add_item_errors(len(todo))
+                return ok  # (the temporaries are removed below)
 
-        published = self._map_pages(op, len(todo), publish, self._io.map if big else None)
-        for i, done in zip(todo, published, strict=True):
-            ok[i] = done
-        return ok
+            def publish(j: int) -> bool:
+                item, items[todo[j]] = items[todo[j]], None
+                assert item is not None
+                try:  # (finish_temp closes the file and removes the temporary, always)
+                    published = finish_temp(
+                        item.tmp, item.fd, item.path, item.nbytes, fsync=self.options.fsync
+                    )
+                    self._settle(item.name, item.path, item.reservation, published, item.nbytes)
+                except OSError as exc:
+                    raise from_os_error(exc, f"write {item.path}") from exc
+                finally:
+                    item.reservation.release()
+                return True
+
+            for i, done in zip(todo, self._map_pages(op, len(todo), publish, mapper), strict=True):
+                ok[i] = done
+            return ok
+        finally:
+            for item in items:  # not published: a failed transfer, close(), an error
+                if item is not None:
+                    self._abandon(item)
 
     def _move_pages(
         self,
@@ -450,10 +534,13 @@ class NixlBackend(FileTreeStore[NixlOptions]):
             files.append((item.fd, size))
         if places:
             self._transfer(op, flat, places, files)
-        if op == "WRITE":  # every byte is there, or the page fails
+        if op == "WRITE":  # every byte is there, or the pages fail
             for item in items:
                 assert isinstance(item, _WriteItem)
-                size = os.fstat(item.fd).st_size
+                try:
+                    size = os.fstat(item.fd).st_size
+                except OSError as exc:
+                    raise BackendError(f"stat {item.tmp}: {exc}") from exc
                 if size != item.nbytes:
                     raise BackendError(f"NIXL wrote {size} of {item.nbytes} bytes to {item.tmp}")
 
@@ -503,7 +590,7 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         ``spans``: the views' ``(address, bytes)`` ranges, when the caller knows them.
         """
         names = [self.object_name(k) for k in keys]
-        step = self.options.batch_pages
+        step = self._batch_pages
         out: list[Any] = []
         for at in range(0, len(keys), step):
             part = None if spans is None else spans[at : at + step]
@@ -583,6 +670,8 @@ class NixlBackend(FileTreeStore[NixlOptions]):
     @override
     def close(self) -> None:
         with self._lock:
+            self._closing_agent = True  # no call makes a new agent from here on
+            self._retired = []
             agent, self._agent_obj = self._agent_obj, None
             regs, self._pool_regs = self._pool_regs, []
             if agent is not None and self._agent_pid == os.getpid():

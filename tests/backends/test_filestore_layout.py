@@ -70,7 +70,7 @@ def test_the_payload_comes_first_and_the_header_is_a_trailer(
 def plant_legacy(b: FileTreeStore[Any], key: str, value: torch.Tensor) -> str:
     """Store ``value`` as an earlier release did: header first, then the payload."""
     name = b.object_name(key)
-    view = memoryview(value.numpy())
+    view = value.numpy().data
     head = encode_header(value.numel(), checksum([view], 1), 1, name.path)
     path = b._path(name)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)

@@ -24,7 +24,7 @@ from hicache_storage import KVCacheNamespace, StorageConfig
 from hicache_storage.backends import FileBackend, NixlBackend
 from hicache_storage.conformance import BackendConformance, BackendSpec
 from hicache_storage.conformance.data import make_pool, pool_namespace, tree_files
-from hicache_storage.errors import ConfigError
+from hicache_storage.errors import BackendClosedError, ConfigError
 from hicache_storage.keys import page_hashes
 from hicache_storage.layouts import LAYOUTS
 from hicache_storage.storekit.header import HEADER_SIZE
@@ -326,7 +326,7 @@ def test_ucx_is_refused_without_being_started(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         from hicache_storage.backends import NixlBackend
-        from hicache_storage.errors import ConfigError
+        from hicache_storage.errors import BackendClosedError, ConfigError
         try:
             NixlBackend(root={str(tmp_path)!r}, plugin="UCX")
         except ConfigError as exc:
@@ -338,3 +338,132 @@ def test_ucx_is_refused_without_being_started(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "refused:" in out.stdout and "cannot move files" in out.stdout
+
+
+def test_transfers_never_overflow_the_plugins_io_queue(
+    make: Callable[..., NixlBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NIXL's POSIX plugin queues every I/O of every transfer in one pool
+    (``ios_pool_size``); a transfer that finds it full fails after queueing part of itself,
+    and the agent's next transfer would run that part. Here the queue holds 64 I/Os and
+    two threads write and read pages of 16 segments, 40 pages a batch (640 I/Os): the
+    transfers are cut to fit, and every page is right."""
+    pool = make_pool("layer_first", num_pages=160, layer_num=8)
+    b = make(pool_namespace(pool), plugin_params="ios_pool_size=64")
+    b.register_mem_pool_host(pool)
+    spy = TransferSpy(b, monkeypatch)
+    ps = pool.page_size
+    assert len(pool.page_buffers(torch.arange(ps))[0].segments) == 16
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        keys = page_hashes(list(range(w * 10**6, w * 10**6 + 40 * ps)), ps)
+        src = torch.arange(w * 80 * ps, (w * 80 + 40) * ps)
+        dst = torch.arange((w * 80 + 40) * ps, (w * 80 + 80) * ps)
+        if b.batch_set_v1(keys, src) != [True] * 40 or b.batch_get_v1(keys, dst) != [True] * 40:
+            errors.append(f"worker {w}: a page failed")
+        elif [p.tobytes() for p in pool.page_buffers(src)] != [
+            p.tobytes() for p in pool.page_buffers(dst)
+        ]:
+            errors.append(f"worker {w}: wrong bytes")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert spy.calls and max(ranges for _, ranges, _ in spy.calls) <= 16 * 40
+    assert b._retired == []  # no transfer failed
+
+
+def test_a_failed_transfer_retires_the_agent(small_tmpfs: str) -> None:
+    """What a failed transfer may have left queued in its agent never runs: the agent is
+    set aside and the next call gets a new one (with the pool registered again)."""
+    pool = make_pool(num_pages=8)
+    b = NixlBackend(StorageConfig(namespace=pool_namespace(pool)), root=small_tmpfs)
+    try:
+        b.register_mem_pool_host(pool)
+        first = b._agent()
+        assert b.batch_set(["big"], [torch.ones(3 << 20, dtype=torch.uint8)]) == [False]  # ENOSPC
+        assert b._retired == [first] and b._agent_obj is None
+        ps = pool.page_size
+        keys = page_hashes(list(range(2 * ps)), ps)
+        assert b.batch_set_v1(keys, torch.arange(2 * ps)) == [True, True]
+        assert b._agent() is not first
+        assert b.batch_get_v1(keys, torch.arange(2 * ps, 4 * ps)) == [True, True]
+        assert [p.tobytes() for p in pool.page_buffers(torch.arange(2 * ps))] == [
+            p.tobytes() for p in pool.page_buffers(torch.arange(2 * ps, 4 * ps))
+        ]
+    finally:
+        b.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_no_agent_for_the_call_fails_its_pages_cleanly(
+    make: Callable[..., NixlBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked child whose agent cannot start (or a close() racing the call): the pages
+    fail, nothing is left open or half-written, nothing raises to the engine."""
+    b = make()
+    assert b.set("kept", values(1)[0]) is True
+    before = _fds()
+
+    def no_agent() -> Any:
+        raise ConfigError("the NIXL plugin 'POSIX' did not load (injected)")
+
+    monkeypatch.setattr(b, "_agent_pid", -1)  # as in a forked child
+    monkeypatch.setattr(b, "_new_agent", no_agent)
+    assert b.batch_set(["a", "b"], values(2, seed=8)) == [False, False]
+    assert b.batch_get(["kept", "a"]) == [None, None]
+    assert _fds() == before
+    assert [p for p in tree_files(b.root) if ".tmp." in p] == []
+    assert b.get_stats().ops["batch_set"].errors == 2
+
+
+def test_close_during_a_write_leaves_no_temporary(
+    make: Callable[..., NixlBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = make()
+    real = b._move_pages
+    before = _fds()
+
+    def then_close(*args: Any) -> None:
+        real(*args)
+        b.close()  # the I/O threads stop: publication cannot run
+
+    monkeypatch.setattr(b, "_move_pages", then_close)
+    done = b.batch_set([f"k{i}" for i in range(8)], values(8, 200_000, seed=9))
+    assert done == [False] * 8
+    assert [p for p in tree_files(b.root) if ".tmp." in p] == []
+    assert _fds() == before
+    with pytest.raises(BackendClosedError):
+        b._agent()  # a closed backend makes no new agent
+
+
+def test_files_open_at_once_follow_the_descriptor_limit(tmp_path: Path) -> None:
+    """Under a low RLIMIT_NOFILE (128), a batch of 300 pages still stores every page: the
+    backend opens at most an eighth of the limit per call (the file backend's one at a
+    time never ran out; ours must not either)."""
+    code = textwrap.dedent(
+        f"""
+        import resource, torch
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+        from hicache_storage.backends import NixlBackend
+        b = NixlBackend(root={str(tmp_path)!r})
+        vals = [torch.full((4096,), i % 256, dtype=torch.uint8) for i in range(300)]
+        keys = [f"k{{i}}" for i in range(300)]
+        print("set", sum(b.batch_set(keys, vals)), "part", b._batch_pages)
+        got = b.batch_get(keys)
+        print("get", sum(g is not None and torch.equal(g, v) for g, v in zip(got, vals)))
+        b.close()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "set 300 part 16" in out.stdout and "get 300" in out.stdout
