@@ -158,13 +158,20 @@ def _address(view: memoryview) -> int:
 class _WriteItem:
     """A page on its way to the store: its open temporary and its reservation."""
 
-    __slots__ = ("fd", "name", "nbytes", "path", "reservation", "tmp")
+    __slots__ = ("fd", "header", "name", "nbytes", "path", "reservation", "tmp")
 
     def __init__(
-        self, name: ObjectName, path: str, reservation: Reservation, tmp: str, fd: int, nbytes: int
+        self,
+        name: ObjectName,
+        path: str,
+        reservation: Reservation,
+        tmp: str,
+        fd: int,
+        nbytes: int,
+        header: bytes,
     ) -> None:
         self.name, self.path, self.reservation = name, path, reservation
-        self.tmp, self.fd, self.nbytes = tmp, fd, nbytes
+        self.tmp, self.fd, self.nbytes, self.header = tmp, fd, nbytes, header
 
 
 class NixlBackend(FileTreeStore[NixlOptions]):
@@ -189,6 +196,9 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         self._closing_agent = False
         # Agents a failed transfer left (see _retire): kept, never used again.
         self._retired: list[Any] = []
+        self._users: dict[int, int] = {}  # transfers in progress per agent (by id)
+        # Calls moving pages at once: each holds up to _batch_pages files open.
+        self._parts = threading.BoundedSemaphore(4)
         # Descriptors in flight on the agent, and the most a transfer may carry: NIXL's
         # POSIX plugin queues every I/O of every transfer in one pool of ios_pool_size
         # entries, and a transfer that finds it full fails after queueing part of itself.
@@ -196,7 +206,8 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         self._room = threading.Condition()
         self._in_flight = 0
         self._queue = _DEFAULT_QUEUE
-        # Files open at once per call: at most an eighth of the descriptor limit.
+        # Files open at once per call: at most an eighth of the descriptor limit (and at
+        # most four calls at once: half of it).
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         limit = soft // 8 if soft != resource.RLIM_INFINITY else self.options.batch_pages
         self._batch_pages = max(1, min(self.options.batch_pages, limit))
@@ -333,7 +344,7 @@ class NixlBackend(FileTreeStore[NixlOptions]):
             self._in_flight += n
         agent = None
         try:
-            agent = self._agent()
+            agent = self._use_agent()
             extra = self._unregistered(spans)
             with contextlib.ExitStack() as stack:
                 if extra:
@@ -367,33 +378,47 @@ class NixlBackend(FileTreeStore[NixlOptions]):
                     state = agent.check_xfer_state(handle)
                 if state != "DONE":
                     raise BackendError(f"NIXL {op} of {n} ranges failed ({state})")
-        except BaseException as exc:
-            if agent is not None:
-                self._retire(agent)
-            if isinstance(exc, BackendError):
-                raise
-            if not isinstance(exc, Exception):
-                raise
+        except BackendError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the bindings' nixl*Error types
             raise BackendError(f"NIXL {op} of {n} ranges failed: {exc!r}") from None
         finally:
+            if agent is not None:
+                self._done_with(agent)
             with self._room:
                 self._in_flight -= n
                 self._room.notify_all()
 
-    def _retire(self, agent: Any) -> None:
-        """Never use ``agent`` again; the next call makes a new one.
+    def _use_agent(self) -> Any:
+        """The agent, counted as in use by one more transfer (see :meth:`_done_with`)."""
+        agent = self._agent()
+        with self._lock:
+            self._users[id(agent)] = self._users.get(id(agent), 0) + 1
+        return agent
 
-        A transfer that fails may leave part of its I/O queued in the agent (NIXL does not
-        take back what it queued before a full queue stopped it), and the agent's next
-        transfer would run it, into descriptors and memory this call has given back. So
-        after any failure the agent is kept aside, unused, until :meth:`close`.
+    def _done_with(self, agent: Any) -> None:
+        """A transfer is over with ``agent``: a retired agent nobody uses is let go."""
+        with self._lock:
+            left = self._users[id(agent)] = self._users[id(agent)] - 1
+            if left == 0:
+                del self._users[id(agent)]
+                self._retired = [a for a in self._retired if a is not agent]
+
+    def _retire(self, agent: Any) -> None:
+        """Never post on ``agent`` again; the next call makes a new one.
+
+        A transfer whose post fails may leave part of its I/O queued in the agent (NIXL
+        does not take back what it queued before a full queue stopped it), and the
+        agent's next post would run it, into descriptors and memory this call has given
+        back. (A failure found on completion comes after all of its I/O ended: the agent
+        stays.) The retired agent is let go once its last transfer is over.
         """
         with self._lock:
             if self._agent_obj is agent:
                 self._agent_obj = None
                 self._pool_regs = []
                 self._retired.append(agent)
-                self._log("retired", "a NIXL transfer failed: the backend starts a new agent")
+                self._log("retired", "a NIXL post failed: the backend starts a new agent")
 
     def _release(self, agent: Any, handle: Any) -> None:
         try:
@@ -435,9 +460,10 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         done: list[bool] = []
         for at in range(0, len(unique), step):
             part = unique[at : at + step]
-            done += self._write_part(
-                op, names[at : at + step], [views[i] for i in part], [spans[i] for i in part]
-            )
+            with self._parts:  # (bounds the files open at once)
+                done += self._write_part(
+                    op, names[at : at + step], [views[i] for i in part], [spans[i] for i in part]
+                )
         if len(unique) == len(keys):
             return done
         by_key = {keys[i]: ok for i, ok in zip(unique, done, strict=True)}
@@ -464,16 +490,8 @@ class NixlBackend(FileTreeStore[NixlOptions]):
                 reservation, tmp, fd, _ = self._open_new(name, path, nbytes)
             except OSError as exc:
                 raise from_os_error(exc, f"write {path}") from exc
-            item = _WriteItem(name, path, reservation, tmp, fd, nbytes)
-            try:  # the header is a trailer: the payload starts at 0, as the raw layout
-                if os.pwrite(fd, header, nbytes - HEADER_SIZE) != HEADER_SIZE:
-                    raise BackendError(f"write {tmp}: short header write")
-            except BaseException as exc:
-                self._abandon(item)
-                if isinstance(exc, OSError):
-                    raise from_os_error(exc, f"write {tmp}") from exc
-                raise
-            items[i] = item
+            # The header is a trailer, written once the payload is complete (below).
+            items[i] = _WriteItem(name, path, reservation, tmp, fd, nbytes, header)
             return True
 
         big = self._io.worth_threads(sum(map(total_nbytes, views)), n)
@@ -530,19 +548,34 @@ class NixlBackend(FileTreeStore[NixlOptions]):
                 places.append((offset, nbytes, item.fd))
                 flat.append((addr, nbytes))
                 offset += nbytes
-            size = item.nbytes if isinstance(item, _WriteItem) else item.st.st_size
+            size = item.nbytes - HEADER_SIZE if isinstance(item, _WriteItem) else item.st.st_size
             files.append((item.fd, size))
         if places:
             self._transfer(op, flat, places, files)
-        if op == "WRITE":  # every byte is there, or the pages fail
+        if op == "WRITE":
             for item in items:
                 assert isinstance(item, _WriteItem)
-                try:
-                    size = os.fstat(item.fd).st_size
-                except OSError as exc:
-                    raise BackendError(f"stat {item.tmp}: {exc}") from exc
-                if size != item.nbytes:
-                    raise BackendError(f"NIXL wrote {size} of {item.nbytes} bytes to {item.tmp}")
+                self._seal(item)
+
+    def _seal(self, item: _WriteItem) -> None:
+        """Check that the transfer wrote the whole payload, then write the trailer.
+
+        The payload must fill the file up to the trailer, with no hole (``SEEK_HOLE``,
+        where the filesystem tells): a plugin that reported success for a short write
+        fails the page here instead of publishing zeros.
+        """
+        payload = item.nbytes - HEADER_SIZE
+        try:
+            size = os.fstat(item.fd).st_size
+            hole = os.lseek(item.fd, 0, os.SEEK_HOLE) if payload else 0
+            if size != payload or (payload and hole < payload):
+                raise BackendError(
+                    f"NIXL wrote {size} of {payload} bytes to {item.tmp} (first hole at {hole})"
+                )
+            if os.pwrite(item.fd, item.header, payload) != HEADER_SIZE:
+                raise BackendError(f"write {item.tmp}: short header write")
+        except OSError as exc:
+            raise BackendError(f"write {item.tmp}: {exc}") from exc
 
     def _abandon(self, item: _WriteItem) -> None:
         """A write that will not be published: close and remove its temporary, free its room."""
@@ -594,7 +627,8 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         out: list[Any] = []
         for at in range(0, len(keys), step):
             part = None if spans is None else spans[at : at + step]
-            out += self._read_part(op, names[at : at + step], views[at : at + step], part)
+            with self._parts:  # (bounds the files open at once)
+                out += self._read_part(op, names[at : at + step], views[at : at + step], part)
         return out
 
     def _read_part(

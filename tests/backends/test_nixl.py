@@ -377,26 +377,69 @@ def test_transfers_never_overflow_the_plugins_io_queue(
     assert b._retired == []  # no transfer failed
 
 
-def test_a_failed_transfer_retires_the_agent(small_tmpfs: str) -> None:
-    """What a failed transfer may have left queued in its agent never runs: the agent is
-    set aside and the next call gets a new one (with the pool registered again)."""
+def test_a_failed_post_retires_the_agent(
+    make: Callable[..., NixlBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a failed post may have queued in its agent never runs: the agent is set aside
+    (and let go once no transfer uses it) and the next call gets a new one, with the pool
+    registered again. The post's failure is injected: NIXL fails a post that finds its
+    queue full, which the backend's sizing of transfers prevents."""
     pool = make_pool(num_pages=8)
-    b = NixlBackend(StorageConfig(namespace=pool_namespace(pool)), root=small_tmpfs)
+    b = make(pool_namespace(pool))
+    b.register_mem_pool_host(pool)
+    first = b._agent()
+
+    def refuse(handle: Any, notif_msg: bytes = b"") -> str:
+        raise RuntimeError("NIXL_ERR_NOT_ALLOWED (injected)")
+
+    monkeypatch.setattr(first, "transfer", refuse)
+    assert b.batch_set(["a"], values(1)) == [False]
+    assert b._agent_obj is None and b._retired == []  # retired, then let go
+    ps = pool.page_size
+    keys = page_hashes(list(range(2 * ps)), ps)
+    assert b.batch_set_v1(keys, torch.arange(2 * ps)) == [True, True]
+    assert b._agent() is not first
+    assert b.batch_get_v1(keys, torch.arange(2 * ps, 4 * ps)) == [True, True]
+    assert [p.tobytes() for p in pool.page_buffers(torch.arange(2 * ps))] == [
+        p.tobytes() for p in pool.page_buffers(torch.arange(2 * ps, 4 * ps))
+    ]
+
+
+def test_a_failure_on_completion_keeps_the_agent(small_tmpfs: str) -> None:
+    """ENOSPC is found when the transfer completes, after all of its I/O ended: nothing
+    is left queued, the agent stays (a full disk must not pile up agents), and the store
+    writes again once there is room."""
+    b = NixlBackend(StorageConfig(namespace=NS), root=small_tmpfs)
     try:
-        b.register_mem_pool_host(pool)
         first = b._agent()
-        assert b.batch_set(["big"], [torch.ones(3 << 20, dtype=torch.uint8)]) == [False]  # ENOSPC
-        assert b._retired == [first] and b._agent_obj is None
-        ps = pool.page_size
-        keys = page_hashes(list(range(2 * ps)), ps)
-        assert b.batch_set_v1(keys, torch.arange(2 * ps)) == [True, True]
-        assert b._agent() is not first
-        assert b.batch_get_v1(keys, torch.arange(2 * ps, 4 * ps)) == [True, True]
-        assert [p.tobytes() for p in pool.page_buffers(torch.arange(2 * ps))] == [
-            p.tobytes() for p in pool.page_buffers(torch.arange(2 * ps, 4 * ps))
-        ]
+        for _ in range(3):
+            assert b.batch_set(["big"], [torch.ones(3 << 20, dtype=torch.uint8)]) == [False]
+        assert b._agent() is first and b._retired == []
+        assert b.set("small", values(1)[0]) is True
+        assert torch.equal(b.get("small"), values(1)[0])
     finally:
         b.close()
+
+
+def test_a_write_reported_done_but_short_is_not_published(
+    make: Callable[..., NixlBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin that reports success after writing only part of a page (NIXL's POSIX
+    plugin checks lengths itself; others may not): with checksum="none" nothing else
+    would notice, so the size and hole check before the trailer must fail the page."""
+    b = make(checksum="none")
+    real = b._transfer
+
+    def half(op: str, spans: Any, places: Any, files: Any) -> None:
+        # Only the second half of each range: the first half stays a hole.
+        cut = [(off + n // 2, n - n // 2, fd) for off, n, fd in places]
+        real(op, [(a + n // 2, n - n // 2) for a, n in spans], cut, files)
+
+    monkeypatch.setattr(b, "_transfer", half)
+    assert b.set("k", values(1, 1 << 20)[0]) is False
+    monkeypatch.undo()
+    assert b.get("k") is None and _stored(b) == []
+    assert [p for p in tree_files(b.root) if ".tmp." in p] == []
 
 
 def _fds() -> int:
