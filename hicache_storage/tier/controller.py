@@ -1,0 +1,597 @@
+"""The tier controller: prefetch (L3 -> L2), load (L2 -> L1), write policies, backup.
+
+Modelled on the reference's HiCache controller, with its known faults fixed:
+
+* prefetch runs on ``io_workers`` threads, so one slow prefetch does not hold up the
+  others (the reference has one I/O thread);
+* a backup batch that fails is retried ``backup_retries`` times, then its pages are
+  recorded as failed (``backup_failed_tokens``), never acknowledged as stored;
+* the host pool keeps room for storage hits: a prefetch evicts least-recently-used host
+  pages that are safe to drop (stored, or also on the device) instead of dropping the
+  hits when the host pool is no larger than the device pool;
+* with ``torch.distributed`` initialised, every rank performs the same all-reduces
+  (MIN) for every query, zero hits included, so ranks agree and never deadlock;
+* a backend that raises, times out or fails degrades to misses; no worker thread dies;
+  host pages of a failed prefetch are freed.
+
+It talks to storage only through :class:`~hicache_storage.protocol.HiCacheStorage`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from hicache_storage.errors import ConfigError
+from hicache_storage.keys import page_hashes
+from hicache_storage.tier.device import LayerProgress
+from hicache_storage.tier.index import PageEntry, PrefixIndex, PrefixMatch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from hicache_storage.host_pool import HostKVPool
+    from hicache_storage.protocol import HiCacheStorage
+    from hicache_storage.tier.device import DevicePool
+
+__all__ = ["Lease", "PrefetchOp", "TierConfig", "TierStats", "TieredCache"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """How the tiers behave.
+
+    Attributes:
+        write_policy: ``write_through`` (new pages go to host and storage at once),
+            ``write_through_selective`` (after ``selective_hits`` uses), or ``write_back``
+            (to the host when evicted from the device, to storage when evicted from the
+            host).
+        selective_hits: uses before ``write_through_selective`` backs a page up.
+        prefetch_threshold: tokens; a storage hit shorter than this is not prefetched.
+        prefetch_policy: ``best_effort`` (take what arrived by the time the request runs),
+            ``wait_complete``, or ``timeout`` (wait ``prefetch_timeout_base`` +
+            ``prefetch_timeout_per_ki_token`` per 1024 tokens, then take what arrived).
+        io_workers: prefetch threads.
+        exists_chunk: keys per existence query (the query stops at the first miss).
+        batch_pages: pages per storage read or write.
+        backup_retries: retries of a failed backup batch before its pages count as failed.
+        prefetch_host_fraction: prefetches are refused while the host pages they hold
+            exceed this fraction of the host pool (rate limiting).
+    """
+
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] = (
+        "write_through"
+    )
+    selective_hits: int = 2
+    prefetch_threshold: int = 256
+    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
+    prefetch_timeout_base: float = 1.0
+    prefetch_timeout_per_ki_token: float = 0.25
+    io_workers: int = 2
+    exists_chunk: int = 128
+    batch_pages: int = 128
+    backup_retries: int = 2
+    prefetch_host_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        """Check the values (:class:`ConfigError`)."""
+        if self.write_policy not in ("write_through", "write_through_selective", "write_back"):
+            raise ConfigError(f"unknown write_policy {self.write_policy!r}")
+        if self.prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
+            raise ConfigError(f"unknown prefetch_policy {self.prefetch_policy!r}")
+        for name in ("selective_hits", "io_workers", "exists_chunk", "batch_pages"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.backup_retries < 0 or self.prefetch_threshold < 0:
+            raise ConfigError("backup_retries and prefetch_threshold must be >= 0")
+        if not 0 < self.prefetch_host_fraction <= 1:
+            raise ConfigError("prefetch_host_fraction must be in (0, 1]")
+
+
+@dataclass
+class TierStats:
+    """Counters of a :class:`TieredCache` (tokens unless named otherwise)."""
+
+    lookup_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    computed_tokens: int = 0
+    prefetch_completed: int = 0
+    prefetch_terminated: int = 0
+    prefetch_dropped: int = 0  # refused for host capacity (rate limiting) or no room
+    prefetched_tokens: int = 0
+    backup_tokens: int = 0
+    backup_failed_tokens: int = 0
+    backup_retries: int = 0
+    storage_errors: int = 0
+    bytes_read: int = 0  # L3 -> L2
+    bytes_written: int = 0  # L2 -> L3
+    bytes_loaded: int = 0  # L2 -> L1
+    bytes_offloaded: int = 0  # L1 -> L2
+    evicted_device_pages: int = 0
+    evicted_host_pages: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def _agree(value: int) -> int:
+    """``value`` MIN-reduced over the ranks when ``torch.distributed`` is initialised."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+class PrefetchOp:
+    """A prefetch of ``keys`` from storage into host pages, in batches on the I/O threads.
+
+    ``done_pages`` is the leading run of pages that arrived; :meth:`terminate` stops the
+    batches not started (those running finish) and keeps what arrived.
+    """
+
+    def __init__(self, keys: list[str], host_pages: list[int], batch: int) -> None:
+        self.keys, self.host_pages = keys, host_pages
+        self.batches = [(i, min(i + batch, len(keys))) for i in range(0, len(keys), batch)]
+        self._ok = [False] * len(keys)
+        self._finished = 0
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self.short = False  # a batch ended short: later batches are not read
+
+    def _batch_done(self, lo: int, ok: list[bool]) -> None:
+        with self._cond:
+            for i, good in enumerate(ok):
+                self._ok[lo + i] = good
+            self.short = self.short or not all(ok)
+            self._finished += 1
+            self._cond.notify_all()
+
+    @property
+    def done_pages(self) -> int:
+        """Pages of the leading run that arrived."""
+        with self._cond:
+            n = 0
+            while n < len(self._ok) and self._ok[n]:
+                n += 1
+            return n
+
+    @property
+    def finished(self) -> bool:
+        """Every batch ran or was skipped."""
+        with self._cond:
+            return self._finished == len(self.batches)
+
+    def terminate(self) -> None:
+        """Start no more batches; the running ones finish."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every batch ran or was skipped; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._finished == len(self.batches), timeout)
+
+
+@dataclass
+class Lease:
+    """Device pages a request uses: the first ``len(device_pages)`` pages of its prompt.
+
+    ``reused`` of them came from the cache (device, host or storage); the rest were
+    computed. ``progress`` says which layers of the loaded pages arrived.
+    """
+
+    keys: list[str]
+    device_pages: list[int]
+    reused: int
+    progress: LayerProgress | None = None
+
+
+class TieredCache:
+    """A KV cache over a device pool, a host pool and any storage backend.
+
+    Args:
+        backend: L3 storage (registered with ``host`` here).
+        host: the host (L2) pool.
+        device: the device (L1) pool, of the host pool's geometry.
+        config: behaviour (:class:`TierConfig`).
+        salt: the first link of every page-hash chain (see :func:`page_hashes`).
+    """
+
+    def __init__(
+        self,
+        backend: HiCacheStorage,
+        host: HostKVPool,
+        device: DevicePool,
+        config: TierConfig | None = None,
+        salt: str | None = None,
+    ) -> None:
+        self.backend, self.host, self.device = backend, host, device
+        self.config = config or TierConfig()
+        self.page_size = host.page_size
+        self.salt = salt
+        self.index = PrefixIndex()
+        self.stats = TierStats()
+        self._lock = threading.RLock()
+        self._io = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="hicache-prefetch")
+        self._prefetch_pages = 0  # host pages held by running prefetches
+        self._backups: queue.Queue[tuple[list[str], list[int]] | None] = queue.Queue()
+        self._backup_pending = 0
+        self._queued: set[str] = set()  # keys waiting for the backup thread
+        self._backup_idle = threading.Condition(self._lock)
+        self._ready = threading.Condition(self._lock)
+        self._closed = False
+        backend.register_mem_pool_host(host)
+        self._backup_thread = threading.Thread(
+            target=self._backup_loop, name="hicache-backup", daemon=True
+        )
+        self._backup_thread.start()
+
+    # ------------------------------------------------------------------ lookups
+
+    def keys_of(self, token_ids: Sequence[int]) -> list[str]:
+        """The page hashes of the full pages of ``token_ids``."""
+        n = len(token_ids) // self.page_size * self.page_size
+        return page_hashes(list(token_ids[:n]), self.page_size, self.salt)
+
+    def match_prefix(self, keys: list[str]) -> PrefixMatch:
+        """The prompt's device-ready prefix and its logical prefix, in pages.
+
+        The logical prefix adds what storage holds after the host-known pages (one
+        existence query in chunks of ``exists_chunk``, stopping at the first miss, agreed
+        by MIN over the ranks).
+        """
+        with self._lock:
+            local = self.index.match(keys)
+        stored = self._storage_run(keys[local.host_pages :])
+        return PrefixMatch(keys, local.device_pages, local.host_pages, local.host_pages + stored)
+
+    def _storage_run(self, keys: list[str]) -> int:
+        run = 0
+        chunk = self.config.exists_chunk
+        for at in range(0, len(keys), chunk):
+            part = keys[at : at + chunk]
+            try:
+                found = int(self.backend.batch_exists(part))
+            except Exception:  # noqa: BLE001 - a store that fails is a miss
+                self.stats.storage_errors += 1
+                found = 0
+            run += max(0, min(found, len(part)))
+            if found < len(part):
+                break
+        return _agree(run)
+
+    # ------------------------------------------------------------------ prefetch
+
+    def prefetch(self, match: PrefixMatch) -> PrefetchOp | None:
+        """Start reading the storage part of ``match``'s logical prefix into host pages.
+
+        None when it is shorter than ``prefetch_threshold`` tokens, when prefetches hold
+        too much of the host pool (rate limiting), or when no host room can be made. Every
+        rank takes the same decision (MIN-agreed).
+        """
+        keys = match.keys[match.host_pages : match.logical_pages]
+        if not keys or len(keys) * self.page_size < self.config.prefetch_threshold:
+            return None
+        with self._lock:
+            limit = self.config.prefetch_host_fraction * self.host.num_pages
+            allowed = self._prefetch_pages + len(keys) <= limit
+            pages = self._host_pages(len(keys)) if allowed else None
+        if not _agree(1 if pages is not None else 0):
+            if pages is not None:
+                self._free_host(pages)
+            self.stats.prefetch_dropped += 1
+            return None
+        assert pages is not None
+        op = PrefetchOp(keys, pages, self.config.batch_pages)
+        with self._lock:
+            self._prefetch_pages += len(pages)
+        for lo, hi in op.batches:
+            self._io.submit(self._prefetch_batch, op, lo, hi)
+        return op
+
+    def _prefetch_batch(self, op: PrefetchOp, lo: int, hi: int) -> None:
+        ok = [False] * (hi - lo)
+        try:
+            if not (op._stop.is_set() or op.short):  # past a short batch nothing is usable
+                idx = self._host_indices(op.host_pages[lo:hi])
+                got = self.backend.batch_get_v1(op.keys[lo:hi], idx)
+                run = 0
+                while run < len(got) and got[run] is True:
+                    run += 1
+                ok[:run] = [True] * run
+        except Exception:
+            self.stats.storage_errors += 1
+            logger.warning("prefetch batch failed", exc_info=True)
+        finally:
+            op._batch_done(lo, ok)
+
+    def finish_prefetch(self, op: PrefetchOp) -> int:
+        """Wait for ``op`` as the prefetch policy says; keep its leading run.
+
+        The leading run (agreed over the ranks) goes into the index as host pages; the
+        rest is freed. Returns the pages taken.
+        """
+        policy = self.config.prefetch_policy
+        if policy == "best_effort":
+            op.terminate()
+        elif policy == "timeout":
+            tokens = len(op.keys) * self.page_size
+            limit = (
+                self.config.prefetch_timeout_base
+                + self.config.prefetch_timeout_per_ki_token * tokens / 1024
+            )
+            if not op.wait(limit):
+                op.terminate()
+        op.wait()
+        take = _agree(op.done_pages)
+        if take < len(op.keys):
+            self.stats.prefetch_terminated += 1
+        else:
+            self.stats.prefetch_completed += 1
+        with self._lock:
+            self._prefetch_pages -= len(op.host_pages)
+            for key, page in zip(op.keys[:take], op.host_pages[:take], strict=True):
+                entry = self.index.get(key)
+                if entry.host is None and entry.device is None:
+                    entry.stored = True
+                    self.index.set_host(entry, page)
+                else:
+                    self._free_host([page])
+            self._free_host(op.host_pages[take:])
+        self.stats.prefetched_tokens += take * self.page_size
+        self.stats.bytes_read += take * self.host.page_bytes
+        return take
+
+    # ------------------------------------------------------------------ requests
+
+    def acquire(self, keys: list[str], compute: Callable[[int, int], None]) -> Lease:
+        """Put the prompt's pages on the device and pin them for the request.
+
+        Pages held on the device are reused; pages held on the host are loaded (layer by
+        layer); the rest of the prompt, from the first page held nowhere, is computed:
+        ``compute(i, device_page)`` fills device page ``device_page`` with page ``i``'s
+        KV. New pages are then written back as the write policy says.
+        """
+        with self._lock:
+            # Pages another request is filling are waited for, not taken half-filled.
+            self._ready.wait_for(lambda: self._all_ready(keys))
+            match = self.index.match(keys)
+            reuse = match.host_pages
+            entries = [self.index.get(k) for k in keys]
+            for e in entries:
+                e.pins += 1
+            try:
+                loads = [i for i in range(reuse) if entries[i].device is None]
+                fresh = len(loads) + (len(keys) - reuse)
+                new_pages = self._device_pages(fresh)
+                if new_pages is None:
+                    raise ConfigError(f"the device pool cannot hold a prompt of {len(keys)} pages")
+            except BaseException:
+                for e in entries:
+                    e.pins -= 1
+                raise
+            it = iter(new_pages)
+            load_dev, load_host = [], []
+            for i in loads:
+                page = next(it)
+                load_dev.append(page)
+                load_host.append(entries[i].host)
+                self.index.set_device(entries[i], page)
+                entries[i].ready = False
+            computed = []
+            for i in range(reuse, len(keys)):
+                page = next(it)
+                computed.append((i, page))
+                self.index.set_device(entries[i], page)
+                entries[i].ready = False
+            for e in entries[:reuse]:
+                e.hits += 1
+                self.index.touch(e)
+            self.stats.lookup_tokens += len(keys) * self.page_size
+            self.stats.device_hit_tokens += match.device_pages * self.page_size
+            self.stats.host_hit_tokens += (reuse - match.device_pages) * self.page_size
+            self.stats.computed_tokens += (len(keys) - reuse) * self.page_size
+        progress = None
+        try:
+            if load_dev:
+                progress = self.device.load(load_dev, load_host)  # type: ignore[arg-type]
+                self.stats.bytes_loaded += len(load_dev) * self.host.page_bytes
+            for i, page in computed:
+                compute(i, page)
+        finally:
+            with self._lock:
+                for i in [*loads, *(i for i, _ in computed)]:
+                    entries[i].ready = True
+                self._ready.notify_all()
+        with self._lock:
+            for i, _ in computed:
+                entries[i].hits = 1
+            self._write_policy(entries)
+        pages = [e.device for e in entries]
+        return Lease(keys, pages, reuse, progress)  # type: ignore[arg-type]
+
+    def _all_ready(self, keys: list[str]) -> bool:
+        entries = self.index.entries
+        return all(e.ready for e in (entries.get(k) for k in keys) if e is not None)
+
+    def release(self, lease: Lease) -> None:
+        """The request is done with its pages: they may be evicted again."""
+        with self._lock:
+            for key in lease.keys:
+                entry = self.index.entries.get(key)
+                if entry is not None and entry.pins > 0:
+                    entry.pins -= 1
+
+    # ------------------------------------------------------------------ write policy, backup
+
+    def _write_policy(self, entries: list[PageEntry]) -> None:
+        """Back up pages as the write policy says (lock held)."""
+        policy = self.config.write_policy
+        if policy == "write_back":
+            return
+        need = 1 if policy == "write_through" else self.config.selective_hits
+        todo = [e for e in entries if e.hits >= need and e.host is None and e.device is not None]
+        if todo:
+            self._offload(todo)
+        self._backup([e for e in entries if e.hits >= need and e.host is not None])
+
+    def _offload(self, entries: list[PageEntry]) -> list[PageEntry]:
+        """Copy device pages to new host pages (lock held); returns those copied."""
+        pages = self._host_pages(len(entries))
+        if pages is None:
+            return []
+        self.device.store([e.device for e in entries], pages)  # type: ignore[misc]
+        for e, page in zip(entries, pages, strict=True):
+            self.index.set_host(e, page)
+        self.stats.bytes_offloaded += len(pages) * self.host.page_bytes
+        return entries
+
+    def _backup(self, entries: list[PageEntry]) -> None:
+        """Queue host pages not yet stored for the backup thread (lock held)."""
+        todo = [
+            e for e in entries if not e.stored and e.host is not None and e.key not in self._queued
+        ]
+        if not todo:
+            return
+        for e in todo:
+            e.host_pins += 1  # the host page stays until the backup ran
+            self._queued.add(e.key)
+        self._backup_pending += 1
+        self._backups.put(([e.key for e in todo], [e.host for e in todo]))  # type: ignore[misc]
+
+    def _backup_loop(self) -> None:
+        while True:
+            item = self._backups.get()
+            if item is None:
+                return
+            keys, pages = item
+            try:
+                self._backup_batches(keys, pages)
+            except Exception:
+                logger.exception("backup failed")
+            finally:
+                with self._lock:
+                    for key in keys:
+                        self._queued.discard(key)
+                        entry = self.index.entries.get(key)
+                        if entry is not None:
+                            entry.host_pins -= 1
+                    self._backup_pending -= 1
+                    self._backup_idle.notify_all()
+
+    def _backup_batches(self, keys: list[str], pages: list[int]) -> None:
+        step = self.config.batch_pages
+        for at in range(0, len(keys), step):
+            part_keys, part_pages = keys[at : at + step], pages[at : at + step]
+            left = list(range(len(part_keys)))
+            for attempt in range(self.config.backup_retries + 1):
+                if attempt:
+                    self.stats.backup_retries += 1
+                try:
+                    ok = self.backend.batch_set_v1(
+                        [part_keys[i] for i in left],
+                        self._host_indices([part_pages[i] for i in left]),
+                    )
+                except Exception:  # noqa: BLE001 - counted as a failed attempt
+                    self.stats.storage_errors += 1
+                    ok = [False] * len(left)
+                done = [i for i, good in zip(left, ok, strict=False) if good is True]
+                with self._lock:
+                    for i in done:
+                        entry = self.index.entries.get(part_keys[i])
+                        if entry is not None:
+                            entry.stored = True
+                self.stats.backup_tokens += len(done) * self.page_size
+                self.stats.bytes_written += len(done) * self.host.page_bytes
+                left = [i for i in left if i not in set(done)]
+                if not left:
+                    break
+            self.stats.backup_failed_tokens += len(left) * self.page_size
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued backup ran; False on timeout."""
+        with self._lock:
+            return self._backup_idle.wait_for(lambda: self._backup_pending == 0, timeout)
+
+    # ------------------------------------------------------------------ pools and eviction
+
+    def _host_indices(self, pages: Sequence[int]) -> torch.Tensor:
+        ps = self.page_size
+        t = torch.tensor(list(pages), dtype=torch.int64)
+        return (t[:, None] * ps + torch.arange(ps)).reshape(-1)
+
+    def _free_host(self, pages: Sequence[int]) -> None:
+        if pages:
+            self.host.free(self._host_indices(pages))
+
+    def _host_pages(self, n: int) -> list[int] | None:
+        """``n`` host pages, evicting least-recently-used ones that are safe to drop."""
+        if n == 0:
+            return []
+        while True:
+            got = self.host.alloc(n * self.page_size)
+            if got is not None:
+                return (
+                    got.view(-1, self.page_size)[:, 0]
+                    .div(self.page_size, rounding_mode="floor")
+                    .tolist()
+                )
+            if not self._evict_host(n - self.host.available_size() // self.page_size):
+                return None
+
+    def _evict_host(self, n: int) -> bool:
+        """Free ``n`` host pages (lock held); False if not enough can go."""
+        freed = 0
+        for e in self.index.victims("host"):
+            if freed >= n:
+                break
+            if not (e.stored or e.device is not None):
+                if self.config.write_policy == "write_back":
+                    self._backup([e])  # kept (pinned) until stored; then it can go
+                continue
+            page = e.host
+            self.index.set_host(e, None)
+            self._free_host([page])  # type: ignore[list-item]
+            self.stats.evicted_host_pages += 1
+            freed += 1
+        return freed >= n
+
+    def _device_pages(self, n: int) -> list[int] | None:
+        """``n`` device pages, evicting least-recently-used ones (lock held)."""
+        while True:
+            got = self.device.alloc(n)
+            if got is not None:
+                return got
+            victims = self.index.victims("device")
+            if not victims:
+                return None
+            self._evict_device(victims[0])
+
+    def _evict_device(self, e: PageEntry) -> None:
+        if e.host is None and self.config.write_policy == "write_back":
+            self._offload([e])  # kept reachable from the host
+        page = e.device
+        self.index.set_device(e, None)
+        self.device.free([page])  # type: ignore[list-item]
+        self.stats.evicted_device_pages += 1
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Finish the backups, stop the threads (the backend stays open)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        self._backups.put(None)
+        self._backup_thread.join()
+        self._io.shutdown(wait=True)

@@ -1,0 +1,279 @@
+"""The tiers over real backends (``memory``, ``file``): prefix results, write policies,
+eviction, prefetch (threshold, termination, rate limiting), backup retries, faults."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig
+from hicache_storage.backends import FileBackend, MemoryBackend
+from hicache_storage.conformance.wrappers import FaultyBackend, LatencyBackend
+from hicache_storage.errors import ConfigError
+from hicache_storage.tier import DevicePool, TierConfig, TieredCache, host_page_layer
+
+PS = 4  # tokens per page
+
+
+def make_host(pages: int = 32, layout: str = "page_first") -> HostKVPool:
+    return HostKVPool(num_pages=pages, page_size=PS, layer_num=3, kv_heads=2, head_dim=8,
+                      dtype=torch.bfloat16, layout=layout)  # fmt: skip
+
+
+def expected_kv(
+    key: str, shape: tuple[int, ...], dtype: torch.dtype, layer: int, half: int
+) -> torch.Tensor:
+    seed = int.from_bytes(
+        hashlib.blake2b(f"{key}/{layer}/{half}".encode(), digest_size=8).digest(), "little"
+    )
+    g = torch.Generator().manual_seed(seed & (2**63 - 1))
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def filler(cache: TieredCache, keys: list[str]) -> Callable[[int, int], None]:
+    def compute(i: int, page: int) -> None:
+        for layer in range(cache.device.layer_num):
+            for half, t in enumerate(cache.device.page_layer(page, layer)):
+                t.copy_(expected_kv(keys[i], tuple(t.shape), t.dtype, layer, half))
+
+    return compute
+
+
+def check_device(cache: TieredCache, keys: list[str], pages: list[int]) -> int:
+    """Pages whose device KV is not what the stand-in model computes."""
+    bad = 0
+    for key, page in zip(keys, pages, strict=True):
+        for layer in range(cache.device.layer_num):
+            for half, t in enumerate(cache.device.page_layer(page, layer)):
+                bad += not torch.equal(t, expected_kv(key, tuple(t.shape), t.dtype, layer, half))
+    return bad
+
+
+def prompt(n_tokens: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 32000, (n_tokens,), generator=g).tolist()
+
+
+@pytest.fixture
+def store() -> Iterator[Callable[[HostKVPool], MemoryBackend]]:
+    name = f"tier-{uuid.uuid4().hex[:8]}"
+    made: list[MemoryBackend] = []
+
+    def build(host: HostKVPool) -> MemoryBackend:
+        ns = KVCacheNamespace.for_pool(host, model_id="tier-test")
+        b = MemoryBackend(StorageConfig(namespace=ns), store=name)
+        made.append(b)
+        return b
+
+    yield build
+    if made:
+        made[0].clear()
+    for b in made:
+        b.close()
+
+
+def new_cache(backend: Any, host: HostKVPool, device_pages: int = 16, **config: Any) -> TieredCache:
+    return TieredCache(backend, host, DevicePool(host, device_pages), TierConfig(**config))
+
+
+def run(cache: TieredCache, tokens: list[int], prefetch: bool = True) -> tuple[int, int, int]:
+    """One request as an engine runs it: match, prefetch, acquire (load or compute),
+    check, release. Returns (reused pages, device-ready pages, wrong pages)."""
+    keys = cache.keys_of(tokens)
+    match = cache.match_prefix(keys)
+    if prefetch:
+        op = cache.prefetch(match)
+        if op is not None:
+            cache.finish_prefetch(op)
+    lease = cache.acquire(keys, filler(cache, keys))
+    if lease.progress is not None:
+        assert lease.progress.wait(cache.device.layer_num - 1, timeout=10)
+    bad = check_device(cache, keys, lease.device_pages)
+    cache.release(lease)
+    return lease.reused, match.device_pages, bad
+
+
+def test_write_through_shares_pages_through_storage(store: Callable[..., MemoryBackend]) -> None:
+    host_a, host_b = make_host(), make_host()
+    a = new_cache(store(host_a), host_a, prefetch_threshold=0)
+    tokens = prompt(10 * PS)
+    assert run(a, tokens) == (0, 0, 0)
+    assert a.flush(10)
+    assert a.stats.backup_tokens == 10 * PS and a.stats.backup_failed_tokens == 0
+    assert run(a, tokens) == (10, 10, 0)  # all on the device now
+    # A second instance (other pools, same namespace): storage hits, loaded byte-exact.
+    b = new_cache(store(host_b), host_b, prefetch_threshold=0)
+    keys = b.keys_of(tokens)
+    m = b.match_prefix(keys)
+    assert (m.device_pages, m.host_pages, m.logical_pages) == (0, 0, 10)
+    assert run(b, tokens) == (10, 0, 0)
+    assert b.stats.prefetched_tokens == 10 * PS and b.stats.computed_tokens == 0
+    a.close()
+    b.close()
+
+
+def test_device_and_logical_prefixes_are_never_conflated(
+    store: Callable[..., MemoryBackend],
+) -> None:
+    host = make_host(pages=32)
+    c = new_cache(store(host), host, device_pages=8, prefetch_threshold=0)
+    first, second = prompt(6 * PS, 1), prompt(6 * PS, 2)
+    run(c, first)
+    run(c, second)  # evicts most of the first prompt's device pages
+    m = c.match_prefix(c.keys_of(first))
+    assert m.device_pages < m.host_pages == 6 and m.logical_pages == 6
+    assert c.stats.evicted_device_pages >= 4
+    reused, ready, bad = run(c, first)
+    assert (reused, bad) == (6, 0) and ready == m.device_pages
+    c.close()
+
+
+def test_write_back_reaches_storage_only_on_eviction(store: Callable[..., MemoryBackend]) -> None:
+    host = make_host(pages=8)
+    backend = store(host)
+    c = new_cache(backend, host, device_pages=4, write_policy="write_back", prefetch_threshold=0)
+    keys = c.keys_of(prompt(4 * PS, 3))
+    run(c, prompt(4 * PS, 3))
+    assert c.flush(10) and backend.batch_exists(keys) == 0  # nothing written yet
+    assert c.index.match(keys).host_pages == 4
+    for s in range(4, 9):  # other prompts push it off the device, then off the host
+        run(c, prompt(4 * PS, s))
+    assert c.flush(10)
+    assert backend.batch_exists(keys) == 4
+    assert c.stats.backup_failed_tokens == 0
+    c.close()
+
+
+def test_write_through_selective_waits_for_hits(store: Callable[..., MemoryBackend]) -> None:
+    host = make_host()
+    backend = store(host)
+    c = new_cache(backend, host, write_policy="write_through_selective", selective_hits=2)
+    tokens = prompt(3 * PS, 9)
+    keys = c.keys_of(tokens)
+    run(c, tokens)
+    assert c.flush(10) and backend.batch_exists(keys) == 0
+    run(c, tokens)  # second use
+    assert c.flush(10) and backend.batch_exists(keys) == 3
+    c.close()
+
+
+def test_prefetch_threshold_and_rate_limit(store: Callable[..., MemoryBackend]) -> None:
+    host_a, host_b = make_host(), make_host(pages=16)
+    a = new_cache(store(host_a), host_a, prefetch_threshold=0)
+    tokens = prompt(6 * PS, 11)
+    run(a, tokens)
+    a.flush(10)
+    b = new_cache(store(host_b), host_b, prefetch_threshold=7 * PS)
+    m = b.match_prefix(b.keys_of(tokens))
+    assert m.logical_pages == 6 and b.prefetch(m) is None  # 24 tokens < 28
+    c = new_cache(
+        store(host_b), make_host(pages=16), prefetch_threshold=0, prefetch_host_fraction=0.25
+    )
+    assert c.prefetch(c.match_prefix(c.keys_of(tokens))) is None  # 6 pages > 4 allowed
+    assert c.stats.prefetch_dropped == 1
+    for x in (a, b, c):
+        x.close()
+
+
+def test_terminating_a_prefetch_keeps_the_pages_that_arrived(
+    store: Callable[..., MemoryBackend],
+) -> None:
+    host_a, host_b = make_host(), make_host()
+    a = new_cache(store(host_a), host_a)
+    tokens = prompt(12 * PS, 12)
+    run(a, tokens)
+    a.flush(10)
+    slow = LatencyBackend(store(host_b), latency=0.3)
+    b = new_cache(slow, host_b, prefetch_threshold=0, batch_pages=3, io_workers=1,
+                  prefetch_policy="timeout", prefetch_timeout_base=0.5,
+                  prefetch_timeout_per_ki_token=0.0)  # fmt: skip
+    keys = b.keys_of(tokens)
+    m = b.match_prefix(keys)
+    op = b.prefetch(m)
+    assert op is not None
+    taken = b.finish_prefetch(op)
+    assert 0 < taken < 12 and taken % 3 == 0
+    assert b.stats.prefetch_terminated == 1
+    assert b.index.match(keys).host_pages == taken
+    assert host_b.available_size() == (32 - taken) * PS  # the rest went back
+    reused, _, bad = run(b, tokens, prefetch=False)
+    assert (reused, bad) == (taken, 0)
+    a.close()
+    b.close()
+
+
+def test_a_failing_backend_degrades_to_misses_and_bounded_retries(
+    store: Callable[..., MemoryBackend],
+) -> None:
+    host = make_host()
+    broken = FaultyBackend(store(host), failure_rate=1.0, seed=1, partial=False)
+    c = new_cache(broken, host, backup_retries=2, prefetch_threshold=0)
+    tokens = prompt(5 * PS, 13)
+    assert run(c, tokens) == (0, 0, 0)  # computed: the request did not fail
+    assert c.flush(10)
+    assert c.stats.backup_failed_tokens == 5 * PS
+    assert c.stats.backup_retries == 2
+    assert c.match_prefix(c.keys_of(prompt(5 * PS, 14))).logical_pages == 0
+    assert c._backup_thread.is_alive()
+    assert run(c, tokens)[0] == 5  # still served from the device and host
+    c.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_loads_arrive_layer_by_layer_in_every_layout(layout: str, tmp_path: Path) -> None:
+    host = make_host(layout=layout)
+    ns = KVCacheNamespace.for_pool(host, model_id="tier-test")
+    backend = FileBackend(StorageConfig(namespace=ns), root=str(tmp_path))
+    c = new_cache(backend, host, device_pages=4, prefetch_threshold=0)
+    first = prompt(3 * PS, 20)
+    run(c, first)
+    run(c, prompt(3 * PS, 21))  # first's pages leave the device, stay on the host
+    keys = c.keys_of(first)
+    lease = c.acquire(keys, filler(c, keys))
+    assert lease.reused == 3 and lease.progress is not None
+    for layer in range(host.layer_num):
+        assert lease.progress.wait(layer, timeout=10)
+    assert check_device(c, keys, lease.device_pages) == 0
+    # The host copy is the same bytes, in the host layout.
+    entry = c.index.entries[keys[0]]
+    assert entry.host is not None
+    for layer in range(host.layer_num):
+        for half, t in enumerate(host_page_layer(host, entry.host, layer)):
+            assert torch.equal(t, expected_kv(keys[0], tuple(t.shape), t.dtype, layer, half))
+    c.release(lease)
+    c.close()
+    backend.close()
+
+
+def test_concurrent_requests_on_two_threads(store: Callable[..., MemoryBackend]) -> None:
+    host = make_host(pages=64)
+    c = new_cache(store(host), host, device_pages=24, prefetch_threshold=0)
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        for s in range(6):
+            _, _, bad = run(c, prompt(4 * PS, 100 + s % 3))
+            if bad:
+                errors.append(f"worker {w}: {bad} wrong pages")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    c.close()
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        TierConfig(write_policy="write_sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        TierConfig(prefetch_host_fraction=0)
