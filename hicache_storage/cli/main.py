@@ -1,4 +1,4 @@
-"""``hicache-storage``: list backends, benchmark one, run the conformance kit on one.
+"""``hicache-storage``: list backends, benchmark one, run the workload or the kit on one.
 
 Backend selection uses the reference engine's flag names, so a command line can be
 copied between the two: ``--hicache-storage-backend NAME`` and
@@ -198,6 +198,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         _print_report(report)
     return 0 if report["ok"] else 1
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from hicache_storage.cli.run import run_workload
+
+    return run_workload(args, _load_options(args))
 
 
 def _preflight(args: argparse.Namespace, options: dict[str, Any]) -> None:
@@ -482,6 +488,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "run",
+        help="the tiered-cache workload on a backend (device, host, L3), every reused page checked",
+    )
+    _add_backend_args(p, default="file")
+    from hicache_storage.cli.run import add_run_args
+
+    add_run_args(p, _positive_int)
+    p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser(
         "conformance", help="run the conformance kit on a backend; exit 1 if a claimed check fails"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -109,6 +110,8 @@ class TierStats:
     prefetch_terminated: int = 0
     prefetch_dropped: int = 0  # refused for host capacity (rate limiting) or no room
     prefetched_tokens: int = 0
+    prefetch_bytes: int = 0  # read by prefetches (taken or not)
+    prefetch_seconds: float = 0.0  # wall time of prefetches, from start to their last batch
     backup_tokens: int = 0
     backup_failed_tokens: int = 0
     backup_retries: int = 0
@@ -147,6 +150,8 @@ class PrefetchOp:
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self.short = False  # a batch ended short: later batches are not read
+        self.started = time.perf_counter()
+        self.ended = self.started
 
     def _batch_done(self, lo: int, ok: list[bool]) -> None:
         with self._cond:
@@ -154,6 +159,7 @@ class PrefetchOp:
                 self._ok[lo + i] = good
             self.short = self.short or not all(ok)
             self._finished += 1
+            self.ended = time.perf_counter()
             self._cond.notify_all()
 
     @property
@@ -185,14 +191,16 @@ class PrefetchOp:
 class Lease:
     """Device pages a request uses: the first ``len(device_pages)`` pages of its prompt.
 
-    ``reused`` of them came from the cache (device, host or storage); the rest were
-    computed. ``progress`` says which layers of the loaded pages arrived.
+    ``reused`` of them came from the cache (device, host or storage; ``on_device`` of
+    those were on the device already); the rest were computed. ``progress`` says which
+    layers of the loaded pages arrived.
     """
 
     keys: list[str]
     device_pages: list[int]
     reused: int
     progress: LayerProgress | None = None
+    on_device: int = 0  # of the reused pages, those already on the device
 
 
 class TieredCache:
@@ -279,18 +287,28 @@ class TieredCache:
         rank takes the same decision (MIN-agreed).
         """
         keys = match.keys[match.host_pages : match.logical_pages]
-        if not keys or len(keys) * self.page_size < self.config.prefetch_threshold:
+        threshold = self.config.prefetch_threshold
+        if not keys or len(keys) * self.page_size < threshold:
             return None
         with self._lock:
-            limit = self.config.prefetch_host_fraction * self.host.num_pages
-            allowed = self._prefetch_pages + len(keys) <= limit
-            pages = self._host_pages(len(keys)) if allowed else None
-        if not _agree(1 if pages is not None else 0):
-            if pages is not None:
-                self._free_host(pages)
+            # Rate limiting: prefetches hold at most this much of the host pool; a long
+            # hit is cut to what fits (its leading part is what a request can use).
+            room = int(self.config.prefetch_host_fraction * self.host.num_pages)
+            room -= self._prefetch_pages
+            want = max(0, min(len(keys), room))
+            if want and want * self.page_size >= threshold:
+                pages = self._host_pages(want) or []
+            else:
+                pages = []
+        take = _agree(len(pages))  # every rank prefetches the same pages, or none
+        if take < len(pages):
+            self._free_host(pages[take:])
+            pages = pages[:take]
+        if not pages or take * self.page_size < threshold:
+            self._free_host(pages)
             self.stats.prefetch_dropped += 1
             return None
-        assert pages is not None
+        keys = keys[:take]
         op = PrefetchOp(keys, pages, self.config.batch_pages)
         with self._lock:
             self._prefetch_pages += len(pages)
@@ -308,6 +326,8 @@ class TieredCache:
                 while run < len(got) and got[run] is True:
                     run += 1
                 ok[:run] = [True] * run
+                with self._lock:
+                    self.stats.prefetch_bytes += run * self.host.page_bytes
         except Exception:
             self.stats.storage_errors += 1
             logger.warning("prefetch batch failed", exc_info=True)
@@ -332,6 +352,8 @@ class TieredCache:
             if not op.wait(limit):
                 op.terminate()
         op.wait()
+        with self._lock:
+            self.stats.prefetch_seconds += op.ended - op.started
         take = _agree(op.done_pages)
         if take < len(op.keys):
             self.stats.prefetch_terminated += 1
@@ -417,7 +439,7 @@ class TieredCache:
                 entries[i].hits = 1
             self._write_policy(entries)
         pages = [e.device for e in entries]
-        return Lease(keys, pages, reuse, progress)  # type: ignore[arg-type]
+        return Lease(keys, pages, reuse, progress, match.device_pages)  # type: ignore[arg-type]
 
     def _all_ready(self, keys: list[str]) -> bool:
         entries = self.index.entries

@@ -173,11 +173,15 @@ def test_prefetch_threshold_and_rate_limit(store: Callable[..., MemoryBackend]) 
     b = new_cache(store(host_b), host_b, prefetch_threshold=7 * PS)
     m = b.match_prefix(b.keys_of(tokens))
     assert m.logical_pages == 6 and b.prefetch(m) is None  # 24 tokens < 28
-    c = new_cache(
-        store(host_b), make_host(pages=16), prefetch_threshold=0, prefetch_host_fraction=0.25
-    )
-    assert c.prefetch(c.match_prefix(c.keys_of(tokens))) is None  # 6 pages > 4 allowed
+    c = new_cache(store(host_b), make_host(pages=16), prefetch_threshold=0,
+                  prefetch_host_fraction=0.25, prefetch_policy="wait_complete")  # fmt: skip
+    m = c.match_prefix(c.keys_of(tokens))
+    op = c.prefetch(m)  # 6 pages hit, 4 may be held by prefetches: cut to 4
+    assert op is not None and len(op.keys) == 4 and op.keys == m.keys[:4]
+    assert c.prefetch(m) is None  # no room left while the first runs
     assert c.stats.prefetch_dropped == 1
+    assert c.finish_prefetch(op) == 4
+    assert c.index.match(m.keys).host_pages == 4
     for x in (a, b, c):
         x.close()
 

@@ -1,0 +1,246 @@
+"""``hicache-storage run``: the tiered-cache workload on a backend, every reused page checked.
+
+A synthetic multi-turn trace (:class:`~hicache_storage.tier.workload.Workload`) goes
+through device and host pools and the chosen L3 backend
+(:class:`~hicache_storage.tier.controller.TieredCache`); the report gives the hit ratio
+per tier against an unbounded cache's on the same trace, bytes moved, prefetch and backup
+outcomes, and the verification count (pages that came back wrong: must be 0).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hicache_storage.cli.bench import build_backend
+from hicache_storage.errors import ConfigError
+from hicache_storage.host_pool import HostKVPool
+from hicache_storage.keys import KVCacheNamespace
+from hicache_storage.tier.controller import TierConfig, TieredCache
+from hicache_storage.tier.device import DevicePool
+from hicache_storage.tier.workload import RunResult, Workload, replay, summary
+
+if TYPE_CHECKING:
+    import argparse
+
+__all__ = ["add_run_args", "run_workload"]
+
+
+def add_run_args(p: argparse.ArgumentParser, positive: Any) -> None:
+    """The options of ``hicache-storage run`` (``positive``: the int parser)."""
+    w = p.add_argument_group("workload")
+    w.add_argument("--sessions", type=positive, default=48)
+    w.add_argument("--turns", type=positive, default=4)
+    w.add_argument("--system-prompts", type=positive, default=4)
+    w.add_argument("--system-tokens", type=positive, default=1024)
+    w.add_argument("--user-tokens", type=positive, default=128)
+    w.add_argument("--answer-tokens", type=positive, default=128)
+    w.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("model and pools")
+    m.add_argument("--page-size", type=positive, default=16)
+    m.add_argument("--layer-num", type=positive, default=8)
+    m.add_argument("--kv-heads", type=positive, default=4)
+    m.add_argument("--head-dim", type=positive, default=64)
+    m.add_argument("--host-pages", type=positive, default=512, help="host (L2) pool pages")
+    m.add_argument("--device-pages", type=positive, default=256, help="device (L1) pool pages")
+    m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    t = p.add_argument_group("tiering")
+    t.add_argument(
+        "--write-policy",
+        default="write_through",
+        choices=["write_through", "write_through_selective", "write_back"],
+    )
+    t.add_argument(
+        "--prefetch-policy", default="timeout", choices=["best_effort", "wait_complete", "timeout"]
+    )
+    t.add_argument("--prefetch-threshold", type=int, default=256, help="tokens")
+    t.add_argument("--io-workers", type=positive, default=2)
+    t.add_argument(
+        "--tenant",
+        default="run",
+        help="namespace tenant: runs with the same one share the store (default 'run')",
+    )
+    t.add_argument("--clear", action="store_true", help="clear the namespace before the run")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+    o.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="hit ratio and bandwidth over time"
+    )
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """Run the workload as ``args`` say; print the report; exit status."""
+    from tqdm import tqdm
+
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    if args.device_pages > args.host_pages * 4:
+        raise ConfigError("--device-pages more than 4x --host-pages leaves the host no room")
+    workload = Workload(
+        sessions=args.sessions, turns=args.turns, system_prompts=args.system_prompts,
+        system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+        answer_tokens=args.answer_tokens, seed=args.seed,
+    )  # fmt: skip
+    per_request = (
+        args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
+    ) // args.page_size + 1
+    if per_request > args.device_pages:
+        raise ConfigError(
+            f"a request of the last turn needs {per_request} device pages; "
+            f"--device-pages is {args.device_pages}"
+        )
+    host = HostKVPool(
+        num_pages=args.host_pages, page_size=args.page_size, layer_num=args.layer_num,
+        kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=torch.bfloat16,
+    )  # fmt: skip
+    ns = KVCacheNamespace.for_pool(host, model_id="hicache-storage-run", tenant=args.tenant)
+    backend = build_backend(args.backend, ns, options)
+    try:
+        if args.clear and backend.capabilities.delete:
+            backend.clear()
+        config = TierConfig(
+            write_policy=args.write_policy, prefetch_policy=args.prefetch_policy,
+            prefetch_threshold=args.prefetch_threshold, io_workers=args.io_workers,
+        )  # fmt: skip
+        cache = TieredCache(backend, host, DevicePool(host, args.device_pages, args.device), config)
+        try:
+            bar = tqdm(
+                total=workload.count, unit="req", desc="run", leave=False,
+                disable=args.no_progress or args.json, file=sys.stderr,
+            )  # fmt: skip
+
+            def step(r: RunResult) -> None:
+                bar.update(1)
+                if r.requests % 8 == 0:
+                    bar.set_postfix(hit=f"{r.hit_tokens / max(1, r.prompt_tokens):.2f}")
+
+            with bar:
+                result = replay(cache, workload, on_request=step)
+        finally:
+            cache.close()
+        report = summary(result, cache)
+        stored = [k for k, e in cache.index.entries.items() if e.stored]
+        report["backend_get_gbps"] = _backend_get_gbps(backend, host, stored)
+        report["prefetch_vs_backend_get"] = (
+            report["prefetch_gbps"] / report["backend_get_gbps"]
+            if report["backend_get_gbps"]
+            else 0.0
+        )
+        report.update(
+            backend=args.backend,
+            device=str(cache.device.device),
+            page_bytes=host.page_bytes,
+            host_pages=args.host_pages,
+            device_pages=args.device_pages,
+            working_set_pages=_working_set(workload, args.page_size),
+        )
+    finally:
+        backend.close()
+    if args.plot is not None:
+        _plot(result, args.plot)
+        report["plot"] = args.plot
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0 if report["verification_errors"] == 0 else 1
+
+
+def _backend_get_gbps(backend: Any, like: HostKVPool, keys: list[str], pages: int = 128) -> float:
+    """The backend's own ``batch_get_v1`` bandwidth on up to 256 stored pages (GB/s).
+
+    Read in batches of ``pages`` into a pool of the run's geometry, three passes, the best
+    one: what the prefetch path is compared with.
+    """
+    import time
+
+    keys = keys[:256]
+    if not keys:
+        return 0.0
+    probe = HostKVPool(
+        num_pages=pages, page_size=like.page_size, layer_num=like.layer_num,
+        kv_heads=like.kv_heads, head_dim=like.head_dim, dtype=like.dtype, layout=like.layout,
+    )  # fmt: skip
+    backend.register_mem_pool_host(probe)
+    idx = torch.arange(pages * like.page_size)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        got = 0
+        for at in range(0, len(keys), pages):
+            part = keys[at : at + pages]
+            got += sum(backend.batch_get_v1(part, idx[: len(part) * like.page_size]))
+        best = min(best, time.perf_counter() - start)
+    return got * like.page_bytes / best / 1e9
+
+
+def _working_set(workload: Workload, page_size: int) -> int:
+    """Distinct pages of the whole trace."""
+    from hicache_storage.keys import page_hashes
+
+    seen: set[str] = set()
+    for r in workload.requests():
+        seen.update(page_hashes(r.prompt + r.answer, page_size))
+    return len(seen)
+
+
+def _print(r: dict[str, Any]) -> None:
+    gb = 1e9
+    rows = [
+        ("requests", f"{r['requests']} in {r['seconds']:.1f} s ({r['requests_per_second']:.1f}/s)"),
+        ("backend / device", f"{r['backend']} / {r['device']}"),
+        ("pools", (f"device {r['device_pages']} pages, host {r['host_pages']} pages, "
+                  f"working set {r['working_set_pages']} pages of {r['page_bytes']} B")),
+        ("hit ratio", (f"{r['hit_ratio']:.3f} (ideal {r['ideal_hit_ratio']:.3f}: "
+                      f"{r['hit_ratio_vs_ideal']:.3f} of it)")),
+        ("  device / host / storage", (f"{r['hit_ratio_device']:.3f} / {r['hit_ratio_host']:.3f} / "
+                                      f"{r['hit_ratio_storage']:.3f}")),
+        ("prefill tokens saved", (f"{r['prefill_tokens_saved']} of {r['prompt_tokens']} "
+                                 f"(ideal {r['prefill_tokens_saved_ideal']})")),
+        ("storage read / written", (f"{r['bytes_read_from_storage'] / gb:.3f} / "
+                                   f"{r['bytes_written_to_storage'] / gb:.3f} GB")),
+        ("host->device / device->host", (f"{r['bytes_loaded_to_device'] / gb:.3f} / "
+                                        f"{r['bytes_offloaded_to_host'] / gb:.3f} GB")),
+        ("prefetch done / cut / dropped", (f"{r['prefetch_completed']} / "
+                                          f"{r['prefetch_terminated']} / {r['prefetch_dropped']}")),
+        ("backup failed tokens", f"{r['backup_failed_tokens']} (retries {r['backup_retries']})"),
+        ("prefetch / backend get", (f"{r['prefetch_gbps']:.2f} / {r['backend_get_gbps']:.2f} GB/s "
+                                    f"({r['prefetch_vs_backend_get']:.2f}x)")),
+        ("verification errors", f"{r['verification_errors']} of {r['verified_pages']} pages"),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k.ljust(width)}  {v}")
+
+
+def _plot(result: RunResult, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [p["t"] for p in result.timeline]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    a.plot(t, [p["hit_ratio"] for p in result.timeline])
+    a.set_ylabel("token hit ratio")
+    a.set_ylim(0, 1)
+    for key, label in (("bytes_read", "storage read"), ("bytes_written", "storage written")):
+        series = [p[key] for p in result.timeline]
+        rates = [0.0] + [
+            (series[i] - series[i - 1]) / max(t[i] - t[i - 1], 1e-6) / 1e9
+            for i in range(1, len(series))
+        ]
+        b.plot(t, rates, label=label)
+    b.set_ylabel("GB/s")
+    b.set_xlabel("seconds")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

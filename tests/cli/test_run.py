@@ -1,0 +1,71 @@
+"""``hicache-storage run``: the tiered-cache workload through the CLI, on the file backend."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache_storage.cli.main import main
+
+SMALL = ["--sessions", "6", "--turns", "3", "--system-prompts", "2", "--system-tokens", "256",
+         "--user-tokens", "64", "--answer-tokens", "64", "--page-size", "16", "--layer-num", "2",
+         "--kv-heads", "2", "--head-dim", "32", "--host-pages", "64", "--device-pages", "48",
+         "--prefetch-threshold", "64", "--no-progress"]  # fmt: skip
+
+
+def run_json(capsys: pytest.CaptureFixture[str], root: Path, *extra: str) -> dict[str, Any]:
+    config = json.dumps({"root": str(root)})
+    code = main(["run", "--hicache-storage-backend-extra-config", config, *SMALL, "--json", *extra])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    return report
+
+
+def test_a_run_reports_and_verifies_every_reused_page(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    r = run_json(capsys, tmp_path, "--tenant", "a")
+    assert r["requests"] == 18 and r["verification_errors"] == 0
+    assert r["verified_pages"] > 0 and r["hit_tokens"] > 0
+    assert 0 < r["hit_ratio_vs_ideal"] <= 1
+    parts = r["hit_ratio_device"] + r["hit_ratio_host"] + r["hit_ratio_storage"]
+    assert parts == pytest.approx(r["hit_ratio"])
+    assert r["bytes_written_to_storage"] > 0 and r["backup_failed_tokens"] == 0
+    assert r["working_set_pages"] > r["host_pages"]
+
+
+def test_a_second_run_hits_what_the_first_stored(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Two instances (one after the other, as after a restart) with one namespace: the
+    second one's first turns find the pages the first one wrote, in storage."""
+    first = run_json(capsys, tmp_path, "--tenant", "shared", "--clear")
+    second = run_json(capsys, tmp_path, "--tenant", "shared")
+    assert second["verification_errors"] == 0
+    assert second["hit_ratio_storage"] > first["hit_ratio_storage"]
+    assert second["hit_ratio"] > first["hit_ratio"]
+    other = run_json(capsys, tmp_path, "--tenant", "other")  # another namespace: cold
+    assert other["hit_ratio"] < second["hit_ratio"]
+
+
+def test_plot_and_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "run.png"
+    config = json.dumps({"root": str(tmp_path / "store")})
+    assert main(["run", "--hicache-storage-backend-extra-config", config, *SMALL,
+                 "--plot", str(png)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "hit ratio" in out and re.search(r"verification errors +0 of \d+ pages", out)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pools_too_small_for_a_request_are_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = json.dumps({"root": str(tmp_path)})
+    assert main(["run", "--hicache-storage-backend-extra-config", config, *SMALL,
+                 "--device-pages", "8"]) == 2  # fmt: skip
+    assert "device pages" in capsys.readouterr().err

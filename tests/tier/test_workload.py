@@ -1,0 +1,68 @@
+"""The workload, the stand-in model and the replay, over a faulty backend too."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+
+import torch
+
+from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig
+from hicache_storage.backends import MemoryBackend
+from hicache_storage.conformance.wrappers import FaultyBackend
+from hicache_storage.tier import DevicePool, TierConfig, TieredCache
+from hicache_storage.tier.workload import (
+    Workload,
+    fill_page,
+    ideal_hit_tokens,
+    page_differs,
+    replay,
+)
+
+SMALL = Workload(sessions=4, turns=3, system_prompts=2, system_tokens=64, user_tokens=16,
+                 answer_tokens=16)  # fmt: skip
+
+
+def test_the_trace_grows_histories_and_shares_system_prompts() -> None:
+    reqs = list(SMALL.requests())
+    assert len(reqs) == SMALL.count == 12
+    by_session: dict[int, list] = {}
+    for r in reqs:
+        by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        for prev, nxt in itertools.pairwise(turns):
+            assert nxt.prompt[: len(prev.prompt) + len(prev.answer)] == prev.prompt + prev.answer
+    assert reqs[0].prompt[:64] in [r.prompt[:64] for r in reqs[1:]]
+    assert list(SMALL.requests())[5] == reqs[5]  # deterministic
+    hit, total = ideal_hit_tokens(reqs, 8)
+    assert 0 < hit < total
+
+
+def test_the_stand_in_model_is_deterministic_and_tells_pages_apart() -> None:
+    host = HostKVPool(num_pages=4, page_size=8, layer_num=2, kv_heads=2, head_dim=16)
+    dev = DevicePool(host, 4)
+    fill_page(dev, 0, "a")
+    fill_page(dev, 1, "a")
+    fill_page(dev, 2, "b")
+    assert not page_differs(dev, 0, "a") and not page_differs(dev, 1, "a")
+    assert page_differs(dev, 2, "a")
+    dev.page_layer(1, 1)[1].view(-1).view(torch.uint8)[7] ^= 1
+    assert page_differs(dev, 1, "a")
+
+
+def test_a_failing_store_never_fails_the_run_or_serves_wrong_pages() -> None:
+    host = HostKVPool(num_pages=48, page_size=8, layer_num=2, kv_heads=2, head_dim=16)
+    ns = KVCacheNamespace.for_pool(host, model_id="wl", tenant=uuid.uuid4().hex[:8])
+    inner = MemoryBackend(StorageConfig(namespace=ns), store=f"wl-{uuid.uuid4().hex[:8]}")
+    flaky = FaultyBackend(inner, failure_rate=0.3, seed=5, partial=True)
+    cache = TieredCache(flaky, host, DevicePool(host, 32), TierConfig(prefetch_threshold=0))
+    try:
+        result = replay(cache, SMALL)
+    finally:
+        cache.close()
+        inner.clear()
+        inner.close()
+    assert result.requests == 12
+    assert result.verification_errors == 0 and result.verified_pages > 0
+    assert cache.stats.backup_failed_tokens + cache.stats.backup_retries > 0  # faults happened
+    assert cache._backup_thread.is_alive() is False  # closed cleanly, not died
