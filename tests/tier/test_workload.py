@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import shutil
 import uuid
+from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
-from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig
+from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig, create_backend
 from hicache_storage.backends import MemoryBackend
 from hicache_storage.conformance.wrappers import FaultyBackend
 from hicache_storage.tier import DevicePool, TierConfig, TieredCache
@@ -66,3 +70,29 @@ def test_a_failing_store_never_fails_the_run_or_serves_wrong_pages() -> None:
     assert result.verification_errors == 0 and result.verified_pages > 0
     assert cache.stats.backup_failed_tokens + cache.stats.backup_retries > 0  # faults happened
     assert cache._backup_thread.is_alive() is False  # closed cleanly, not died
+
+
+@pytest.mark.parametrize("name", ["file", "shm", "mmap", "memory", "nixl"])
+def test_the_replay_is_byte_exact_on_every_local_backend(name: str, tmp_path: Path) -> None:
+    shm_dir = f"/dev/shm/hicache-tier-{uuid.uuid4().hex[:8]}"
+    host = HostKVPool(num_pages=32, page_size=8, layer_num=2, kv_heads=2, head_dim=16)
+    ns = KVCacheNamespace.for_pool(host, model_id="wl", tenant=uuid.uuid4().hex[:8])
+    options: dict[str, Any] = {
+        "file": {"root": str(tmp_path / "file")},
+        "shm": {"directory": shm_dir},
+        "mmap": {"path": str(tmp_path / "arena"), "capacity": "64MiB", "prefault": False},
+        "memory": {"store": f"wl-{uuid.uuid4().hex[:8]}"},
+        "nixl": {"root": str(tmp_path / "nixl")},
+    }[name]
+    backend = create_backend(name, StorageConfig(namespace=ns), **options)
+    cache = TieredCache(backend, host, DevicePool(host, 24), TierConfig(prefetch_threshold=0))
+    try:
+        result = replay(cache, SMALL)
+    finally:
+        cache.close()
+        backend.clear()
+        backend.close()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    assert result.verification_errors == 0 and result.verified_pages > 0
+    assert result.storage_hit_tokens > 0  # pages came back from this store
+    assert cache.stats.backup_failed_tokens == 0

@@ -1,0 +1,31 @@
+"""The tiered workload, small, on any backend: for the tests of backends that need a
+server (their test files start it)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig, create_backend
+from hicache_storage.tier import DevicePool, TierConfig, TieredCache
+from hicache_storage.tier.workload import RunResult, Workload, replay
+
+__all__ = ["SMALL", "replay_small"]
+
+SMALL = Workload(sessions=4, turns=3, system_prompts=2, system_tokens=64, user_tokens=16,
+                 answer_tokens=16)  # fmt: skip
+
+
+def replay_small(name: str, options: dict[str, Any]) -> tuple[RunResult, Any]:
+    """Replay :data:`SMALL` through tiers over backend ``name``; (result, tier stats)."""
+    host = HostKVPool(num_pages=32, page_size=8, layer_num=2, kv_heads=2, head_dim=16)
+    ns = KVCacheNamespace.for_pool(host, model_id="wl", tenant=uuid.uuid4().hex[:8])
+    backend = create_backend(name, StorageConfig(namespace=ns), **options)
+    cache = TieredCache(backend, host, DevicePool(host, 24), TierConfig(prefetch_threshold=0))
+    try:
+        result = replay(cache, SMALL)
+    finally:
+        cache.close()
+        backend.clear()
+        backend.close()
+    return result, cache.stats
