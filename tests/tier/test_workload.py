@@ -77,13 +77,14 @@ def test_the_replay_is_byte_exact_on_every_local_backend(name: str, tmp_path: Pa
     shm_dir = f"/dev/shm/hicache-tier-{uuid.uuid4().hex[:8]}"
     host = HostKVPool(num_pages=32, page_size=8, layer_num=2, kv_heads=2, head_dim=16)
     ns = KVCacheNamespace.for_pool(host, model_id="wl", tenant=uuid.uuid4().hex[:8])
-    options: dict[str, Any] = {
+    every: dict[str, dict[str, Any]] = {
         "file": {"root": str(tmp_path / "file")},
         "shm": {"directory": shm_dir},
         "mmap": {"path": str(tmp_path / "arena"), "capacity": "64MiB", "prefault": False},
         "memory": {"store": f"wl-{uuid.uuid4().hex[:8]}"},
         "nixl": {"root": str(tmp_path / "nixl")},
-    }[name]
+    }
+    options = every[name]
     backend = create_backend(name, StorageConfig(namespace=ns), **options)
     cache = TieredCache(backend, host, DevicePool(host, 24), TierConfig(prefetch_threshold=0))
     try:
