@@ -206,6 +206,6 @@ def test_two_engine_processes_share_pages_through_one_master(master: MooncakeMas
 def test_the_tiered_workload_is_byte_exact_on_mooncake(master: MooncakeMaster) -> None:
     from tier_replay import replay_small
 
-    result, stats = replay_small("mooncake", options(master))
+    result, cache = replay_small("mooncake", options(master))
     assert result.verification_errors == 0 and result.verified_pages > 0
-    assert result.storage_hit_tokens > 0 and stats.backup_failed_tokens == 0
+    assert result.storage_hit_tokens > 0 and cache.stats.backup_failed_tokens == 0

@@ -706,8 +706,8 @@ def test_only_tls_failures_of_configuration_are_config_errors() -> None:
 def test_the_tiered_workload_is_byte_exact_on_redis(server: RedisServer) -> None:
     from tier_replay import replay_small
 
-    result, stats = replay_small(
+    result, cache = replay_small(
         "redis", {"url": server.url, "prefix": f"tier-{uuid.uuid4().hex[:8]}:"}
     )
     assert result.verification_errors == 0 and result.verified_pages > 0
-    assert result.storage_hit_tokens > 0 and stats.backup_failed_tokens == 0
+    assert result.storage_hit_tokens > 0 and cache.stats.backup_failed_tokens == 0

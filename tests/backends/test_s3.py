@@ -697,6 +697,6 @@ def test_a_server_killed_mid_batch_gives_failure_shapes_then_recovers() -> None:
 def test_the_tiered_workload_is_byte_exact_on_s3(moto: MotoServer) -> None:
     from tier_replay import replay_small
 
-    result, stats = replay_small("s3", options(moto))
+    result, cache = replay_small("s3", options(moto))
     assert result.verification_errors == 0 and result.verified_pages > 0
-    assert result.storage_hit_tokens > 0 and stats.backup_failed_tokens == 0
+    assert result.storage_hit_tokens > 0 and cache.stats.backup_failed_tokens == 0

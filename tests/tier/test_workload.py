@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -11,20 +12,18 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig, create_backend
-from hicache_storage.backends import MemoryBackend
+from hicache_storage import HostKVPool
 from hicache_storage.conformance.wrappers import FaultyBackend
-from hicache_storage.tier import DevicePool, TierConfig, TieredCache
+from hicache_storage.tier import DevicePool
 from hicache_storage.tier.workload import (
-    Workload,
     fill_page,
     ideal_hit_tokens,
     page_differs,
-    replay,
 )
 
-SMALL = Workload(sessions=4, turns=3, system_prompts=2, system_tokens=64, user_tokens=16,
-                 answer_tokens=16)  # fmt: skip
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+
+from tier_replay import SMALL, replay_small
 
 
 def test_the_trace_grows_histories_and_shares_system_prompts() -> None:
@@ -55,17 +54,11 @@ def test_the_stand_in_model_is_deterministic_and_tells_pages_apart() -> None:
 
 
 def test_a_failing_store_never_fails_the_run_or_serves_wrong_pages() -> None:
-    host = HostKVPool(num_pages=48, page_size=8, layer_num=2, kv_heads=2, head_dim=16)
-    ns = KVCacheNamespace.for_pool(host, model_id="wl", tenant=uuid.uuid4().hex[:8])
-    inner = MemoryBackend(StorageConfig(namespace=ns), store=f"wl-{uuid.uuid4().hex[:8]}")
-    flaky = FaultyBackend(inner, failure_rate=0.3, seed=5, partial=True)
-    cache = TieredCache(flaky, host, DevicePool(host, 32), TierConfig(prefetch_threshold=0))
-    try:
-        result = replay(cache, SMALL)
-    finally:
-        cache.close()
-        inner.clear()
-        inner.close()
+    result, cache = replay_small(
+        "memory",
+        {"store": f"wl-{uuid.uuid4().hex[:8]}"},
+        wrap=lambda b: FaultyBackend(b, failure_rate=0.3, seed=5, partial=True),
+    )
     assert result.requests == 12
     assert result.verification_errors == 0 and result.verified_pages > 0
     assert cache.stats.backup_failed_tokens + cache.stats.backup_retries > 0  # faults happened
@@ -75,8 +68,6 @@ def test_a_failing_store_never_fails_the_run_or_serves_wrong_pages() -> None:
 @pytest.mark.parametrize("name", ["file", "shm", "mmap", "memory", "nixl"])
 def test_the_replay_is_byte_exact_on_every_local_backend(name: str, tmp_path: Path) -> None:
     shm_dir = f"/dev/shm/hicache-tier-{uuid.uuid4().hex[:8]}"
-    host = HostKVPool(num_pages=32, page_size=8, layer_num=2, kv_heads=2, head_dim=16)
-    ns = KVCacheNamespace.for_pool(host, model_id="wl", tenant=uuid.uuid4().hex[:8])
     every: dict[str, dict[str, Any]] = {
         "file": {"root": str(tmp_path / "file")},
         "shm": {"directory": shm_dir},
@@ -84,15 +75,9 @@ def test_the_replay_is_byte_exact_on_every_local_backend(name: str, tmp_path: Pa
         "memory": {"store": f"wl-{uuid.uuid4().hex[:8]}"},
         "nixl": {"root": str(tmp_path / "nixl")},
     }
-    options = every[name]
-    backend = create_backend(name, StorageConfig(namespace=ns), **options)
-    cache = TieredCache(backend, host, DevicePool(host, 24), TierConfig(prefetch_threshold=0))
     try:
-        result = replay(cache, SMALL)
+        result, cache = replay_small(name, every[name])
     finally:
-        cache.close()
-        backend.clear()
-        backend.close()
         shutil.rmtree(shm_dir, ignore_errors=True)
     assert result.verification_errors == 0 and result.verified_pages > 0
     assert result.storage_hit_tokens > 0  # pages came back from this store

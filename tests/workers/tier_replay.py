@@ -4,6 +4,7 @@ server (their test files start it)."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig, create_backend
@@ -16,16 +17,20 @@ SMALL = Workload(sessions=4, turns=3, system_prompts=2, system_tokens=64, user_t
                  answer_tokens=16)  # fmt: skip
 
 
-def replay_small(name: str, options: dict[str, Any]) -> tuple[RunResult, Any]:
-    """Replay :data:`SMALL` through tiers over backend ``name``; (result, tier stats)."""
-    host = HostKVPool(num_pages=32, page_size=8, layer_num=2, kv_heads=2, head_dim=16)
+def replay_small(
+    name: str, options: dict[str, Any], wrap: Callable[[Any], Any] | None = None
+) -> tuple[RunResult, TieredCache]:
+    """Replay :data:`SMALL` through tiers over backend ``name`` (wrapped by ``wrap``, a
+    fault injector say); returns the result and the (closed) cache."""
+    host = HostKVPool(num_pages=48, page_size=8, layer_num=2, kv_heads=2, head_dim=16)
     ns = KVCacheNamespace.for_pool(host, model_id="wl", tenant=uuid.uuid4().hex[:8])
     backend = create_backend(name, StorageConfig(namespace=ns), **options)
-    cache = TieredCache(backend, host, DevicePool(host, 24), TierConfig(prefetch_threshold=0))
+    store = wrap(backend) if wrap is not None else backend
+    cache = TieredCache(store, host, DevicePool(host, 32), TierConfig(prefetch_threshold=0))
     try:
         result = replay(cache, SMALL)
     finally:
         cache.close()
         backend.clear()
         backend.close()
-    return result, cache.stats
+    return result, cache
