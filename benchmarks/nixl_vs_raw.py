@@ -44,6 +44,27 @@ from hicache_storage.backends._nixl import _nixl_api
 from hicache_storage.cli.bench import BenchShape, namespace_for, verify_pages
 
 
+def raw_transfer(
+    a: Any, op: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
+    files: list[tuple[int, int]],
+) -> None:  # fmt: skip
+    """One NIXL transfer as one writes it by hand: register the files, transfer, poll,
+    release, deregister (``local``: DRAM ``(addr, len, 0)``; ``remote``: ``(offset, len,
+    fd)``; ``files``: ``(fd, size)``)."""
+    file_reg = a.register_memory(np.array([(0, n, fd) for fd, n in files], np.uint64), "FILE")
+    h = a.initialize_xfer(
+        op, a.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
+        a.get_xfer_descs(np.array(remote, np.uint64), "FILE"), a.name,
+    )  # fmt: skip
+    state = a.transfer(h)
+    while state == "PROC":
+        state = a.check_xfer_state(h)
+    a.release_xfer_handle(h)
+    a.deregister_memory(file_reg)
+    if state != "DONE":
+        raise RuntimeError(f"raw {op} failed")
+
+
 class RawNixl:
     """Pages as files in one directory, moved by a NIXL agent with the POSIX plugin."""
 
@@ -58,10 +79,6 @@ class RawNixl:
         a = self.agent
         fds = [os.open(p, flags, 0o600) for p in paths]
         try:
-            sizes = [p.nbytes for p in part]
-            file_reg = a.register_memory(
-                np.array([(0, n, fd) for fd, n in zip(fds, sizes, strict=True)], np.uint64), "FILE"
-            )
             local, remote = [], []
             for fd, page in zip(fds, part, strict=True):
                 off = 0
@@ -69,17 +86,9 @@ class RawNixl:
                     local.append((s.ptr, s.nbytes, 0))
                     remote.append((off, s.nbytes, fd))
                     off += s.nbytes
-            h = a.initialize_xfer(
-                op, a.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
-                a.get_xfer_descs(np.array(remote, np.uint64), "FILE"), a.name,
-            )  # fmt: skip
-            state = a.transfer(h)
-            while state == "PROC":
-                state = a.check_xfer_state(h)
-            a.release_xfer_handle(h)
-            a.deregister_memory(file_reg)
-            if state != "DONE":
-                raise RuntimeError(f"raw {op} failed")
+            raw_transfer(
+                a, op, local, remote, [(fd, p.nbytes) for fd, p in zip(fds, part, strict=True)]
+            )
         finally:
             for fd in fds:
                 os.close(fd)

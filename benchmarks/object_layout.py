@@ -19,12 +19,16 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from nixl_vs_raw import raw_transfer
 
 from hicache_storage.backends._nixl import _nixl_api
 
@@ -61,21 +65,9 @@ class ByNixl:
         self.src, self.dst = src, dst
 
     def _move(self, op: str, base: int, fds: list[int], at: int) -> None:
-        a = self.a
         mem = [(base + j * SEG, SEG, 0) for j in range(2 * len(fds))]
         places = [(at + (j % 2) * SEG, SEG, fds[j // 2]) for j in range(2 * len(fds))]
-        reg = a.register_memory(
-            np.array([(0, 2 * SEG + HEAD, fd) for fd in fds], np.uint64), "FILE"
-        )
-        h = a.initialize_xfer(op, a.get_xfer_descs(np.array(mem, np.uint64), "DRAM"),
-                              a.get_xfer_descs(np.array(places, np.uint64), "FILE"), a.name)  # fmt: skip
-        state = a.transfer(h)
-        while state == "PROC":
-            state = a.check_xfer_state(h)
-        a.release_xfer_handle(h)
-        a.deregister_memory(reg)
-        if state != "DONE":
-            raise RuntimeError(f"{op} failed")
+        raw_transfer(self.a, op, mem, places, [(fd, 2 * SEG + HEAD) for fd in fds])
 
     def __call__(self, paths: list[str], last: bool) -> tuple[float, float]:
         at = 0 if last else HEAD
