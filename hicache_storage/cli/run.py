@@ -10,6 +10,7 @@ outcomes, and the verification count (pages that came back wrong: must be 0).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +62,8 @@ def add_run_args(p: argparse.ArgumentParser, positive: Any) -> None:
     t.add_argument(
         "--tenant",
         default="run",
-        help="namespace tenant: runs with the same one share the store (default 'run')",
+        help="namespace tenant: runs with the same one share the store (default 'run'); on a "
+        "store warm from an earlier run the hit ratio can exceed the cold ideal's",
     )
     t.add_argument("--clear", action="store_true", help="clear the namespace before the run")
     o = p.add_argument_group("output")
@@ -81,6 +83,18 @@ def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ConfigError(f"--plot: cannot write into {folder}")
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as exc:
+            raise ConfigError(f"--device: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: this torch has no CUDA device")
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.device_pages > args.host_pages * 4:
         raise ConfigError("--device-pages more than 4x --host-pages leaves the host no room")
     workload = Workload(

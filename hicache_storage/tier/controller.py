@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from hicache_storage.errors import ConfigError
+from hicache_storage.errors import BackendError, ConfigError
 from hicache_storage.keys import page_hashes
 from hicache_storage.tier.device import LayerProgress
 from hicache_storage.tier.index import PageEntry, PrefixIndex, PrefixMatch
@@ -66,6 +66,10 @@ class TierConfig:
         backup_retries: retries of a failed backup batch before its pages count as failed.
         prefetch_host_fraction: prefetches are refused while the host pages they hold
             exceed this fraction of the host pool (rate limiting).
+        acquire_timeout: seconds a request waits for device pages other requests hold.
+        exists_timeout: seconds an existence query may take (then it counts as no hit).
+        close_timeout: seconds ``close()`` waits for queued backups (the rest count as
+            failed).
     """
 
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = (
@@ -81,6 +85,9 @@ class TierConfig:
     batch_pages: int = 128
     backup_retries: int = 2
     prefetch_host_fraction: float = 0.5
+    acquire_timeout: float = 30.0
+    exists_timeout: float = 5.0
+    close_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         """Check the values (:class:`ConfigError`)."""
@@ -108,6 +115,7 @@ class TierStats:
     computed_tokens: int = 0
     prefetch_completed: int = 0
     prefetch_terminated: int = 0
+    prefetch_short: int = 0  # ended short by a miss or a storage failure
     prefetch_dropped: int = 0  # refused for host capacity (rate limiting) or no room
     prefetched_tokens: int = 0
     prefetch_bytes: int = 0  # read by prefetches (taken or not)
@@ -139,28 +147,49 @@ class PrefetchOp:
     """A prefetch of ``keys`` from storage into host pages, in batches on the I/O threads.
 
     ``done_pages`` is the leading run of pages that arrived; :meth:`terminate` stops the
-    batches not started (those running finish) and keeps what arrived.
+    batches not started (those running finish). Once settled
+    (:meth:`TieredCache.finish_prefetch`), a batch still running frees its own host pages
+    when it ends.
     """
+
+    PENDING, RUNNING, DONE, CANCELLED = range(4)
 
     def __init__(self, keys: list[str], host_pages: list[int], batch: int) -> None:
         self.keys, self.host_pages = keys, host_pages
         self.batches = [(i, min(i + batch, len(keys))) for i in range(0, len(keys), batch)]
+        self.state = [self.PENDING] * len(self.batches)
         self._ok = [False] * len(keys)
-        self._finished = 0
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self.short = False  # a batch ended short: later batches are not read
+        self.settled = False
         self.started = time.perf_counter()
         self.ended = self.started
 
-    def _batch_done(self, lo: int, ok: list[bool]) -> None:
+    def _start(self, b: int) -> bool:
+        """Batch ``b`` may run (else it is cancelled: stopped, short, or settled)."""
         with self._cond:
-            for i, good in enumerate(ok):
-                self._ok[lo + i] = good
+            if self.state[b] != self.PENDING or self._stop.is_set() or self.short or self.settled:
+                if self.state[b] == self.PENDING:
+                    self.state[b] = self.CANCELLED
+                    self._cond.notify_all()
+                return False
+            self.state[b] = self.RUNNING
+            return True
+
+    def _batch_done(self, b: int, ok: list[bool]) -> bool:
+        """Record batch ``b``'s pages.
+
+        True if the op was settled meanwhile: then the batch's pages are its own to free.
+        """
+        lo, hi = self.batches[b]
+        with self._cond:
+            self._ok[lo:hi] = ok[: hi - lo]
             self.short = self.short or not all(ok)
-            self._finished += 1
+            self.state[b] = self.DONE
             self.ended = time.perf_counter()
             self._cond.notify_all()
+            return self.settled
 
     @property
     def done_pages(self) -> int:
@@ -173,18 +202,39 @@ class PrefetchOp:
 
     @property
     def finished(self) -> bool:
-        """Every batch ran or was skipped."""
+        """Every batch ran or was cancelled."""
         with self._cond:
-            return self._finished == len(self.batches)
+            return all(st in (self.DONE, self.CANCELLED) for st in self.state)
 
     def terminate(self) -> None:
         """Start no more batches; the running ones finish."""
         self._stop.set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every batch ran or was skipped; False on timeout."""
+        """Wait until every batch ran or was cancelled; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._finished == len(self.batches), timeout)
+            return self._cond.wait_for(
+                lambda: all(st in (self.DONE, self.CANCELLED) for st in self.state), timeout
+            )
+
+    def _settle(self) -> tuple[int, list[int]]:
+        """Stop the op: (pages of the leading run, host pages to free now).
+
+        Pending batches are cancelled; pages of running batches stay with them.
+        """
+        with self._cond:
+            self._stop.set()
+            self.settled = True
+            n = 0
+            while n < len(self._ok) and self._ok[n]:
+                n += 1
+            free = []
+            for b, (lo, hi) in enumerate(self.batches):
+                if self.state[b] == self.PENDING:
+                    self.state[b] = self.CANCELLED
+                if self.state[b] != self.RUNNING:
+                    free += [p for i, p in enumerate(self.host_pages[lo:hi], lo) if i >= n]
+            return n, free
 
 
 @dataclass
@@ -201,6 +251,7 @@ class Lease:
     reused: int
     progress: LayerProgress | None = None
     on_device: int = 0  # of the reused pages, those already on the device
+    released: bool = False
 
 
 class TieredCache:
@@ -228,12 +279,14 @@ class TieredCache:
         self.salt = salt
         self.index = PrefixIndex()
         self.stats = TierStats()
+        self._stats_lock = threading.Lock()
         self._lock = threading.RLock()
         self._io = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="hicache-prefetch")
         self._prefetch_pages = 0  # host pages held by running prefetches
         self._backups: queue.Queue[tuple[list[str], list[int]] | None] = queue.Queue()
         self._backup_pending = 0
         self._queued: set[str] = set()  # keys waiting for the backup thread
+        self._failed: set[str] = set()  # keys whose backup failed (counted once)
         self._backup_idle = threading.Condition(self._lock)
         self._ready = threading.Condition(self._lock)
         self._closed = False
@@ -259,23 +312,32 @@ class TieredCache:
         """
         with self._lock:
             local = self.index.match(keys)
-        stored = self._storage_run(keys[local.host_pages :])
-        return PrefixMatch(keys, local.device_pages, local.host_pages, local.host_pages + stored)
+        # Every rank counts from the same point: the host prefix, agreed first.
+        host = _agree(local.host_pages)
+        device = min(local.device_pages, host)
+        stored = _agree(self._storage_run(keys[host:]))
+        return PrefixMatch(keys, device, host, host + stored)
 
     def _storage_run(self, keys: list[str]) -> int:
+        """The leading run of ``keys`` in storage.
+
+        0 for a store that fails, or that hangs past ``exists_timeout`` (the query runs
+        on an I/O thread).
+        """
         run = 0
         chunk = self.config.exists_chunk
         for at in range(0, len(keys), chunk):
             part = keys[at : at + chunk]
             try:
-                found = int(self.backend.batch_exists(part))
-            except Exception:  # noqa: BLE001 - a store that fails is a miss
-                self.stats.storage_errors += 1
+                future = self._io.submit(self.backend.batch_exists, part)
+                found = int(future.result(self.config.exists_timeout))
+            except Exception:  # noqa: BLE001 - a store that fails or hangs is a miss
+                self._count(storage_errors=1)
                 found = 0
             run += max(0, min(found, len(part)))
             if found < len(part):
                 break
-        return _agree(run)
+        return run
 
     # ------------------------------------------------------------------ prefetch
 
@@ -289,6 +351,9 @@ class TieredCache:
         keys = match.keys[match.host_pages : match.logical_pages]
         threshold = self.config.prefetch_threshold
         if not keys or len(keys) * self.page_size < threshold:
+            return None
+        if self._closed:  # (every rank closes at once: no reduce is skipped alone)
+            self._count(prefetch_dropped=1)
             return None
         with self._lock:
             # Rate limiting: prefetches hold at most this much of the host pool; a long
@@ -306,61 +371,67 @@ class TieredCache:
             pages = pages[:take]
         if not pages or take * self.page_size < threshold:
             self._free_host(pages)
-            self.stats.prefetch_dropped += 1
+            self._count(prefetch_dropped=1)
             return None
         keys = keys[:take]
         op = PrefetchOp(keys, pages, self.config.batch_pages)
         with self._lock:
             self._prefetch_pages += len(pages)
-        for lo, hi in op.batches:
-            self._io.submit(self._prefetch_batch, op, lo, hi)
+        for b in range(len(op.batches)):
+            self._io.submit(self._prefetch_batch, op, b)
         return op
 
-    def _prefetch_batch(self, op: PrefetchOp, lo: int, hi: int) -> None:
+    def _prefetch_batch(self, op: PrefetchOp, b: int) -> None:
+        lo, hi = op.batches[b]
+        if not op._start(b):
+            return
         ok = [False] * (hi - lo)
         try:
-            if not (op._stop.is_set() or op.short):  # past a short batch nothing is usable
-                idx = self._host_indices(op.host_pages[lo:hi])
-                got = self.backend.batch_get_v1(op.keys[lo:hi], idx)
-                run = 0
-                while run < len(got) and got[run] is True:
-                    run += 1
-                ok[:run] = [True] * run
-                with self._lock:
-                    self.stats.prefetch_bytes += run * self.host.page_bytes
+            idx = self._host_indices(op.host_pages[lo:hi])
+            got = list(self.backend.batch_get_v1(op.keys[lo:hi], idx))[: hi - lo]
+            run = 0
+            while run < len(got) and got[run] is True:
+                run += 1
+            ok[:run] = [True] * run
+            self._count(prefetch_bytes=run * self.host.page_bytes)
         except Exception:
-            self.stats.storage_errors += 1
+            self._count(storage_errors=1)
             logger.warning("prefetch batch failed", exc_info=True)
         finally:
-            op._batch_done(lo, ok)
+            if op._batch_done(b, ok):  # settled meanwhile: these pages are ours to free
+                with self._lock:
+                    self._prefetch_pages -= hi - lo
+                    self._free_host(op.host_pages[lo:hi])
 
     def finish_prefetch(self, op: PrefetchOp) -> int:
         """Wait for ``op`` as the prefetch policy says; keep its leading run.
 
-        The leading run (agreed over the ranks) goes into the index as host pages; the
-        rest is freed. Returns the pages taken.
+        ``best_effort`` takes what arrived by now; ``timeout`` waits up to its limit;
+        ``wait_complete`` waits for every batch. The leading run (agreed over the ranks)
+        goes into the index as host pages; the rest is freed (a batch still running
+        frees its pages when it ends). Returns the pages taken.
         """
         policy = self.config.prefetch_policy
-        if policy == "best_effort":
-            op.terminate()
-        elif policy == "timeout":
+        if policy == "timeout":
             tokens = len(op.keys) * self.page_size
-            limit = (
+            op.wait(
                 self.config.prefetch_timeout_base
                 + self.config.prefetch_timeout_per_ki_token * tokens / 1024
             )
-            if not op.wait(limit):
-                op.terminate()
-        op.wait()
-        with self._lock:
-            self.stats.prefetch_seconds += op.ended - op.started
-        take = _agree(op.done_pages)
-        if take < len(op.keys):
-            self.stats.prefetch_terminated += 1
+        elif policy == "wait_complete":
+            op.wait()
+        done, free = op._settle()
+        self._count(prefetch_seconds=op.ended - op.started)
+        take = _agree(done)
+        if take == len(op.keys):
+            self._count(prefetch_completed=1)
+        elif op.short:
+            self._count(prefetch_short=1)
         else:
-            self.stats.prefetch_completed += 1
+            self._count(prefetch_terminated=1)
         with self._lock:
-            self._prefetch_pages -= len(op.host_pages)
+            running = len(op.host_pages) - done - len(free)  # freed by their batches
+            self._prefetch_pages -= len(op.host_pages) - running
             for key, page in zip(op.keys[:take], op.host_pages[:take], strict=True):
                 entry = self.index.get(key)
                 if entry.host is None and entry.device is None:
@@ -368,90 +439,129 @@ class TieredCache:
                     self.index.set_host(entry, page)
                 else:
                     self._free_host([page])
-            self._free_host(op.host_pages[take:])
-        self.stats.prefetched_tokens += take * self.page_size
-        self.stats.bytes_read += take * self.host.page_bytes
+            self._free_host([*op.host_pages[take:done], *free])
+        self._count(prefetched_tokens=take * self.page_size)
+        self._count(bytes_read=take * self.host.page_bytes)
         return take
 
     # ------------------------------------------------------------------ requests
 
-    def acquire(self, keys: list[str], compute: Callable[[int, int], None]) -> Lease:
+    def acquire(
+        self,
+        keys: list[str],
+        compute: Callable[[int, int], None],
+        reuse_limit: int | None = None,
+        timeout: float | None = None,
+    ) -> Lease:
         """Put the prompt's pages on the device and pin them for the request.
 
         Pages held on the device are reused; pages held on the host are loaded (layer by
-        layer); the rest of the prompt, from the first page held nowhere, is computed:
-        ``compute(i, device_page)`` fills device page ``device_page`` with page ``i``'s
-        KV. New pages are then written back as the write policy says.
+        layer); the rest of the prompt, from the first page held nowhere (or from
+        ``reuse_limit``: what the ranks agreed to reuse), is computed: ``compute(i,
+        device_page)`` fills device page ``device_page`` with page ``i``'s KV. New pages
+        are then written back as the write policy says.
+
+        When the device pool is full of pages other requests hold, this waits for them
+        (up to ``timeout`` seconds, default ``TierConfig.acquire_timeout``). If ``compute``
+        or the load raises, every page it was filling is dropped (never left as if
+        filled), the pins are released, and the exception propagates.
         """
+        if len(keys) > self.device.num_pages:
+            raise ConfigError(
+                f"a prompt of {len(keys)} pages cannot fit a device pool of "
+                f"{self.device.num_pages} pages"
+            )
+        wait = self.config.acquire_timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
         with self._lock:
-            # Pages another request is filling are waited for, not taken half-filled.
-            self._ready.wait_for(lambda: self._all_ready(keys))
-            match = self.index.match(keys)
-            reuse = match.host_pages
-            entries = [self.index.get(k) for k in keys]
-            for e in entries:
-                e.pins += 1
-            try:
-                loads = [i for i in range(reuse) if entries[i].device is None]
-                fresh = len(loads) + (len(keys) - reuse)
-                new_pages = self._device_pages(fresh)
-                if new_pages is None:
-                    raise ConfigError(f"the device pool cannot hold a prompt of {len(keys)} pages")
-            except BaseException:
+            while True:
+                # Pages another request is filling are waited for, not taken half-filled.
+                self._ready.wait_for(lambda: self._all_ready(keys))
+                match = self.index.match(keys)
+                reuse = (
+                    match.host_pages if reuse_limit is None else min(match.host_pages, reuse_limit)
+                )
+                entries = [self.index.get(k) for k in keys]
+                need = sum(e.device is None for e in entries)
                 for e in entries:
-                    e.pins -= 1
-                raise
-            it = iter(new_pages)
-            load_dev, load_host = [], []
-            for i in loads:
-                page = next(it)
-                load_dev.append(page)
-                load_host.append(entries[i].host)
-                self.index.set_device(entries[i], page)
-                entries[i].ready = False
-            computed = []
-            for i in range(reuse, len(keys)):
-                page = next(it)
-                computed.append((i, page))
-                self.index.set_device(entries[i], page)
-                entries[i].ready = False
+                    e.pins += 1
+                pages = self._device_pages(need)
+                if pages is not None:
+                    break
+                self._unpin(entries)  # others hold the pool: wait for a release
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._ready.wait(left):
+                    raise BackendError(
+                        f"the device pool stayed full for {wait} s (a prompt of {len(keys)} "
+                        "pages waits for pages other requests hold)"
+                    )
+            it = iter(pages)
+            loads: list[int] = []
+            computed: list[int] = []
+            for i, e in enumerate(entries):
+                if i >= reuse or e.device is None:
+                    if e.device is None:
+                        self.index.set_device(e, next(it))
+                    (loads if i < reuse else computed).append(i)
+                    e.ready = False
+            for e in reversed(entries):  # the head most recent: eviction takes tails first
+                self.index.touch(e)
             for e in entries[:reuse]:
                 e.hits += 1
-                self.index.touch(e)
-            self.stats.lookup_tokens += len(keys) * self.page_size
-            self.stats.device_hit_tokens += match.device_pages * self.page_size
-            self.stats.host_hit_tokens += (reuse - match.device_pages) * self.page_size
-            self.stats.computed_tokens += (len(keys) - reuse) * self.page_size
+            on_device = min(match.device_pages, reuse)
+            self._count(
+                lookup_tokens=len(keys) * self.page_size,
+                device_hit_tokens=on_device * self.page_size,
+                host_hit_tokens=(reuse - on_device) * self.page_size,
+                computed_tokens=(len(keys) - reuse) * self.page_size,
+            )
         progress = None
         try:
-            if load_dev:
-                progress = self.device.load(load_dev, load_host)  # type: ignore[arg-type]
-                self.stats.bytes_loaded += len(load_dev) * self.host.page_bytes
-            for i, page in computed:
-                compute(i, page)
-        finally:
+            if loads:
+                progress = self.device.load(
+                    [entries[i].device for i in loads],  # type: ignore[misc]
+                    [entries[i].host for i in loads],  # type: ignore[misc]
+                )
+                self._count(bytes_loaded=len(loads) * self.host.page_bytes)
+            for i in computed:
+                compute(i, entries[i].device)  # type: ignore[arg-type]
+        except BaseException:
             with self._lock:
-                for i in [*loads, *(i for i, _ in computed)]:
-                    entries[i].ready = True
-                self._ready.notify_all()
+                for i in [*loads, *computed]:  # never left looking filled
+                    page, e = entries[i].device, entries[i]
+                    self.index.set_device(e, None)
+                    if page is not None:
+                        self.device.free([page])
+                    e.ready = True
+                self._unpin(entries)
+            raise
         with self._lock:
-            for i, _ in computed:
+            for i in [*loads, *computed]:
+                entries[i].ready = True
+            self._ready.notify_all()
+            for i in computed:
                 entries[i].hits = 1
             self._write_policy(entries)
-        pages = [e.device for e in entries]
-        return Lease(keys, pages, reuse, progress, match.device_pages)  # type: ignore[arg-type]
+        return Lease(keys, [e.device for e in entries], reuse, progress, on_device)  # type: ignore[misc]
 
     def _all_ready(self, keys: list[str]) -> bool:
         entries = self.index.entries
         return all(e.ready for e in (entries.get(k) for k in keys) if e is not None)
 
+    def _unpin(self, entries: list[PageEntry]) -> None:
+        """Release a request's pins (lock held); entries left with nothing are forgotten."""
+        for e in entries:
+            e.pins -= 1
+            self.index._forget_if_empty(e)
+        self._ready.notify_all()
+
     def release(self, lease: Lease) -> None:
-        """The request is done with its pages: they may be evicted again."""
+        """The request is done with its pages: they may be evicted again (once per lease)."""
         with self._lock:
-            for key in lease.keys:
-                entry = self.index.entries.get(key)
-                if entry is not None and entry.pins > 0:
-                    entry.pins -= 1
+            if lease.released:
+                return
+            lease.released = True
+            self._unpin([self.index.get(k) for k in lease.keys])
 
     # ------------------------------------------------------------------ write policy, backup
 
@@ -474,7 +584,7 @@ class TieredCache:
         self.device.store([e.device for e in entries], pages)  # type: ignore[misc]
         for e, page in zip(entries, pages, strict=True):
             self.index.set_host(e, page)
-        self.stats.bytes_offloaded += len(pages) * self.host.page_bytes
+        self._count(bytes_offloaded=len(pages) * self.host.page_bytes)
         return entries
 
     def _backup(self, entries: list[PageEntry]) -> None:
@@ -517,27 +627,35 @@ class TieredCache:
             left = list(range(len(part_keys)))
             for attempt in range(self.config.backup_retries + 1):
                 if attempt:
-                    self.stats.backup_retries += 1
+                    self._count(backup_retries=1)
                 try:
                     ok = self.backend.batch_set_v1(
                         [part_keys[i] for i in left],
                         self._host_indices([part_pages[i] for i in left]),
                     )
                 except Exception:  # noqa: BLE001 - counted as a failed attempt
-                    self.stats.storage_errors += 1
+                    self._count(storage_errors=1)
                     ok = [False] * len(left)
                 done = [i for i, good in zip(left, ok, strict=False) if good is True]
                 with self._lock:
                     for i in done:
+                        self._failed.discard(part_keys[i])
                         entry = self.index.entries.get(part_keys[i])
                         if entry is not None:
                             entry.stored = True
-                self.stats.backup_tokens += len(done) * self.page_size
-                self.stats.bytes_written += len(done) * self.host.page_bytes
+                self._count(backup_tokens=len(done) * self.page_size)
+                self._count(bytes_written=len(done) * self.host.page_bytes)
                 left = [i for i in left if i not in set(done)]
                 if not left:
                     break
-            self.stats.backup_failed_tokens += len(left) * self.page_size
+            with self._lock:
+                self._backup_failed([part_keys[i] for i in left])
+
+    def _backup_failed(self, keys: list[str]) -> None:
+        """Count pages whose backup failed, once each (lock held)."""
+        new = [k for k in keys if k not in self._failed]
+        self._failed.update(new)
+        self._count(backup_failed_tokens=len(new) * self.page_size)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued backup ran; False on timeout."""
@@ -545,6 +663,12 @@ class TieredCache:
             return self._backup_idle.wait_for(lambda: self._backup_pending == 0, timeout)
 
     # ------------------------------------------------------------------ pools and eviction
+
+    def _count(self, **counters: float) -> None:
+        """Add to the stats (from any thread)."""
+        with self._stats_lock:
+            for name, value in counters.items():
+                setattr(self.stats, name, getattr(self.stats, name) + value)
 
     def _host_indices(self, pages: Sequence[int]) -> torch.Tensor:
         ps = self.page_size
@@ -583,7 +707,7 @@ class TieredCache:
             page = e.host
             self.index.set_host(e, None)
             self._free_host([page])  # type: ignore[list-item]
-            self.stats.evicted_host_pages += 1
+            self._count(evicted_host_pages=1)
             freed += 1
         return freed >= n
 
@@ -604,16 +728,41 @@ class TieredCache:
         page = e.device
         self.index.set_device(e, None)
         self.device.free([page])  # type: ignore[list-item]
-        self.stats.evicted_device_pages += 1
+        self._count(evicted_device_pages=1)
 
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Finish the backups, stop the threads (the backend stays open)."""
+        """Finish the queued backups, then stop the threads; the backend stays open.
+
+        Backups still queued after ``close_timeout`` seconds count as failed.
+        """
         if self._closed:
             return
         self._closed = True
-        self.flush()
+        if not self.flush(self.config.close_timeout):
+            dropped = []
+            while True:
+                try:
+                    item = self._backups.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    dropped.append(item)
+            with self._lock:
+                for keys, _pages in dropped:
+                    self._backup_failed(keys)
+                    for key in keys:
+                        self._queued.discard(key)
+                        entry = self.index.entries.get(key)
+                        if entry is not None:
+                            entry.host_pins -= 1
+                    self._backup_pending -= 1
+            logger.warning(
+                "close: backups did not finish in %s s; %d batches counted as failed",
+                self.config.close_timeout,
+                len(dropped),
+            )
         self._backups.put(None)
-        self._backup_thread.join()
-        self._io.shutdown(wait=True)
+        self._backup_thread.join(self.config.close_timeout)
+        self._io.shutdown(wait=False, cancel_futures=True)

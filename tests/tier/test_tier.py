@@ -206,6 +206,7 @@ def test_terminating_a_prefetch_keeps_the_pages_that_arrived(
     assert 0 < taken < 12 and taken % 3 == 0
     assert b.stats.prefetch_terminated == 1
     assert b.index.match(keys).host_pages == taken
+    assert op.wait(10)  # the batch that was running when the prefetch was cut
     assert host_b.available_size() == (32 - taken) * PS  # the rest went back
     reused, _, bad = run(b, tokens, prefetch=False)
     assert (reused, bad) == (taken, 0)
