@@ -201,7 +201,8 @@ def replay(
         op = cache.prefetch(match)
         if op is not None:
             taken = cache.finish_prefetch(op)
-        lease = cache.acquire(keys, _filler(cache, keys))
+        # (what the ranks agreed on: the host prefix and the prefetched pages)
+        lease = cache.acquire(keys, _filler(cache, keys), reuse_limit=match.host_pages + taken)
         try:
             if lease.progress is not None:
                 lease.progress.wait(cache.device.layer_num - 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -282,3 +283,125 @@ def test_bad_config_is_refused() -> None:
         TierConfig(write_policy="write_sometimes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         TierConfig(prefetch_host_fraction=0)
+
+
+def test_a_compute_that_fails_leaves_no_page_behind(store: Callable[..., MemoryBackend]) -> None:
+    host = make_host()
+    backend = store(host)
+    c = new_cache(backend, host, prefetch_threshold=0)
+    tokens = prompt(8 * PS, 30)
+    keys = c.keys_of(tokens)
+    good = filler(c, keys)
+
+    def fails_at_page_3(i: int, page: int) -> None:
+        if i == 3:
+            c.device.page_layer(page, 0)[0].fill_(1.0)  # half-written, then the model fails
+            raise RuntimeError("model failed")
+        good(i, page)
+
+    with pytest.raises(RuntimeError, match="model failed"):
+        c.acquire(keys, fails_at_page_3)
+    assert c.index.match(keys).host_pages == 0  # nothing looks filled
+    assert all(e.pins == 0 for e in c.index.entries.values())
+    assert c.device.free_pages == c.device.num_pages
+    assert c.flush(10) and backend.batch_exists(keys) == 0  # nothing bad reached storage
+    assert run(c, tokens)[2] == 0  # computed again, right
+    c.close()
+
+
+class LongResults:
+    """A duck-typed store (no HiCacheStorage subclass, so no result checks) whose reads
+    answer more bools than pages asked: the tier must use only its own batch's."""
+
+    def __init__(self, inner: MemoryBackend) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def batch_get_v1(self, keys: list[str], idx: Any, extra: Any = None) -> list[bool]:
+        return [*self.inner.batch_get_v1(keys, idx), True, True, True]
+
+
+def test_a_store_answering_too_many_results_cannot_plant_pages(
+    store: Callable[..., MemoryBackend],
+) -> None:
+    host_a, host_b = make_host(), make_host()
+    a = new_cache(store(host_a), host_a, prefetch_threshold=0)
+    tokens = prompt(6 * PS, 31)
+    run(a, tokens)
+    assert a.flush(10)
+    inner = store(host_b)
+    keys = a.keys_of(tokens)
+    inner.delete(keys[3])  # the second batch misses its first page
+    b = new_cache(LongResults(inner), host_b, prefetch_threshold=0, batch_pages=3,
+                  prefetch_policy="wait_complete")  # fmt: skip
+    op = b.prefetch(b.match_prefix(keys[:3] + keys[3:]))
+    assert op is None or b.finish_prefetch(op) <= 3
+    reused, _, bad = run(b, tokens, prefetch=False)
+    assert bad == 0 and reused <= 3
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_device_pages_balance_after_many_requests(
+    store: Callable[..., MemoryBackend], policy: str
+) -> None:
+    host = make_host(pages=48)
+    c = new_cache(store(host), host, device_pages=12, write_policy=policy, prefetch_threshold=0)
+    for s in range(30):
+        assert run(c, prompt((3 + s % 4) * PS, 40 + s % 7))[2] == 0
+    assert c.flush(10)
+    on_device = sum(e.device is not None for e in c.index.entries.values())
+    assert c.device.free_pages + on_device == 12
+    assert all(e.pins == 0 for e in c.index.entries.values())
+    c.close()
+
+
+def test_a_full_pool_makes_a_request_wait_not_fail(store: Callable[..., MemoryBackend]) -> None:
+    host = make_host(pages=64)
+    c = new_cache(store(host), host, device_pages=10, prefetch_threshold=0)
+    first = c.acquire(c.keys_of(prompt(6 * PS, 50)), lambda i, p: None)
+    errors: list[str] = []
+
+    def second() -> None:
+        keys = c.keys_of(prompt(6 * PS, 51))
+        try:
+            c.release(c.acquire(keys, filler(c, keys), timeout=10))
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(repr(exc))
+
+    t = threading.Thread(target=second)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # waiting for the first request's pages
+    c.release(first)
+    c.release(first)  # a second release does nothing
+    t.join(10)
+    assert errors == [] and not t.is_alive()
+    with pytest.raises(ConfigError, match="cannot fit"):
+        c.acquire(c.keys_of(prompt(11 * PS, 52)), lambda i, p: None)
+    c.close()
+
+
+def test_a_hung_store_bounds_the_request_and_close(store: Callable[..., MemoryBackend]) -> None:
+    host_a, host_b = make_host(), make_host()
+    a = new_cache(store(host_a), host_a, prefetch_threshold=0)
+    tokens = prompt(6 * PS, 60)
+    run(a, tokens)
+    assert a.flush(10)
+    slow = LatencyBackend(store(host_b), latency=1.5)
+    b = new_cache(slow, host_b, prefetch_threshold=0, exists_timeout=0.2, close_timeout=0.3,
+                  prefetch_policy="timeout", prefetch_timeout_base=0.2,
+                  prefetch_timeout_per_ki_token=0.0)  # fmt: skip
+    t0 = time.monotonic()
+    reused, _, bad = run(b, tokens)  # the existence query times out: a miss, computed
+    assert (reused, bad) == (0, 0)
+    assert time.monotonic() - t0 < 1.4
+    run(b, prompt(4 * PS, 61))  # a second request: its backup queues behind the first
+    t0 = time.monotonic()
+    b.close()  # the first backup is in flight on the slow store, the second still queued
+    assert time.monotonic() - t0 < 1.4 + 1.6
+    assert b.stats.backup_failed_tokens == 4 * PS  # the queued one, counted, not stored
+    a.close()
