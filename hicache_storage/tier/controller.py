@@ -25,11 +25,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from hicache_storage.errors import BackendError, ConfigError
+from hicache_storage.errors import BackendClosedError, BackendError, ConfigError
 from hicache_storage.keys import page_hashes
 from hicache_storage.tier.device import LayerProgress
 from hicache_storage.tier.index import PageEntry, PrefixIndex, PrefixMatch
@@ -67,6 +67,8 @@ class TierConfig:
         prefetch_host_fraction: prefetches are refused while the host pages they hold
             exceed this fraction of the host pool (rate limiting).
         acquire_timeout: seconds a request waits for device pages other requests hold.
+        prefetch_max_wait: the longest any prefetch policy waits (``wait_complete``
+            included: a store that hangs must not hang requests for good).
         exists_timeout: seconds an existence query may take (then it counts as no hit).
         close_timeout: seconds ``close()`` waits for queued backups (the rest count as
             failed).
@@ -85,9 +87,10 @@ class TierConfig:
     batch_pages: int = 128
     backup_retries: int = 2
     prefetch_host_fraction: float = 0.5
-    acquire_timeout: float = 30.0
+    acquire_timeout: float = 10.0
     exists_timeout: float = 5.0
     close_timeout: float = 10.0
+    prefetch_max_wait: float = 60.0
 
     def __post_init__(self) -> None:
         """Check the values (:class:`ConfigError`)."""
@@ -163,6 +166,7 @@ class PrefetchOp:
         self._cond = threading.Condition()
         self.short = False  # a batch ended short: later batches are not read
         self.settled = False
+        self.held: list[PageEntry] = []  # index entries kept for the request
         self.started = time.perf_counter()
         self.ended = self.started
 
@@ -251,6 +255,7 @@ class Lease:
     reused: int
     progress: LayerProgress | None = None
     on_device: int = 0  # of the reused pages, those already on the device
+    scratch: list[int] = field(default_factory=list)  # pages of its own, freed on release
     released: bool = False
 
 
@@ -282,6 +287,10 @@ class TieredCache:
         self._stats_lock = threading.Lock()
         self._lock = threading.RLock()
         self._io = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="hicache-prefetch")
+        # Existence queries on a thread of their own, one at a time: a query that hangs
+        # makes the next ones misses at once, and never holds up the prefetch threads.
+        self._exists_pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-exists")
+        self._exists_future: Any = None
         self._prefetch_pages = 0  # host pages held by running prefetches
         self._backups: queue.Queue[tuple[list[str], list[int]] | None] = queue.Queue()
         self._backup_pending = 0
@@ -328,8 +337,13 @@ class TieredCache:
         chunk = self.config.exists_chunk
         for at in range(0, len(keys), chunk):
             part = keys[at : at + chunk]
+            stuck = self._exists_future
+            if stuck is not None and not stuck.done():
+                self._count(storage_errors=1)  # the last query still hangs: a miss
+                break
             try:
-                future = self._io.submit(self.backend.batch_exists, part)
+                future = self._exists_pool.submit(self.backend.batch_exists, part)
+                self._exists_future = future
                 found = int(future.result(self.config.exists_timeout))
             except Exception:  # noqa: BLE001 - a store that fails or hangs is a miss
                 self._count(storage_errors=1)
@@ -411,15 +425,20 @@ class TieredCache:
         goes into the index as host pages; the rest is freed (a batch still running
         frees its pages when it ends). Returns the pages taken.
         """
-        policy = self.config.prefetch_policy
+        if op.settled:  # once per op: its pages belong to the index now
+            return 0
+        policy, cap = self.config.prefetch_policy, self.config.prefetch_max_wait
         if policy == "timeout":
             tokens = len(op.keys) * self.page_size
             op.wait(
-                self.config.prefetch_timeout_base
-                + self.config.prefetch_timeout_per_ki_token * tokens / 1024
+                min(
+                    cap,
+                    self.config.prefetch_timeout_base
+                    + self.config.prefetch_timeout_per_ki_token * tokens / 1024,
+                )
             )
         elif policy == "wait_complete":
-            op.wait()
+            op.wait(cap)  # (a store that hangs must not hang the request for good)
         done, free = op._settle()
         self._count(prefetch_seconds=op.ended - op.started)
         take = _agree(done)
@@ -439,6 +458,8 @@ class TieredCache:
                     self.index.set_host(entry, page)
                 else:
                     self._free_host([page])
+                entry.pins += 1  # held for the request (acquire lets them go)
+                op.held.append(entry)
             self._free_host([*op.host_pages[take:done], *free])
         self._count(prefetched_tokens=take * self.page_size)
         self._count(bytes_read=take * self.host.page_bytes)
@@ -452,20 +473,29 @@ class TieredCache:
         compute: Callable[[int, int], None],
         reuse_limit: int | None = None,
         timeout: float | None = None,
+        prefetched: PrefetchOp | None = None,
     ) -> Lease:
         """Put the prompt's pages on the device and pin them for the request.
 
         Pages held on the device are reused; pages held on the host are loaded (layer by
         layer); the rest of the prompt, from the first page held nowhere (or from
         ``reuse_limit``: what the ranks agreed to reuse), is computed: ``compute(i,
-        device_page)`` fills device page ``device_page`` with page ``i``'s KV. New pages
-        are then written back as the write policy says.
+        device_page)`` fills device page ``device_page`` with page ``i``'s KV. A page to
+        compute that another request is using is computed into a page of this request's
+        own (freed on release), never over the one being read. New pages are then
+        written back as the write policy says. ``prefetched``: the prefetch whose pages
+        were held for this request (:meth:`finish_prefetch`); they are let go here.
 
-        When the device pool is full of pages other requests hold, this waits for them
-        (up to ``timeout`` seconds, default ``TierConfig.acquire_timeout``). If ``compute``
-        or the load raises, every page it was filling is dropped (never left as if
-        filled), the pins are released, and the exception propagates.
+        Waits (up to ``timeout`` seconds, default ``TierConfig.acquire_timeout``) for
+        pages another request is filling and for device pages other requests hold;
+        :class:`BackendError` after that. If ``compute`` or the load raises, every page
+        it was filling is dropped (never left as if filled), the pins are released, and
+        the exception propagates.
         """
+        if self._closed:
+            raise BackendClosedError("the tiered cache is closed")
+        if reuse_limit is not None and reuse_limit < 0:
+            raise ConfigError(f"reuse_limit must be >= 0, got {reuse_limit}")
         if len(keys) > self.device.num_pages:
             raise ConfigError(
                 f"a prompt of {len(keys)} pages cannot fit a device pool of "
@@ -474,36 +504,60 @@ class TieredCache:
         wait = self.config.acquire_timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         with self._lock:
-            while True:
-                # Pages another request is filling are waited for, not taken half-filled.
-                self._ready.wait_for(lambda: self._all_ready(keys))
-                match = self.index.match(keys)
-                reuse = (
-                    match.host_pages if reuse_limit is None else min(match.host_pages, reuse_limit)
-                )
-                entries = [self.index.get(k) for k in keys]
-                need = sum(e.device is None for e in entries)
-                for e in entries:
-                    e.pins += 1
-                pages = self._device_pages(need)
-                if pages is not None:
-                    break
-                self._unpin(entries)  # others hold the pool: wait for a release
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._ready.wait(left):
-                    raise BackendError(
-                        f"the device pool stayed full for {wait} s (a prompt of {len(keys)} "
-                        "pages waits for pages other requests hold)"
-                    )
+            try:
+                while True:
+                    # Pages another request is filling are waited for, never taken
+                    # half-filled.
+                    if not self._ready.wait_for(
+                        lambda: self._all_ready(keys), max(0.0, deadline - time.monotonic())
+                    ):
+                        raise BackendError(f"pages of the prompt stayed busy for {wait} s")
+                    match = self.index.match(keys)
+                    reuse = match.host_pages
+                    if reuse_limit is not None:
+                        reuse = min(reuse, reuse_limit)
+                    entries = [self.index.get(k) for k in keys]
+                    # Past the reused prefix, a device page another request holds is not
+                    # computed over: this request computes into a page of its own.
+                    shared = {
+                        i for i in range(reuse, len(keys))
+                        if entries[i].device is not None and entries[i].pins > 0
+                    }  # fmt: skip
+                    need = sum(e.device is None for e in entries) + len(shared)
+                    for e in entries:
+                        e.pins += 1
+                    pages = self._device_pages(need)
+                    if pages is not None:
+                        break
+                    self._unpin(entries)  # others hold the pool: wait for a release
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._ready.wait(left):
+                        raise BackendError(
+                            f"the device pool stayed full for {wait} s (a prompt of "
+                            f"{len(keys)} pages waits for pages other requests hold)"
+                        )
+            finally:
+                if prefetched is not None:
+                    self._let_go(prefetched)
             it = iter(pages)
+            lease_pages: list[int] = []
+            scratch: list[int] = []
             loads: list[int] = []
-            computed: list[int] = []
+            computed: list[int] = []  # (into the entry's own page, marked not ready)
+            private: list[tuple[int, int]] = []  # (i, a page of this request's own)
             for i, e in enumerate(entries):
+                if i in shared:
+                    page = next(it)
+                    scratch.append(page)
+                    private.append((i, page))
+                    lease_pages.append(page)
+                    continue
                 if i >= reuse or e.device is None:
                     if e.device is None:
                         self.index.set_device(e, next(it))
                     (loads if i < reuse else computed).append(i)
                     e.ready = False
+                lease_pages.append(e.device)  # type: ignore[arg-type]
             for e in reversed(entries):  # the head most recent: eviction takes tails first
                 self.index.touch(e)
             for e in entries[:reuse]:
@@ -525,14 +579,18 @@ class TieredCache:
                 self._count(bytes_loaded=len(loads) * self.host.page_bytes)
             for i in computed:
                 compute(i, entries[i].device)  # type: ignore[arg-type]
+            for i, page in private:
+                compute(i, page)
         except BaseException:
             with self._lock:
                 for i in [*loads, *computed]:  # never left looking filled
-                    page, e = entries[i].device, entries[i]
+                    e = entries[i]
+                    own = e.device
                     self.index.set_device(e, None)
-                    if page is not None:
-                        self.device.free([page])
+                    if own is not None:
+                        self.device.free([own])
                     e.ready = True
+                self.device.free(scratch)
                 self._unpin(entries)
             raise
         with self._lock:
@@ -542,7 +600,20 @@ class TieredCache:
             for i in computed:
                 entries[i].hits = 1
             self._write_policy(entries)
-        return Lease(keys, [e.device for e in entries], reuse, progress, on_device)  # type: ignore[misc]
+        return Lease(keys, lease_pages, reuse, progress, on_device, scratch=scratch)
+
+    def release_prefetch(self, op: PrefetchOp) -> None:
+        """Let go of the pages :meth:`finish_prefetch` held for a request.
+
+        For a request that will not :meth:`acquire` them (``acquire(prefetched=op)``
+        does this itself).
+        """
+        with self._lock:
+            self._let_go(op)
+
+    def _let_go(self, op: PrefetchOp) -> None:
+        held, op.held = op.held, []
+        self._unpin(held)
 
     def _all_ready(self, keys: list[str]) -> bool:
         entries = self.index.entries
@@ -561,6 +632,7 @@ class TieredCache:
             if lease.released:
                 return
             lease.released = True
+            self.device.free(lease.scratch)
             self._unpin([self.index.get(k) for k in lease.keys])
 
     # ------------------------------------------------------------------ write policy, backup
@@ -593,6 +665,9 @@ class TieredCache:
             e for e in entries if not e.stored and e.host is not None and e.key not in self._queued
         ]
         if not todo:
+            return
+        if self._closed:  # no backup thread any more
+            self._backup_failed([e.key for e in todo])
             return
         for e in todo:
             e.host_pins += 1  # the host page stays until the backup ran
@@ -713,14 +788,16 @@ class TieredCache:
 
     def _device_pages(self, n: int) -> list[int] | None:
         """``n`` device pages, evicting least-recently-used ones (lock held)."""
-        while True:
+        got = self.device.alloc(n)
+        if got is not None:
+            return got
+        victims = self.index.victims("device")
+        if self.device.free_pages + len(victims) < n:
+            return None  # not enough even after evicting: evict nothing
+        while got is None:
+            self._evict_device(victims.pop(0))
             got = self.device.alloc(n)
-            if got is not None:
-                return got
-            victims = self.index.victims("device")
-            if not victims:
-                return None
-            self._evict_device(victims[0])
+        return got
 
     def _evict_device(self, e: PageEntry) -> None:
         if e.host is None and self.config.write_policy == "write_back":
@@ -766,3 +843,4 @@ class TieredCache:
         self._backups.put(None)
         self._backup_thread.join(self.config.close_timeout)
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._exists_pool.shutdown(wait=False, cancel_futures=True)

@@ -202,7 +202,9 @@ def replay(
         if op is not None:
             taken = cache.finish_prefetch(op)
         # (what the ranks agreed on: the host prefix and the prefetched pages)
-        lease = cache.acquire(keys, _filler(cache, keys), reuse_limit=match.host_pages + taken)
+        lease = cache.acquire(
+            keys, _filler(cache, keys), reuse_limit=match.host_pages + taken, prefetched=op
+        )
         try:
             if lease.progress is not None:
                 lease.progress.wait(cache.device.layer_num - 1)

@@ -89,11 +89,10 @@ def run(cache: TieredCache, tokens: list[int], prefetch: bool = True) -> tuple[i
     check, release. Returns (reused pages, device-ready pages, wrong pages)."""
     keys = cache.keys_of(tokens)
     match = cache.match_prefix(keys)
-    if prefetch:
-        op = cache.prefetch(match)
-        if op is not None:
-            cache.finish_prefetch(op)
-    lease = cache.acquire(keys, filler(cache, keys))
+    op = cache.prefetch(match) if prefetch else None
+    if op is not None:
+        cache.finish_prefetch(op)
+    lease = cache.acquire(keys, filler(cache, keys), prefetched=op)
     if lease.progress is not None:
         assert lease.progress.wait(cache.device.layer_num - 1, timeout=10)
     bad = check_device(cache, keys, lease.device_pages)
@@ -182,7 +181,11 @@ def test_prefetch_threshold_and_rate_limit(store: Callable[..., MemoryBackend]) 
     assert c.prefetch(m) is None  # no room left while the first runs
     assert c.stats.prefetch_dropped == 1
     assert c.finish_prefetch(op) == 4
+    assert c.finish_prefetch(op) == 0  # once per op
     assert c.index.match(m.keys).host_pages == 4
+    assert all(c.index.entries[k].pins == 1 for k in m.keys[:4])  # held for the request
+    c.release_prefetch(op)
+    assert all(c.index.entries[k].pins == 0 for k in m.keys[:4])
     for x in (a, b, c):
         x.close()
 
@@ -204,6 +207,7 @@ def test_terminating_a_prefetch_keeps_the_pages_that_arrived(
     op = b.prefetch(m)
     assert op is not None
     taken = b.finish_prefetch(op)
+    b.release_prefetch(op)
     assert 0 < taken < 12 and taken % 3 == 0
     assert b.stats.prefetch_terminated == 1
     assert b.index.match(keys).host_pages == taken
@@ -338,6 +342,8 @@ def test_a_store_answering_too_many_results_cannot_plant_pages(
                   prefetch_policy="wait_complete")  # fmt: skip
     op = b.prefetch(b.match_prefix(keys[:3] + keys[3:]))
     assert op is None or b.finish_prefetch(op) <= 3
+    if op is not None:
+        b.release_prefetch(op)
     reused, _, bad = run(b, tokens, prefetch=False)
     assert bad == 0 and reused <= 3
     a.close()
@@ -405,3 +411,72 @@ def test_a_hung_store_bounds_the_request_and_close(store: Callable[..., MemoryBa
     assert time.monotonic() - t0 < 1.4 + 1.6
     assert b.stats.backup_failed_tokens == 4 * PS  # the queued one, counted, not stored
     a.close()
+
+
+def test_pages_another_request_reads_are_never_computed_over(
+    store: Callable[..., MemoryBackend],
+) -> None:
+    """A request that recomputes past an agreed reuse limit gets pages of its own for the
+    pages another live request holds; its failure cannot free or change those."""
+    host = make_host()
+    c = new_cache(store(host), host, prefetch_threshold=0)
+    keys = c.keys_of(prompt(8 * PS, 70))
+    b = c.acquire(keys, filler(c, keys))
+    calls: list[int] = []
+
+    def fails_late(i: int, page: int) -> None:
+        calls.append(page)
+        if len(calls) == 4:
+            raise RuntimeError("model failed")
+        filler(c, keys)(i, page)
+
+    with pytest.raises(RuntimeError):
+        c.acquire(keys, fails_late, reuse_limit=2)
+    assert not set(calls) & set(b.device_pages)  # computed into pages of its own
+    assert check_device(c, keys, b.device_pages) == 0  # b's pages untouched
+    d = c.acquire(keys, filler(c, keys), reuse_limit=2)
+    assert d.device_pages[:2] == b.device_pages[:2]
+    assert not set(d.device_pages[2:]) & set(b.device_pages)
+    assert check_device(c, keys, d.device_pages) == 0
+    c.release(d)
+    c.release(b)
+    assert c.device.free_pages + sum(e.device is not None for e in c.index.entries.values()) == 16
+    c.close()
+    with pytest.raises(Exception, match="closed"):
+        c.acquire(keys, filler(c, keys))
+
+
+def test_waiting_for_a_page_being_filled_is_bounded(store: Callable[..., MemoryBackend]) -> None:
+    host = make_host()
+    c = new_cache(store(host), host, prefetch_threshold=0)
+    keys = c.keys_of(prompt(2 * PS, 71))
+    started, stop = threading.Event(), threading.Event()
+
+    def slow(i: int, page: int) -> None:
+        started.set()
+        stop.wait(10)
+
+    t = threading.Thread(target=lambda: c.release(c.acquire(keys, slow)))
+    t.start()
+    assert started.wait(5)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="busy"):
+        c.acquire(keys, filler(c, keys), timeout=0.3)
+    assert time.monotonic() - t0 < 2
+    stop.set()
+    t.join(10)
+    c.close()
+
+
+def test_a_hung_existence_query_does_not_stall_the_next(
+    store: Callable[..., MemoryBackend],
+) -> None:
+    host = make_host()
+    slow = LatencyBackend(store(host), latency=1.0)
+    c = new_cache(slow, host, exists_timeout=0.1, prefetch_threshold=0)
+    keys = c.keys_of(prompt(4 * PS, 72))
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert c.match_prefix(keys).logical_pages == 0
+    assert time.monotonic() - t0 < 1.0  # one timeout, then misses at once while it hangs
+    c.close()

@@ -51,6 +51,8 @@ def _rank(rank: int, port: int, root: str, stored: int, q: Any) -> None:
             match = cache.match_prefix(keys)
             op = cache.prefetch(match)
             taken = cache.finish_prefetch(op) if op is not None else None
+            if op is not None:
+                cache.release_prefetch(op)
             out.append((match.logical_pages, op is None, taken))
             cache.index.entries.clear()  # forget, so the next round asks storage again
             if op is not None:
@@ -88,7 +90,9 @@ def _rank_reuse(rank: int, port: int, root: str, stored: int, q: Any) -> None:
         match = cache.match_prefix(keys)
         op = cache.prefetch(match)
         taken = cache.finish_prefetch(op) if op is not None else 0
-        lease = cache.acquire(keys, lambda i, page: None, reuse_limit=match.host_pages + taken)
+        lease = cache.acquire(
+            keys, lambda i, page: None, reuse_limit=match.host_pages + taken, prefetched=op
+        )
         q.put((rank, (match.host_pages, taken, lease.reused)))
         cache.release(lease)
         cache.close()
