@@ -166,6 +166,7 @@ class PrefetchOp:
         self._cond = threading.Condition()
         self.short = False  # a batch ended short: later batches are not read
         self.settled = False
+        self._freeing = 0  # settled batches still freeing their pages
         self.held: list[PageEntry] = []  # index entries kept for the request
         self.started = time.perf_counter()
         self.ended = self.started
@@ -192,8 +193,20 @@ class PrefetchOp:
             self.short = self.short or not all(ok)
             self.state[b] = self.DONE
             self.ended = time.perf_counter()
+            if self.settled:
+                self._freeing += 1  # wait() waits for the pages to be freed too
             self._cond.notify_all()
             return self.settled
+
+    def _freed(self) -> None:
+        """A settled batch freed its pages."""
+        with self._cond:
+            self._freeing -= 1
+            self._cond.notify_all()
+
+    def _over(self) -> bool:
+        done = (self.DONE, self.CANCELLED)
+        return all(st in done for st in self.state) and self._freeing == 0
 
     @property
     def done_pages(self) -> int:
@@ -206,9 +219,9 @@ class PrefetchOp:
 
     @property
     def finished(self) -> bool:
-        """Every batch ran or was cancelled."""
+        """Every batch ran or was cancelled (and freed what it had to)."""
         with self._cond:
-            return all(st in (self.DONE, self.CANCELLED) for st in self.state)
+            return self._over()
 
     def terminate(self) -> None:
         """Start no more batches; the running ones finish."""
@@ -217,9 +230,7 @@ class PrefetchOp:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every batch ran or was cancelled; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(
-                lambda: all(st in (self.DONE, self.CANCELLED) for st in self.state), timeout
-            )
+            return self._cond.wait_for(self._over, timeout)
 
     def _settle(self) -> tuple[int, list[int]]:
         """Stop the op: (pages of the leading run, host pages to free now).
@@ -416,6 +427,7 @@ class TieredCache:
                 with self._lock:
                     self._prefetch_pages -= hi - lo
                     self._free_host(op.host_pages[lo:hi])
+                op._freed()
 
     def finish_prefetch(self, op: PrefetchOp) -> int:
         """Wait for ``op`` as the prefetch policy says; keep its leading run.
