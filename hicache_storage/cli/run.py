@@ -222,8 +222,9 @@ def _print(r: dict[str, Any]) -> None:
                                    f"{r['bytes_written_to_storage'] / gb:.3f} GB")),
         ("host->device / device->host", (f"{r['bytes_loaded_to_device'] / gb:.3f} / "
                                         f"{r['bytes_offloaded_to_host'] / gb:.3f} GB")),
-        ("prefetch done / cut / dropped", (f"{r['prefetch_completed']} / "
-                                          f"{r['prefetch_terminated']} / {r['prefetch_dropped']}")),
+        ("prefetch done / cut / short / dropped", (
+            f"{r['prefetch_completed']} / {r['prefetch_terminated']} / "
+            f"{r['prefetch_short']} / {r['prefetch_dropped']}")),
         ("backup failed tokens", f"{r['backup_failed_tokens']} (retries {r['backup_retries']})"),
         ("prefetch / backend get", (f"{r['prefetch_gbps']:.2f} / {r['backend_get_gbps']:.2f} GB/s "
                                     f"({r['prefetch_vs_backend_get']:.2f}x)")),

@@ -276,6 +276,7 @@ def summary(result: RunResult, cache: TieredCache) -> dict[str, Any]:
         "prefetch_gbps": s.prefetch_bytes / s.prefetch_seconds / 1e9 if s.prefetch_seconds else 0.0,
         "prefetch_completed": s.prefetch_completed,
         "prefetch_terminated": s.prefetch_terminated,
+        "prefetch_short": s.prefetch_short,
         "prefetch_dropped": s.prefetch_dropped,
         "backup_tokens": s.backup_tokens,
         "backup_failed_tokens": s.backup_failed_tokens,
