@@ -699,13 +699,17 @@ class TieredCache:
                 logger.exception("backup failed")
             finally:
                 with self._lock:
-                    for key in keys:
-                        self._queued.discard(key)
-                        entry = self.index.entries.get(key)
-                        if entry is not None:
-                            entry.host_pins -= 1
-                    self._backup_pending -= 1
-                    self._backup_idle.notify_all()
+                    self._backup_done(keys)
+
+    def _backup_done(self, keys: list[str]) -> None:
+        """A queued backup is over (run or dropped): its host pages may go (lock held)."""
+        for key in keys:
+            self._queued.discard(key)
+            entry = self.index.entries.get(key)
+            if entry is not None:
+                entry.host_pins -= 1
+        self._backup_pending -= 1
+        self._backup_idle.notify_all()
 
     def _backup_batches(self, keys: list[str], pages: list[int]) -> None:
         step = self.config.batch_pages
@@ -841,12 +845,7 @@ class TieredCache:
             with self._lock:
                 for keys, _pages in dropped:
                     self._backup_failed(keys)
-                    for key in keys:
-                        self._queued.discard(key)
-                        entry = self.index.entries.get(key)
-                        if entry is not None:
-                            entry.host_pins -= 1
-                    self._backup_pending -= 1
+                    self._backup_done(keys)
             logger.warning(
                 "close: backups did not finish in %s s; %d batches counted as failed",
                 self.config.close_timeout,
