@@ -13,7 +13,7 @@ import pytest
 # tests/backends/test_mooncake.py runs inside a private network namespace (the Mooncake
 # client binds wildcard addresses): scripts/test.sh runs it there, alone; named on the
 # command line elsewhere, it fails at import and says how to run it.
-collect_ignore = ["integrations", "backends/test_mooncake.py"]
+collect_ignore = ["integrations", "vllm", "backends/test_mooncake.py"]
 
 
 @pytest.fixture

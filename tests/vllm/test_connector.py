@@ -1,0 +1,245 @@
+"""HiCacheKVConnector in a real vLLM engine: hits, outputs, other processes, faults.
+
+vLLM's own prefix caching is off in every engine here, so a cached token can only come
+from the connector, and every output is compared with the output of an engine without
+the connector (greedy sampling, same seed): a loaded block that held other bytes would
+change it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm_faults
+from vllm_engine import BLOCK, engine, generate, totals
+
+WORKERS = Path(__file__).parents[1] / "workers"
+
+# Prompts (token ids; blocks of 32). A: 70 tokens, 2 full blocks and 6 more. B: A's
+# first block, then other tokens. C: exactly 2 blocks (a hit may cover only the first:
+# vLLM must compute the last token). D, E, F: unrelated 70-token prompts.
+A = list(range(10, 80))
+B = A[:BLOCK] + list(range(200, 238))
+C = list(range(300, 364))
+D = list(range(400, 470))
+E = list(range(500, 570))
+F = list(range(600, 670))
+G = list(range(700, 770))
+PROMPTS = {"A": A, "B": B, "C": C, "D": D, "E": E, "F": F, "G": G}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model: Path) -> dict[str, list[int]]:
+    """Each prompt's greedy output from an engine without the connector."""
+    with engine(tiny_model, None) as llm:
+        outs = generate(llm, list(PROMPTS.values()))
+    return {name: o["tokens"] for name, o in zip(PROMPTS, outs, strict=True)}
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def test_second_prompt_is_served_from_the_store(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    root = tmp_path / "kv"
+    with engine(tiny_model, "file", {"root": str(root)}) as llm:
+        first = generate(llm, [A])[0]
+        assert first["cached"] == 0 and first["tokens"] == expected["A"]
+        t = totals(llm)
+        assert t["save_blocks"] == 2 and t["save_failed_blocks"] == 0  # A's 2 full blocks
+        assert len(_files(root)) == 2
+
+        again = generate(llm, [A])[0]
+        assert again["cached"] == 2 * BLOCK  # the block-aligned prefix, from the store
+        assert again["tokens"] == expected["A"]
+        t = totals(llm)
+        assert t["load_blocks"] == 2 and t["load_failed_blocks"] == 0
+        assert t["save_blocks"] == 2  # nothing stored twice
+
+        # Only the first block is shared: only it is loaded; B's own block is stored.
+        b = generate(llm, [B])[0]
+        assert b["cached"] == BLOCK and b["tokens"] == expected["B"]
+        assert totals(llm)["load_blocks"] == 3 and totals(llm)["save_blocks"] == 3
+
+        # A prompt of exactly two blocks: both are stored, but a hit never covers the
+        # last prompt token, so only the first block is loaded.
+        c1, c2 = generate(llm, [C]), generate(llm, [C])
+        assert c1[0]["cached"] == 0 and c2[0]["cached"] == BLOCK
+        assert c1[0]["tokens"] == c2[0]["tokens"] == expected["C"]
+        assert totals(llm)["save_blocks"] == 5
+
+        # Several requests in one step: hits and misses side by side.
+        outs = generate(llm, [A, D, B])
+        assert [o["cached"] for o in outs] == [2 * BLOCK, 0, 2 * BLOCK]
+        assert [o["tokens"] for o in outs] == [expected["A"], expected["D"], expected["B"]]
+        assert totals(llm)["hook_errors"] == 0
+
+
+def _options(
+    name: str, tmp_path: Path, redis_url: str | None = None, s3: dict[str, Any] | None = None,
+    mooncake: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    if name == "redis":
+        return {"url": redis_url, "prefix": f"vllm-{tmp_path.name}:"}
+    if name == "s3":
+        return {**(s3 or {}), "prefix": f"vllm-{tmp_path.name}"}
+    if name == "mooncake":
+        return {"master_server_address": mooncake, "global_segment_size": 0,
+                "local_buffer_size": "32MiB", "prefix": f"vllm-{tmp_path.name}/"}  # fmt: skip
+    local: dict[str, dict[str, Any]] = {
+        "file": {"root": str(tmp_path / "file")},
+        "shm": {"directory": str(tmp_path / "shm")},
+        "mmap": {"path": str(tmp_path / "arena"), "capacity": "32MiB", "prefault": False},
+        "memory": {"store": f"vllm-{tmp_path.name}"},
+    }
+    return local[name]
+
+
+@pytest.mark.parametrize("name", ["shm", "mmap", "memory", "redis", "s3", "mooncake"])
+def test_every_backend_serves_vllm(
+    name: str, tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]],
+    request: pytest.FixtureRequest,
+) -> None:  # fmt: skip
+    services = {
+        "redis_url": request.getfixturevalue("redis_url") if name == "redis" else None,
+        "s3": request.getfixturevalue("s3_options") if name == "s3" else None,
+        "mooncake": request.getfixturevalue("mooncake_master") if name == "mooncake" else None,
+    }
+    with engine(tiny_model, name, _options(name, tmp_path, **services)) as llm:
+        outs = [generate(llm, [E])[0], generate(llm, [E])[0]]
+        t = totals(llm)
+    assert [o["cached"] for o in outs] == [0, 2 * BLOCK]
+    assert outs[0]["tokens"] == outs[1]["tokens"] == expected["E"]
+    assert t["save_blocks"] == 2 and t["load_blocks"] == 2 and t["hook_errors"] == 0
+
+
+def test_a_new_engine_process_hits_what_another_stored(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]], redis_url: str
+) -> None:
+    backends = ["file", "shm", "mmap", "redis"]
+    runs = []
+    for name in backends:
+        options = _options(name, tmp_path, redis_url=redis_url)
+        with engine(tiny_model, name, options) as llm:
+            assert generate(llm, [F])[0]["cached"] == 0
+        runs.append({"backend": name, "options": options, "prompts": [F, G]})
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": str(tiny_model), "runs": runs}))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(WORKERS), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "vllm_engine.py"), str(plan)],
+        check=False, capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    results = json.loads(lines[-1].removeprefix("RESULT "))
+    for name, (f, g) in zip(backends, results, strict=True):
+        assert f["cached"] == 2 * BLOCK, name  # stored by the other process
+        assert f["tokens"] == expected["F"], name
+        assert g["cached"] == 0 and g["tokens"] == expected["G"], name
+
+
+def test_damaged_or_lost_objects_never_change_the_output(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    root = tmp_path / "kv"
+    with engine(tiny_model, "file", {"root": str(root)}) as llm:
+        assert generate(llm, [D])[0]["tokens"] == expected["D"]
+        objects = _files(root)
+        assert len(objects) == 2
+        # Flip bytes in the middle of each stored block (the KV, not the header).
+        for path in objects:
+            data = bytearray(path.read_bytes())
+            for i in range(100, len(data) // 2, 97):
+                data[i] ^= 0x5A
+            path.write_bytes(bytes(data))
+        out = generate(llm, [D])[0]
+        assert out["tokens"] == expected["D"] and out["finish"] == "length"
+        t = totals(llm)
+        assert t["load_failed_blocks"] == 2 and t["load_blocks"] == 0
+
+        # The damaged objects were dropped: the next request misses, then stores again.
+        out = generate(llm, [D])[0]
+        assert out["cached"] == 0 and out["tokens"] == expected["D"]
+        assert len(_files(root)) == 2
+        # A truncated object, then a deleted one: a failed load, then a miss.
+        first, _ = _files(root)
+        first.write_bytes(first.read_bytes()[:1000])
+        out = generate(llm, [D])[0]
+        assert out["tokens"] == expected["D"]
+        assert totals(llm)["load_failed_blocks"] == 3
+        for path in _files(root):
+            path.unlink()
+        out = generate(llm, [D])[0]
+        assert out["cached"] == 0 and out["tokens"] == expected["D"]
+        assert totals(llm)["hook_errors"] == 0
+
+
+def test_a_failing_backend_never_fails_a_request(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    sys.path.insert(0, str(WORKERS))
+    options = {"root": str(tmp_path / "kv")}
+    try:
+        with engine(tiny_model, "vllm_faults:FlakyFile", options) as llm:
+            runs: list[tuple[str, str]] = [
+                ("ok", "ABE"),  # stores A, B, E
+                ("torn", "ABE"),  # one block of each fails to load, torn: recomputed
+                ("lie", "AF"),  # F was never stored: both of its blocks fail to load
+                ("raise", "ABE"),  # lookups miss, stores fail
+                ("nosave", "G"),  # G is not stored
+                ("ok", "AG"),  # A still hits; G misses
+            ]
+            for mode, names in runs:
+                vllm_faults.MODE[0] = mode
+                outs = generate(llm, [PROMPTS[n] for n in names])
+                assert [o["tokens"] for o in outs] == [expected[n] for n in names], mode
+                assert all(o["finish"] == "length" for o in outs), mode
+            t = totals(llm)
+    finally:
+        vllm_faults.MODE[0] = "ok"
+    assert [o["cached"] for o in outs] == [2 * BLOCK, 0]
+    assert t["load_failed_blocks"] == 3 + 2
+    assert t["save_failed_blocks"] == 6 + 2  # A, B and E's blocks while raising; G's
+    assert t["hook_errors"] == 0  # every fault came back as a failure result
+
+
+def test_fail_policy_is_left_to_vllm(tiny_model: Path, tmp_path: Path) -> None:
+    """With vLLM's default policy ("fail"), a block that fails to load fails its request."""
+    sys.path.insert(0, str(WORKERS))
+    options = {"root": str(tmp_path / "kv")}
+    try:
+        with engine(tiny_model, "vllm_faults:FlakyFile", options, policy="fail") as llm:
+            assert generate(llm, [A])[0]["finish"] == "length"
+            vllm_faults.MODE[0] = "torn"
+            failed = generate(llm, [A])[0]
+    finally:
+        vllm_faults.MODE[0] = "ok"
+    assert failed["finish"] == "error"
+
+
+def test_namespaces_keep_deployments_apart(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    root = str(tmp_path / "kv")
+    with engine(tiny_model, "file", {"root": root}) as llm:
+        generate(llm, [A])
+    with engine(tiny_model, "file", {"root": root, "tenant": "other"}) as llm:
+        out = generate(llm, [A])[0]
+    assert out["cached"] == 0 and out["tokens"] == expected["A"]
+    with engine(tiny_model, "file", {"root": root}, block_size=64) as llm:
+        out = generate(llm, [A])[0]
+    assert out["cached"] == 0 and out["tokens"] == expected["A"]
+    with engine(tiny_model, "file", {"root": root}) as llm:  # the first deployment still hits
+        assert generate(llm, [A])[0]["cached"] == 2 * BLOCK

@@ -1,0 +1,150 @@
+"""A real vLLM engine on a tiny model, for the connector's tests and benchmark.
+
+The model is a random 2-layer Llama built here (offline, about 5 s, under 1 MB): head
+size 32 (the smallest the CPU attention backend takes), vocabulary ``w0..w995``. The
+engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a 64 MiB KV
+cache, greedy sampling, and vLLM's own prefix caching off, so a cached token can only
+come from the connector.
+
+Run as a script, it is the "new engine process" of the cross-process tests: it reads a
+JSON plan (``{"model": dir, "runs": [{"backend": name, "options": {...}, "prompts":
+[[ids...]]}]}``) from argv[1], generates every run's prompts on an engine of its own,
+and prints one JSON line: per run, each prompt's ``cached`` tokens and output ``tokens``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the engine's kv_cache_memory_bytes rules
+
+BLOCK = 32  # tokens per block (the CPU attention backend needs a multiple of 32)
+MAX_TOKENS = 8  # generated per prompt
+CONNECTOR_MODULE = "hicache_storage.integrations.vllm"
+
+
+def build_tiny_model(out: Path) -> Path:
+    """Write the tiny Llama and its tokenizer to ``out`` (deterministic weights)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+    vocab.update({f"w{i}": i + 4 for i in range(996)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>",
+    ).save_pretrained(str(out))  # fmt: skip
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
+    return out
+
+
+def kv_transfer_config(
+    backend: str | None, options: dict[str, Any] | None = None, policy: str = "recompute"
+) -> dict[str, Any] | None:
+    """The ``kv_transfer_config`` that runs ``backend`` with ``options`` (None: no connector)."""
+    if backend is None:
+        return None
+    return {
+        "kv_connector": "HiCacheKVConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"backend_name": backend, **(options or {})},
+    }
+
+
+@contextlib.contextmanager
+def engine(
+    model: Path,
+    backend: str | None,
+    options: dict[str, Any] | None = None,
+    policy: str = "recompute",
+    block_size: int = BLOCK,
+) -> Iterator[Any]:
+    """A vLLM ``LLM`` on the tiny model with the connector on ``backend``; shut down after."""
+    from vllm import LLM
+
+    from hicache_storage.integrations import vllm as hv
+
+    before = set(map(id, hv.LIVE))
+    llm = LLM(
+        model=str(model), dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+        enforce_eager=True, block_size=block_size, seed=0, enable_prefix_caching=False,
+        kv_cache_memory_bytes=64 << 20, kv_transfer_config=kv_transfer_config(
+            backend, options, policy),
+    )  # fmt: skip
+    # This engine's connectors (a scheduler's and a worker's), for connectors()/totals().
+    llm.hicache_connectors = {c.role.name: c for c in hv.LIVE if id(c) not in before}
+    try:
+        yield llm
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def generate(llm: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """Greedy outputs of ``prompts``: per prompt ``cached`` tokens, ``tokens``, ``finish``."""
+    from vllm import SamplingParams
+
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        use_tqdm=False,
+    )
+    return [
+        {
+            "cached": int(o.num_cached_tokens or 0),
+            "tokens": list(o.outputs[0].token_ids),
+            "finish": o.outputs[0].finish_reason,
+        }
+        for o in outs
+    ]
+
+
+def totals(llm: Any) -> dict[str, float]:
+    """The counters of ``llm``'s connectors, scheduler's and worker's together."""
+    out: dict[str, float] = {}
+    for c in llm.hicache_connectors.values():
+        for k, v in c.totals.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def main(plan_path: str) -> None:
+    plan = json.loads(Path(plan_path).read_text())
+    sys.path[:0] = plan.get("sys_path", [])
+    results = []
+    for run in plan["runs"]:
+        with engine(Path(plan["model"]), run["backend"], run.get("options")) as llm:
+            results.append(generate(llm, run["prompts"]))
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

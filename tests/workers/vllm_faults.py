@@ -1,0 +1,57 @@
+"""A fault-injecting ``file`` backend, for the vLLM connector's fault tests.
+
+``FlakyFile`` is the real ``file`` backend with a process-wide fault switch
+(:data:`MODE`, changed by the test between requests of one engine):
+
+* ``"ok"``: no fault;
+* ``"torn"``: every other page read reports failure after filling its buffer with
+  garbage (a read torn halfway), so a connector that used a failed block would change
+  the output;
+* ``"lie"``: ``batch_exists`` says every key is stored (a stale index), so every load
+  of a page that is not there fails;
+* ``"raise"``: every call raises (the SDK's guard turns that into failure results);
+* ``"nosave"``: stores fail.
+
+Loaded by the connector as ``backend_name="vllm_faults:FlakyFile"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hicache_storage.backends._file import FileBackend
+from hicache_storage.buffers import PageBuffer
+
+#: The fault in force (see the module docs).
+MODE = ["ok"]
+
+
+class FlakyFile(FileBackend):
+    """``file`` with the fault of :data:`MODE`."""
+
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        if MODE[0] == "raise":
+            raise RuntimeError("injected read fault")
+        out = super().batch_get_pages(keys, pages)
+        if MODE[0] == "torn":
+            for i, page in enumerate(pages):
+                if i % 2 == 0:
+                    for view in page.views:
+                        view[:] = b"\xff" * len(view)
+                    out[i] = False
+        return out
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        if MODE[0] == "raise":
+            raise RuntimeError("injected lookup fault")
+        if MODE[0] == "lie":
+            return len(keys)
+        return super().batch_exists(keys, extra_info)
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        if MODE[0] == "raise":
+            raise RuntimeError("injected write fault")
+        if MODE[0] == "nosave":
+            return [False] * len(keys)
+        return super().batch_set_pages(keys, pages)
