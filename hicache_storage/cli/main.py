@@ -379,38 +379,59 @@ def _dtype(text: str) -> str:
 SGLANG_ADAPTER = ("hicache_storage.integrations.sglang", "SGLangStorage")
 
 
-def sglang_flags(backend: str, options: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """SGLang's command-line flags for ``backend`` with ``options``, and the secret options.
+def _engine_options(
+    backend: str,
+    options: dict[str, Any],
+    adapter_keys: frozenset[str],
+    reserved: set[str],
+    cmd: str,
+) -> tuple[str, list[str]]:
+    """Check ``options`` for ``backend``; return its name and the secret options.
 
     The options are checked against the backend's options class (a typo fails here, not
-    in SGLang's worker). Secret options are left out of the flags: SGLang would print the
-    extra config in its logs and ``/server_info``. The backend reads each of them from its
-    environment variable (``HICACHE_STORAGE_<BACKEND>_<OPTION>``) instead.
+    in the engine's worker). A secret option (by name, or a value that carries a secret,
+    such as a URL with a password) must stay out of an engine's configuration, which the
+    engine logs: the backend reads it from its environment variable instead.
     """
     from hicache_storage.config import CONTROLLER_KEYS, parse_options
-    from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
     from hicache_storage.registry import load_backend_class
 
-    reserved = sorted({"backend_name", "module_path", "class_name"} & set(options))
-    if reserved:
-        raise ConfigError(f"{reserved} are set by sglang-args itself, not options")
+    clash = sorted(reserved & set(options))
+    if clash:
+        raise ConfigError(f"{clash} are set by {cmd} itself, not options")
     cls = load_backend_class(backend)
     name = getattr(cls, "name", "") or backend
     options_class = getattr(cls, "options_class", None)
-    own = {
-        k: v
-        for k, v in options.items()
-        if k not in CONTROLLER_KEYS and k not in SGLANG_ADAPTER_KEYS
-    }
+    own = {k: v for k, v in options.items() if k not in CONTROLLER_KEYS and k not in adapter_keys}
     if options_class is not None:
         parse_options(options_class, name, own)  # unknown or bad options: ConfigError
-    # Secret by name, or a value that carries a secret (a URL with a password).
     secrets = sorted(
         k
         for k in own
         if is_secret_option(k, options_class)
         or (isinstance(own[k], str) and redact_text(own[k]) != own[k])
     )
+    return name, secrets
+
+
+def _env_vars(name: str, secrets: list[str]) -> list[str]:
+    prefix = f"HICACHE_STORAGE_{name.upper().replace('-', '_')}_"
+    return [prefix + k.upper() for k in secrets]
+
+
+def sglang_flags(backend: str, options: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """SGLang's command-line flags for ``backend`` with ``options``, and the secret options.
+
+    Secret options are left out of the flags (SGLang prints the extra config in its logs
+    and ``/server_info``); they are returned as the environment variables
+    (``HICACHE_STORAGE_<BACKEND>_<OPTION>``) the backend reads them from.
+    """
+    from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
+
+    name, secrets = _engine_options(
+        backend, options, SGLANG_ADAPTER_KEYS,
+        {"backend_name", "module_path", "class_name"}, "sglang-args",
+    )  # fmt: skip
     extra = {
         "backend_name": backend,
         "module_path": SGLANG_ADAPTER[0],
@@ -425,8 +446,51 @@ def sglang_flags(backend: str, options: dict[str, Any]) -> tuple[list[str], list
         "--hicache-storage-backend-extra-config",
         json.dumps(extra, separators=(",", ":"), sort_keys=True),
     ]
-    env_prefix = f"HICACHE_STORAGE_{name.upper().replace('-', '_')}_"
-    return flags, [env_prefix + k.upper() for k in secrets]
+    return flags, _env_vars(name, secrets)
+
+
+#: Where vLLM finds the connector (``kv_connector_module_path``, ``kv_connector``).
+VLLM_CONNECTOR = ("hicache_storage.integrations.vllm", "HiCacheKVConnector")
+
+
+def vllm_kv_transfer_config(
+    backend: str, options: dict[str, Any], role: str = "kv_both", policy: str = "recompute"
+) -> tuple[dict[str, Any], list[str]]:
+    """The vLLM ``kv_transfer_config`` for ``backend`` with ``options``, and the secret options.
+
+    ``policy`` is vLLM's ``kv_load_failure_policy``: ``recompute`` (the default here)
+    recomputes a block the store fails to deliver; vLLM's own default, ``fail``, fails
+    the request. Secret options are left out (vLLM logs its configuration) and returned
+    as the environment variables the backend reads them from.
+    """
+    from hicache_storage.integrations import VLLM_ADAPTER_KEYS
+
+    name, secrets = _engine_options(
+        backend, options, VLLM_ADAPTER_KEYS, {"backend_name"}, "vllm-args"
+    )
+    config = {
+        "kv_connector": VLLM_CONNECTOR[1],
+        "kv_connector_module_path": VLLM_CONNECTOR[0],
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {
+            "backend_name": backend,
+            **{k: v for k, v in options.items() if k not in secrets},
+        },
+    }
+    return config, _env_vars(name, secrets)
+
+
+def _cmd_vllm_args(args: argparse.Namespace) -> int:
+    import shlex
+
+    options = _load_options(args)
+    config, env_vars = vllm_kv_transfer_config(args.backend, options, args.role, args.policy)
+    text = json.dumps(config, separators=(",", ":"), sort_keys=True)
+    print(text if args.json else "--kv-transfer-config " + shlex.quote(text))
+    for var in env_vars:
+        print(f"# set {var} in vLLM's environment (secret: not in the config)", file=sys.stderr)
+    return 0
 
 
 def _cmd_sglang_args(args: argparse.Namespace) -> int:
@@ -515,6 +579,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_backend_args(p)
     p.set_defaults(func=_cmd_sglang_args)
+
+    p = sub.add_parser(
+        "vllm-args",
+        help="print the vLLM kv_transfer_config that runs this backend as vLLM's KV store",
+    )
+    _add_backend_args(p)
+    p.add_argument(
+        "--role", default="kv_both", choices=["kv_both", "kv_producer", "kv_consumer"],
+        help="kv_both (default): store and load; kv_producer: only store; kv_consumer: only load",
+    )  # fmt: skip
+    p.add_argument(
+        "--policy", default="recompute", choices=["recompute", "fail"],
+        help="vLLM's kv_load_failure_policy (default recompute: a block the store fails to "
+        "deliver is recomputed; fail: its request fails)",
+    )  # fmt: skip
+    p.add_argument(
+        "--json", action="store_true",
+        help="print only the JSON (for LLM(kv_transfer_config=...)), not the vllm serve flag",
+    )  # fmt: skip
+    p.set_defaults(func=_cmd_vllm_args)
     return parser
 
 

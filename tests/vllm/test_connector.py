@@ -31,7 +31,8 @@ D = list(range(400, 470))
 E = list(range(500, 570))
 F = list(range(600, 670))
 G = list(range(700, 770))
-PROMPTS = {"A": A, "B": B, "C": C, "D": D, "E": E, "F": F, "G": G}
+P = list(range(100, 250))  # 150 tokens: 4 full blocks and 22 more
+PROMPTS = {"A": A, "B": B, "C": C, "D": D, "E": E, "F": F, "G": G, "P": P}
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +244,23 @@ def test_namespaces_keep_deployments_apart(
     assert out["cached"] == 0 and out["tokens"] == expected["A"]
     with engine(tiny_model, "file", {"root": root}) as llm:  # the first deployment still hits
         assert generate(llm, [A])[0]["cached"] == 2 * BLOCK
+
+
+def test_chunked_prefill_and_vllms_own_prefix_cache(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    """A prompt prefilled in chunks is stored block by block; vLLM's own prefix cache
+    serves what it holds, and the store serves a new engine."""
+    options = {"root": str(tmp_path / "kv")}
+    chunked = {"enable_prefix_caching": True, "max_num_batched_tokens": 48}
+    with engine(tiny_model, "file", options, **chunked) as llm:
+        first = generate(llm, [P])[0]
+        assert first["cached"] == 0 and first["tokens"] == expected["P"]
+        assert totals(llm)["save_blocks"] == 4
+        again = generate(llm, [P])[0]  # vLLM's prefix cache: nothing loaded
+        assert again["cached"] == 4 * BLOCK and again["tokens"] == expected["P"]
+        assert totals(llm)["load_blocks"] == 0
+    with engine(tiny_model, "file", options, **chunked) as llm:
+        out = generate(llm, [P])[0]  # a new engine: from the store
+        assert out["cached"] == 4 * BLOCK and out["tokens"] == expected["P"]
+        assert totals(llm)["load_blocks"] == 4 and totals(llm)["save_blocks"] == 0

@@ -32,7 +32,6 @@ os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the engine's kv_cache_memory_b
 
 BLOCK = 32  # tokens per block (the CPU attention backend needs a multiple of 32)
 MAX_TOKENS = 8  # generated per prompt
-CONNECTOR_MODULE = "hicache_storage.integrations.vllm"
 
 
 def build_tiny_model(out: Path) -> Path:
@@ -65,16 +64,18 @@ def build_tiny_model(out: Path) -> Path:
 def kv_transfer_config(
     backend: str | None, options: dict[str, Any] | None = None, policy: str = "recompute"
 ) -> dict[str, Any] | None:
-    """The ``kv_transfer_config`` that runs ``backend`` with ``options`` (None: no connector)."""
+    """The ``kv_transfer_config`` that runs ``backend`` with ``options`` (None: no connector).
+
+    Made by ``hicache-storage vllm-args``' own function, so every engine test runs the
+    configuration that command prints.
+    """
     if backend is None:
         return None
-    return {
-        "kv_connector": "HiCacheKVConnector",
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {"backend_name": backend, **(options or {})},
-    }
+    from hicache_storage.cli.main import vllm_kv_transfer_config
+
+    config, secret_env = vllm_kv_transfer_config(backend, options or {}, policy=policy)
+    assert not secret_env, secret_env
+    return config
 
 
 @contextlib.contextmanager
@@ -84,19 +85,24 @@ def engine(
     options: dict[str, Any] | None = None,
     policy: str = "recompute",
     block_size: int = BLOCK,
+    **llm_args: Any,
 ) -> Iterator[Any]:
-    """A vLLM ``LLM`` on the tiny model with the connector on ``backend``; shut down after."""
+    """A vLLM ``LLM`` on the tiny model with the connector on ``backend``; shut down after.
+
+    ``llm_args`` override the engine's arguments (``enable_prefix_caching``...).
+    """
     from vllm import LLM
 
     from hicache_storage.integrations import vllm as hv
 
     before = set(map(id, hv.LIVE))
-    llm = LLM(
-        model=str(model), dtype="bfloat16", max_model_len=256, max_num_seqs=4,
-        enforce_eager=True, block_size=block_size, seed=0, enable_prefix_caching=False,
-        kv_cache_memory_bytes=64 << 20, kv_transfer_config=kv_transfer_config(
-            backend, options, policy),
-    )  # fmt: skip
+    args: dict[str, Any] = {
+        "model": str(model), "dtype": "bfloat16", "max_model_len": 256, "max_num_seqs": 4,
+        "enforce_eager": True, "block_size": block_size, "seed": 0,
+        "enable_prefix_caching": False, "kv_cache_memory_bytes": 64 << 20,
+        "kv_transfer_config": kv_transfer_config(backend, options, policy),
+    }  # fmt: skip
+    llm = LLM(**{**args, **llm_args})
     # This engine's connectors (a scheduler's and a worker's), for connectors()/totals().
     llm.hicache_connectors = {c.role.name: c for c in hv.LIVE if id(c) not in before}
     try:

@@ -1,0 +1,364 @@
+"""HiCacheKVConnector's two halves driven step by step, with vLLM's own config classes.
+
+No engine: the scheduler-side and worker-side connectors are built from a real
+``VllmConfig`` (vLLM's ``EngineArgs`` on the tiny model) and a ``KVCacheConfig`` like the
+engine's, and fed the steps vLLM would feed them (chunked prefill, a local prefix hit,
+a preempted request), with real KV tensors and the real ``file`` backend. What the
+engine tests cannot reach (several steps of one prompt, TP shards, refused deployments,
+broken hooks) is checked here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm_engine import BLOCK, kv_transfer_config
+
+from hicache_storage.errors import ConfigError, UnknownBackendError
+from hicache_storage.integrations.vllm import (
+    HiCacheConnectorMetadata,
+    HiCacheKVConnector,
+    HiCacheKVConnectorStats,
+    request_seed,
+)
+
+NB = 64  # blocks in the test KV cache
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+SCHED, WORKER = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
+
+
+@pytest.fixture(scope="module")
+def base_config(tiny_model: Path) -> Any:
+    """A real VllmConfig for the tiny model with the connector configured (on ``file``)."""
+    args = EngineArgs(
+        model=str(tiny_model), dtype="bfloat16", block_size=BLOCK, enforce_eager=True,
+        max_model_len=256, enable_prefix_caching=False,
+        kv_transfer_config=kv_transfer_config("file", {"root": "/nonexistent"}),
+    )  # fmt: skip
+    return args.create_engine_config()
+
+
+@pytest.fixture
+def config(base_config: Any, tmp_path: Path) -> Iterator[Any]:
+    """``base_config`` with the connector's extra config on a fresh ``file`` root."""
+    ktc = base_config.kv_transfer_config
+    saved = dict(ktc.kv_connector_extra_config)
+    ktc.kv_connector_extra_config.clear()
+    ktc.kv_connector_extra_config.update(backend_name="file", root=str(tmp_path / "kv"))
+    yield base_config
+    ktc.kv_connector_extra_config.clear()
+    ktc.kv_connector_extra_config.update(saved)
+
+
+def kv_config(spec: Any = SPEC, groups: int = 1) -> KVCacheConfig:
+    group = KVCacheGroupSpec(list(LAYERS), spec)
+    return KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[group] * groups,
+                         kv_cache_layout="LBHNC")  # fmt: skip
+
+
+def kv_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """vLLM's CPU KV: one allocation, layer outermost, [blocks, heads, block, 2 * head]."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(len(LAYERS), NB, 2, BLOCK, 64, generator=g).to(torch.bfloat16)
+    return {name: big[i] for i, name in enumerate(LAYERS)}
+
+
+def pair(config: Any, seed: int = 0) -> tuple[HiCacheKVConnector, HiCacheKVConnector, dict]:
+    """A scheduler-side and a worker-side connector over fresh KV tensors."""
+    sched = HiCacheKVConnector(config, SCHED, kv_config())
+    worker = HiCacheKVConnector(config, WORKER, kv_config())
+    kv = kv_tensors(seed)
+    worker.register_kv_caches(kv)
+    return sched, worker, kv
+
+
+def request(req_id: str, tokens: list[int], **extra: Any) -> SimpleNamespace:
+    fields = {"lora_request": None, "mm_features": [], "cache_salt": None, "prompt_embeds": None}
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, **{**fields, **extra})
+
+
+def new_req(req_id: str, blocks: list[int], computed: int) -> SimpleNamespace:
+    return SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=computed)
+
+
+def step(
+    new: list[SimpleNamespace] = (),  # type: ignore[assignment]
+    cached: list[tuple[str, list[int] | None, int, bool]] = (),  # type: ignore[assignment]
+    scheduled: dict[str, int] | None = None,
+) -> SimpleNamespace:
+    """A SchedulerOutput with what the connector reads. ``cached``: (id, new blocks,
+    computed tokens, resumed)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            new_block_ids=[(c[1],) if c[1] is not None else None for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+            resumed_req_ids={c[0] for c in cached if c[3]},
+        ),
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
+def run_step(sched: HiCacheKVConnector, worker: HiCacheKVConnector, out: Any) -> Any:
+    """What vLLM does with one step: build the metadata, load, forward, save."""
+    meta = sched.build_connector_meta(out)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    return meta
+
+
+def block(kv: dict[str, torch.Tensor], b: int) -> list[torch.Tensor]:
+    return [t[b].clone() for t in kv.values()]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+PROMPT = list(range(5, 105))  # 100 tokens: 3 full blocks and 4 tokens
+
+
+def test_chunked_prefill_stores_each_block_once_then_a_new_request_loads_them(config: Any) -> None:
+    sched, worker, kv = pair(config, seed=1)
+    r = request("r1", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    sched.update_state_after_alloc(r, None, 0)
+    # Three chunks of 40, 40 and 20 tokens: a block is stored in the step that fills it.
+    m1 = run_step(sched, worker, step([new_req("r1", [5, 9], 0)], scheduled={"r1": 40}))
+    m2 = run_step(sched, worker, step(cached=[("r1", [12, 13], 40, False)], scheduled={"r1": 40}))
+    m3 = run_step(sched, worker, step(cached=[("r1", None, 80, False)], scheduled={"r1": 20}))
+    m4 = run_step(sched, worker, step(cached=[("r1", None, 100, False)], scheduled={"r1": 1}))
+    assert [[s.block_ids for s in m.saves] for m in (m1, m2, m3, m4)] == [[[5]], [[9]], [[12]], []]
+    assert not any(m.loads for m in (m1, m2, m3, m4))
+    assert worker.totals["save_blocks"] == 3 and worker.totals["save_failed_blocks"] == 0
+    stored = [block(kv, b) for b in (5, 9, 12)]
+    assert sched.request_finished(r, [5, 9, 12, 13]) == (False, None)
+
+    # A second request with the same prompt: 3 blocks (96 <= 99 tokens) from the store.
+    r2 = request("r2", PROMPT)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (3 * BLOCK, False)
+    sched.update_state_after_alloc(r2, None, 3 * BLOCK)
+    m = run_step(sched, worker, step([new_req("r2", [20, 21, 22, 23], 96)], scheduled={"r2": 4}))
+    assert [(s.block_ids, len(s.keys)) for s in m.loads] == [([20, 21, 22], 3)]
+    assert m.saves == []  # every full block is already stored
+    assert all(same(block(kv, b), s) for b, s in zip((20, 21, 22), stored, strict=True))
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert sched.totals["lookup_hit_blocks"] == 3
+
+
+def test_only_blocks_beyond_vllms_own_hit_are_loaded(config: Any) -> None:
+    sched, worker, kv = pair(config, seed=2)
+    first = request("a", PROMPT)
+    sched.get_num_new_matched_tokens(first, 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    # vLLM's prefix cache holds 2 blocks: the store's third is the only one loaded.
+    r = request("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 2 * BLOCK) == (BLOCK, False)
+    sched.update_state_after_alloc(r, None, BLOCK)
+    m = run_step(sched, worker, step([new_req("b", [1, 2, 7, 8], 96)], scheduled={"b": 4}))
+    assert [s.block_ids for s in m.loads] == [[7]]
+    assert same(block(kv, 7), block(kv, 3))
+    # vLLM's own hit covers the store's run: nothing to load.
+    assert sched.get_num_new_matched_tokens(request("c", PROMPT), 3 * BLOCK) == (0, False)
+
+
+def test_blocks_vllm_had_but_the_store_lost_are_stored_again(config: Any) -> None:
+    sched, worker, _ = pair(config, seed=3)
+    r = request("a", PROMPT[:40])  # one full block, stored
+    sched.get_num_new_matched_tokens(r, 0)
+    run_step(sched, worker, step([new_req("a", [1, 2], 0)], scheduled={"a": 40}))
+    # A longer prompt whose first 2 blocks vLLM holds locally, of which the store has 1.
+    r = request("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 2 * BLOCK) == (0, False)
+    sched.update_state_after_alloc(r, None, 0)
+    m = run_step(sched, worker, step([new_req("b", [1, 5, 6, 7], 64)], scheduled={"b": 36}))
+    assert m.loads == [] and [s.block_ids for s in m.saves] == [[5, 6]]
+
+
+def test_a_resumed_request_uses_its_new_blocks(config: Any) -> None:
+    sched, worker, kv = pair(config, seed=4)
+    r = request("a", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    run_step(sched, worker, step([new_req("a", [1, 2], 0)], scheduled={"a": 40}))
+    # Preempted (blocks freed), then resumed from scratch with other blocks: vLLM asks
+    # again, and the stored first block is loaded into the new first block.
+    assert sched.get_num_new_matched_tokens(r, 0) == (BLOCK, False)
+    sched.update_state_after_alloc(r, None, BLOCK)
+    m = run_step(sched, worker, step(cached=[("a", [30, 31], 32, True)], scheduled={"a": 40}))
+    assert [s.block_ids for s in m.loads] == [[30]]
+    assert [s.block_ids for s in m.saves] == [[31]]
+    assert same(block(kv, 30), block(kv, 1))
+
+
+def test_what_changes_the_kv_changes_the_keys(config: Any) -> None:
+    sched = HiCacheKVConnector(config, SCHED, kv_config())
+    plain = sched.keys_for(request("a", PROMPT))
+    assert plain is not None and len(plain) == 3
+    mm = SimpleNamespace(identifier="img-1", mm_position=SimpleNamespace(offset=40, length=8))
+    mm2 = SimpleNamespace(identifier="img-2", mm_position=SimpleNamespace(offset=40, length=8))
+    lora = SimpleNamespace(lora_name="adapter", lora_path="/a", lora_int_id=1)
+    variants = [
+        sched.keys_for(request("a", PROMPT, cache_salt="tenant-1")),
+        sched.keys_for(request("a", PROMPT, cache_salt="tenant-2")),
+        sched.keys_for(request("a", PROMPT, mm_features=[mm])),
+        sched.keys_for(request("a", PROMPT, mm_features=[mm2])),
+        sched.keys_for(request("a", PROMPT, lora_request=lora)),
+    ]
+    firsts = {plain[0]} | {v[0] for v in variants if v}
+    assert len(firsts) == 6  # every variant has its own chain from the first block
+    assert sched.keys_for(request("a", PROMPT)) == plain  # and it is deterministic
+    assert sched.keys_for(request("a", PROMPT, prompt_embeds=torch.zeros(1))) is None
+    assert request_seed(request("a", PROMPT, prompt_embeds=torch.zeros(1)))[0] is False
+    assert sched.keys_for(request("a", [])) is None
+    # Not cacheable: no lookup, and nothing stored.
+    r = request("e", PROMPT, prompt_embeds=torch.zeros(1))
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert (
+        sched.build_connector_meta(
+            step([new_req("e", [1, 2, 3, 4], 0)], scheduled={"e": 100})
+        ).saves
+        == []
+    )
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_roles(config: Any, role: str) -> None:
+    stored_by_both = pair(config, seed=5)
+    s0, w0, _ = stored_by_both
+    s0.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(s0, w0, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    config.kv_transfer_config.kv_role = role
+    try:
+        sched, worker, _ = pair(config, seed=6)
+        got = sched.get_num_new_matched_tokens(request("b", PROMPT + [7] * 40), 0)
+        meta = run_step(sched, worker, step([new_req("b", [9, 10, 11, 12, 13], 0)],
+                                            scheduled={"b": 140}))  # fmt: skip
+    finally:
+        config.kv_transfer_config.kv_role = "kv_both"
+    if role == "kv_producer":  # stores only: no lookup, every full block stored
+        assert got == (0, False) and [len(s.keys) for s in meta.saves] == [4]
+    else:  # loads only
+        assert got == (3 * BLOCK, False) and meta.saves == []
+
+
+def test_tensor_parallel_shards_must_all_hold_a_block(config: Any) -> None:
+    pc = config.parallel_config
+    pc.tensor_parallel_size = 2
+    try:
+        spec = dataclasses.replace(SPEC, num_kv_heads=1)
+        sched = HiCacheKVConnector(config, SCHED, kv_config(spec))
+        assert len(sched._lookup_backends) == 2
+        assert sched.namespace.total_kv_heads == 2 and sched.namespace.kv_heads_per_shard == 1
+        keys = sched.keys_for(request("a", PROMPT))
+        assert keys is not None
+        sched._lookup_backends[0].batch_set(keys[:2], [b"x" * 16] * 2)
+        sched._lookup_backends[1].batch_set(keys[:1], [b"y" * 16])
+        assert sched.get_num_new_matched_tokens(request("a", PROMPT), 0) == (BLOCK, False)
+        # MLA: one copy for every rank (rank-replicated), one lookup.
+        mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+        sched = HiCacheKVConnector(config, SCHED, kv_config(mla))
+        assert sched.namespace.rank_replicated and len(sched._lookup_backends) == 1
+    finally:
+        pc.tensor_parallel_size = 1
+
+
+def test_unsupported_deployments_are_refused_at_start(config: Any) -> None:
+    with pytest.raises(ConfigError, match="one KV cache group"):
+        HiCacheKVConnector(config, SCHED, kv_config(groups=2))
+    sliding = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
+                                dtype=torch.bfloat16, sliding_window=64)  # fmt: skip
+    with pytest.raises(ConfigError, match="full-attention"):
+        HiCacheKVConnector(config, SCHED, kv_config(sliding))
+    pc = config.parallel_config
+    pc.pipeline_parallel_size = 2
+    try:
+        with pytest.raises(ConfigError, match="pipeline parallelism"):
+            HiCacheKVConnector(config, SCHED, kv_config())
+    finally:
+        pc.pipeline_parallel_size = 1
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    extra.pop("backend_name")
+    with pytest.raises(ConfigError, match="backend_name"):
+        HiCacheKVConnector(config, SCHED, kv_config())
+    extra["backend_name"] = "no-such-store"
+    with pytest.raises(UnknownBackendError):
+        HiCacheKVConnector(config, SCHED, kv_config())
+
+
+def test_kv_tensors_that_contradict_the_config_are_refused(config: Any) -> None:
+    worker = HiCacheKVConnector(config, WORKER, kv_config())
+    kv = kv_tensors(0)
+    with pytest.raises(ConfigError, match="no KV tensor"):
+        worker.register_kv_caches({LAYERS[0]: kv[LAYERS[0]]})
+    with pytest.raises(ConfigError, match="blocks"):
+        worker.register_kv_caches({n: t[:-1] for n, t in kv.items()})
+    with pytest.raises(ConfigError, match="float32"):
+        worker.register_kv_caches({n: t.float() for n, t in kv.items()})
+    assert worker.backend is None
+
+
+def test_a_broken_request_or_store_never_raises_into_vllm(
+    config: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    sched, worker, _ = pair(config, seed=7)
+    caplog.set_level(logging.WARNING)
+    # A request vLLM never makes (token ids that are not ids): a miss, logged and counted.
+    assert sched.get_num_new_matched_tokens(request("x", [-1] * 40), 0) == (0, False)
+    assert sched.totals["hook_errors"] == 1 and "get_num_new_matched_tokens" in caplog.text
+    # A load the worker cannot do (its store went away): every block is a load error.
+    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    r = request("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, False)
+    sched.update_state_after_alloc(r, None, 3 * BLOCK)
+    worker.mover = None
+    run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 96)], scheduled={"b": 4}))
+    assert worker.get_block_ids_with_load_errors() == {5, 6, 7}
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+
+
+def test_stats_are_per_interval_and_sum_across_workers(config: Any) -> None:
+    sched, worker, _ = pair(config, seed=8)
+    assert worker.get_kv_connector_stats() is None
+    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    stats = worker.get_kv_connector_stats()
+    assert isinstance(stats, HiCacheKVConnectorStats)
+    assert stats.data["save_blocks"] == 3 and stats.data["save_bytes"] == 3 * 2 * 2 * BLOCK * 128
+    assert worker.get_kv_connector_stats() is None  # reset by the read
+    assert worker.totals["save_blocks"] == 3  # totals are not
+    other = HiCacheKVConnector.build_kv_connector_stats({"save_blocks": 2, "save_bytes": 10})
+    summed = stats.aggregate(other).reduce()
+    assert summed["save_blocks"] == 5 and summed["save_gbps"] > 0
+    assert sched.get_kv_connector_stats().data["lookups"] == 1
+    assert HiCacheKVConnectorStats().is_empty()
+
+
+def test_metadata_is_plain_data() -> None:
+    """vLLM sends the metadata to worker processes: it must pickle."""
+    import pickle
+
+    from hicache_storage.integrations.vllm import LoadSpec, SaveSpec
+
+    meta = HiCacheConnectorMetadata([LoadSpec("r", ["k"], [1])], [SaveSpec("r", ["k2"], [2])])
+    assert pickle.loads(pickle.dumps(meta)) == meta
