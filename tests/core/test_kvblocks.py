@@ -22,6 +22,7 @@ from hicache_storage.integrations.kvblocks import (
     kv_blocks,
 )
 from hicache_storage.keys import KVCacheNamespace
+from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.registry import create_backend
 
 NB, H, BS, C, L = 12, 2, 32, 64, 3  # blocks, heads, block size, 2 * head_dim, layers
@@ -50,7 +51,7 @@ def _page_bytes(layers: list[torch.Tensor], b: int) -> bytes:
     return b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in layers)
 
 
-def _backend(root: Path, page_size: int = BS) -> object:
+def _backend(root: Path, page_size: int = BS) -> HiCacheStorage:
     ns = KVCacheNamespace(model_id="tiny", dtype="bfloat16", page_size=page_size,
                           object_layout="vllm-test")  # fmt: skip
     return create_backend("file", StorageConfig(namespace=ns), root=str(root))

@@ -252,7 +252,7 @@ def test_chunked_prefill_and_vllms_own_prefix_cache(
     """A prompt prefilled in chunks is stored block by block; vLLM's own prefix cache
     serves what it holds, and the store serves a new engine."""
     options = {"root": str(tmp_path / "kv")}
-    chunked = {"enable_prefix_caching": True, "max_num_batched_tokens": 48}
+    chunked: dict[str, Any] = {"enable_prefix_caching": True, "max_num_batched_tokens": 48}
     with engine(tiny_model, "file", options, **chunked) as llm:
         first = generate(llm, [P])[0]
         assert first["cached"] == 0 and first["tokens"] == expected["P"]

@@ -90,7 +90,12 @@ def pair(config: Any, seed: int = 0) -> tuple[HiCacheKVConnector, HiCacheKVConne
 
 
 def request(req_id: str, tokens: list[int], **extra: Any) -> SimpleNamespace:
-    fields = {"lora_request": None, "mm_features": [], "cache_salt": None, "prompt_embeds": None}
+    fields: dict[str, Any] = {
+        "lora_request": None,
+        "mm_features": [],
+        "cache_salt": None,
+        "prompt_embeds": None,
+    }
     return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, **{**fields, **extra})
 
 
@@ -350,7 +355,8 @@ def test_stats_are_per_interval_and_sum_across_workers(config: Any) -> None:
     other = HiCacheKVConnector.build_kv_connector_stats({"save_blocks": 2, "save_bytes": 10})
     summed = stats.aggregate(other).reduce()
     assert summed["save_blocks"] == 5 and summed["save_gbps"] > 0
-    assert sched.get_kv_connector_stats().data["lookups"] == 1
+    sched_stats = sched.get_kv_connector_stats()
+    assert sched_stats is not None and sched_stats.data["lookups"] == 1
     assert HiCacheKVConnectorStats().is_empty()
 
 
