@@ -144,34 +144,43 @@ class PagedKVBlocks(_BlockPoolBase):
                 storages[s.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(s)
         #: What backends register with their transport (``kv_buffer``, as host pools do).
         self.kv_buffer = list(storages.values())
-        self._views = {p: memoryview_at(p, int(b.nbytes), b) for p, b in storages.items()}
-        # Per layer: (storage start, byte offset of block 0, bytes between blocks, bytes).
-        self._plan = []
+        views = {p: memoryview_at(p, int(b.nbytes), b) for p, b in storages.items()}
+        # Per layer: (view of its allocation, its address, offset of block 0, bytes between
+        # blocks, bytes of a block). Layers whose blocks sit end to end in one allocation
+        # (block-outermost layouts) are merged into one run: one segment for them.
+        plan: list[list[Any]] = []
         for t in layers:
             base = t.untyped_storage().data_ptr()
-            self._plan.append(
-                (base, int(t.data_ptr()) - base, t.stride(0) * t.element_size(), _block_bytes(t))
-            )
+            off0, stride = int(t.data_ptr()) - base, t.stride(0) * t.element_size()
+            nbytes = _block_bytes(t)
+            last = plan[-1] if plan else None
+            if last and last[1] == base and last[3] == stride and last[2] + last[4] == off0:
+                last[4] += nbytes
+            else:
+                plan.append([views[base], base, off0, stride, nbytes])
+        self._plan = [tuple(p) for p in plan]
+
+        # A block's page buffer never changes (the engine's KV does not move): the last
+        # ones made are kept, up to about 8 MiB of segment objects, and reused.
+        self._cache: dict[int, PageBuffer] = {}
+        self._cache_max = max(64, (8 << 20) // (300 * len(self._plan)))
 
     def page_buffers(self, indices: Any, expected_pages: int | None = None) -> list[PageBuffer]:
         """One :class:`PageBuffer` per block of token slots ``indices`` (views, no copy)."""
+        cache = self._cache
         out = []
         for b in self._blocks_of(indices, expected_pages, self.num_blocks):
-            segs: list[tuple[int, int, int]] = []  # (storage, offset, bytes)
-            for base, off0, stride, nbytes in self._plan:
-                off = off0 + b * stride
-                if segs and segs[-1][0] == base and segs[-1][1] + segs[-1][2] == off:
-                    segs[-1] = (base, segs[-1][1], segs[-1][2] + nbytes)  # adjacent: one run
-                else:
-                    segs.append((base, off, nbytes))
-            out.append(
-                PageBuffer(
-                    [
-                        Segment(base + off, n, self._views[base][off : off + n])
-                        for base, off, n in segs
-                    ]
-                )
-            )
+            page = cache.get(b)
+            if page is None:
+                segs = []
+                for view, base, off0, stride, n in self._plan:
+                    off = off0 + b * stride
+                    segs.append(Segment(base + off, n, view[off : off + n]))
+                page = PageBuffer(segs)
+                if len(cache) >= self._cache_max:
+                    cache.clear()  # (simplest bound: start again)
+                cache[b] = page
+            out.append(page)
         return out
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
-import vllm_engine
+import vllm_engine  # (sets vLLM's environment before vLLM is imported)
 
 try:
     import vllm
