@@ -596,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--json", action="store_true",
-        help="print only the JSON (for LLM(kv_transfer_config=...)), not the vllm serve flag",
+        help="print only the JSON (for the kv_transfer_config argument of vLLM's Python API), "
+        "not the vllm serve flag",
     )  # fmt: skip
     p.set_defaults(func=_cmd_vllm_args)
     return parser

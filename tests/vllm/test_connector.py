@@ -131,7 +131,9 @@ def test_a_new_engine_process_hits_what_another_stored(
         options = _options(name, tmp_path, redis_url=redis_url)
         with engine(tiny_model, name, options) as llm:
             assert generate(llm, [F])[0]["cached"] == 0
-        runs.append({"backend": name, "options": options, "prompts": [F, G]})
+        # The first run with vLLM's default engine process (the connector is built there).
+        runs.append({"backend": name, "options": options, "prompts": [F, G],
+                     "multiprocessing": name == "file"})  # fmt: skip
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"model": str(tiny_model), "runs": runs}))
     env = {
@@ -264,3 +266,26 @@ def test_chunked_prefill_and_vllms_own_prefix_cache(
         out = generate(llm, [P])[0]  # a new engine: from the store
         assert out["cached"] == 4 * BLOCK and out["tokens"] == expected["P"]
         assert totals(llm)["load_blocks"] == 4 and totals(llm)["save_blocks"] == 0
+
+
+def test_a_redis_server_that_dies_mid_run_costs_only_misses(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    from redis_server import running
+
+    with running(tmp_path / "redis") as server:
+        options = {"url": server.url, "prefix": "vllm-dies:", "socket_timeout": 0.5}
+        with engine(tiny_model, "redis", options) as llm:
+            assert generate(llm, [E])[0]["cached"] == 0
+            assert generate(llm, [E])[0]["cached"] == 2 * BLOCK
+            server.stop()
+            down = generate(llm, [E, A])
+            assert [o["cached"] for o in down] == [0, 0]  # lookups fail: misses
+            assert [o["tokens"] for o in down] == [expected["E"], expected["A"]]
+            assert all(o["finish"] == "length" for o in down)
+            server.start()  # back, empty: a miss that stores again, then a hit
+            assert generate(llm, [E])[0]["cached"] == 0
+            back = generate(llm, [E])[0]
+            t = totals(llm)
+    assert back["cached"] == 2 * BLOCK and back["tokens"] == expected["E"]
+    assert t["save_failed_blocks"] >= 2 and t["hook_errors"] == 0

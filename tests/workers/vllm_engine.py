@@ -10,6 +10,8 @@ Run as a script, it is the "new engine process" of the cross-process tests: it r
 JSON plan (``{"model": dir, "runs": [{"backend": name, "options": {...}, "prompts":
 [[ids...]]}]}``) from argv[1], generates every run's prompts on an engine of its own,
 and prints one JSON line: per run, each prompt's ``cached`` tokens and output ``tokens``.
+A run with ``"multiprocessing": true`` has vLLM's default engine: its core in a process
+of its own.
 """
 
 from __future__ import annotations
@@ -147,6 +149,10 @@ def main(plan_path: str) -> None:
     sys.path[:0] = plan.get("sys_path", [])
     results = []
     for run in plan["runs"]:
+        # "multiprocessing": vLLM's default, the engine core in a process of its own
+        # (the connector's scheduler and worker halves live there, not here).
+        mp = "1" if run.get("multiprocessing") else "0"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = mp
         with engine(Path(plan["model"]), run["backend"], run.get("options")) as llm:
             results.append(generate(llm, run["prompts"]))
     print("RESULT " + json.dumps(results), flush=True)
