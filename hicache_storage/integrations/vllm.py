@@ -62,6 +62,8 @@ Importing this module needs vLLM; ``import hicache_storage`` never imports it.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -85,7 +87,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
     ) from exc
 
 from hicache_storage.config import StorageConfig, scrub
-from hicache_storage.errors import ConfigError
+from hicache_storage.errors import BackendError, ConfigError
 from hicache_storage.integrations import VLLM_ADAPTER_KEYS
 from hicache_storage.integrations.kvblocks import KVBlockMover, kv_blocks
 from hicache_storage.keys import (
@@ -121,6 +123,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 LIVE: weakref.WeakSet[HiCacheKVConnector] = weakref.WeakSet()
 
 _COUNTERS = (
+    "connect_errors",
     "lookups",
     "lookup_blocks",
     "lookup_hit_blocks",
@@ -134,8 +137,12 @@ _COUNTERS = (
     "save_failed_blocks",
     "save_bytes",
     "save_seconds",
+    "save_skipped_blocks",
     "hook_errors",
 )
+
+#: Seconds between two tries to reach a backend that was unreachable (doubling, capped).
+RETRY_MAX_SECONDS = 30.0
 
 
 # --------------------------------------------------------------------------- namespace
@@ -157,6 +164,34 @@ def _the_group(kv_cache_config: Any) -> Any:
             f"HiCacheKVConnector moves full-attention KV blocks, not {type(spec).__name__}"
         )
     return groups[0]
+
+
+#: Keys of a model's resolved HF config that do not change what its KV holds.
+_NEUTRAL_CONFIG_KEYS = frozenset(
+    {"_name_or_path", "name_or_path", "transformers_version", "_commit_hash"}
+)
+
+
+def model_digest(model_config: Any) -> str:
+    """A digest of what in vLLM's model config changes the KV of given tokens.
+
+    The resolved HF config (after vLLM's ``hf_overrides``: RoPE theta and scaling, norms,
+    heads...), the weight quantization and the model dtype. Two deployments of one model
+    path that differ in any of them compute other KV for the same tokens: they must not
+    share blocks. Deliberately broad: a config change that would not change the KV only
+    costs a cold store.
+    """
+    try:
+        hf = model_config.hf_config.to_dict()
+    except Exception:  # noqa: BLE001 - no HF config object: its repr
+        hf = {"repr": repr(getattr(model_config, "hf_config", None))}
+    factors = {
+        "hf_config": {k: v for k, v in hf.items() if k not in _NEUTRAL_CONFIG_KEYS},
+        "quantization": getattr(model_config, "quantization", None),
+        "dtype": str(getattr(model_config, "dtype", "")),
+    }
+    blob = json.dumps(factors, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def namespace_for(
@@ -199,13 +234,16 @@ def namespace_for(
         layout.append(f"q{getattr(quant, 'name', quant)}")
     if cache_dtype != "auto":
         layout.append(cache_dtype)  # fp8 variants may share a torch dtype
+    fingerprint = f"vllm-cfg-{model_digest(mc)}"
+    if extra.get("weights_fingerprint"):
+        fingerprint = f"{extra['weights_fingerprint']}+{fingerprint}"
     fields: dict[str, Any] = {
         "model_id": str(model_id),
         "dtype": normalize_dtype(spec.dtype),
         "page_size": int(spec.block_size),
         "object_layout": "-".join(layout),
         "rank_replicated": mla,
-        "weights_fingerprint": str(extra.get("weights_fingerprint") or ""),
+        "weights_fingerprint": fingerprint,
         "tenant": str(extra.get("tenant") or ""),
     }
     if not mla:
@@ -260,11 +298,20 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Newly computed full blocks of one request to store after the forward pass."""
+    """Newly computed full blocks of one request to store after the forward pass.
+
+    ``prefix_block_ids`` are the request's blocks from its first up to the last one
+    stored here; those from ``computed_from`` on were computed by this request, the
+    ones before it came from vLLM's prefix cache or from the store. The worker stores
+    nothing computed over a block that failed to load (see
+    :meth:`HiCacheKVConnector.wait_for_save`).
+    """
 
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    prefix_block_ids: list[int] = field(default_factory=list)
+    computed_from: int = 0
 
 
 @dataclass
@@ -285,6 +332,8 @@ class _Req:
     local_blocks: int = 0  # vLLM's own prefix hit, in blocks, at the lookup
     load: tuple[int, int] | None = None  # blocks [start, end) to load
     block_ids: list[int] = field(default_factory=list)
+    computed_from: int = 0  # first block this request computes (after hits and loads)
+    done: int | None = None  # tokens computed once the last planned step has run
 
 
 # --------------------------------------------------------------------------- stats
@@ -386,10 +435,19 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Worker side.
         self.backend: HiCacheStorage | None = None
         self.mover: KVBlockMover | None = None
+        self._pool: Any = None
+        self._rank = 0
+        self._writer = True
         self._load_errors: set[int] = set()
+        # Blocks whose KV is not what their tokens make: a load into them failed, or they
+        # were computed over such a block. Nothing computed over them is stored.
+        self._tainted: set[int] = set()
+        # Unreachable backends are tried again later (doubling delays).
+        self._failures = 0
+        self._retry_at = 0.0
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         if self._is_scheduler:
-            self._lookup_backends = self._scheduler_backends()
+            self._ready()
             if getattr(ktc, "kv_load_failure_policy", "fail") != "recompute" and self._load_on:
                 logger.warning(
                     "HiCacheKVConnector: kv_load_failure_policy is %r: a block the store "
@@ -426,6 +484,65 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise
         return out
 
+    def _ready(self) -> bool:
+        """True when this side's backend is attached; otherwise try again when due.
+
+        A backend that cannot be reached (:class:`BackendError` while it is built:
+        no server, a refused connection) does not stop vLLM: the connector runs without
+        it (lookups miss, nothing is stored or loaded) and tries again after 1, 2, 4...
+        up to :data:`RETRY_MAX_SECONDS` seconds. Anything else (a bad option) raises.
+        """
+        if self._lookup_backends if self._is_scheduler else self.mover is not None:
+            return True
+        if (not self._is_scheduler and self._pool is None) or time.monotonic() < self._retry_at:
+            return False
+        try:
+            if self._is_scheduler:
+                self._lookup_backends = self._scheduler_backends()
+            else:
+                self._attach()
+        except BackendError as exc:
+            self._failures += 1
+            delay = min(RETRY_MAX_SECONDS, 2.0 ** (self._failures - 1))
+            self._retry_at = time.monotonic() + delay
+            self._count(connect_errors=1)
+            self._log(
+                "connect",
+                "HiCacheKVConnector: the %s backend cannot be reached (%s: %s); running "
+                "without it (misses), next try in %.0f s",
+                self.backend_name,
+                type(exc).__name__,
+                scrub(str(exc), []),
+                delay,
+                level=logging.ERROR,
+            )
+            return False
+        if self._failures:
+            logger.warning("HiCacheKVConnector: the %s backend is attached now", self.backend_name)
+        self._failures = 0
+        return True
+
+    def _attach(self) -> None:
+        """Build the worker's backend and register the KV pool with it."""
+        config = self._config(self._rank)
+        backend = create_backend(self.backend_name, config)
+        try:
+            mover = KVBlockMover.attach(backend, self._pool)
+        except BaseException:
+            backend.close()
+            raise
+        old, self.backend, self.mover = self.backend, backend, mover
+        self._writer = config.is_storage_writer
+        if old is not None:
+            old.close()
+        logger.info(
+            "HiCacheKVConnector: %s backend, namespace %s, %s pages of %d bytes",
+            self.backend_name,
+            self.namespace.digest,
+            type(self._pool).__name__,
+            self._pool.page_bytes,
+        )
+
     def _count(self, **counts: float) -> None:
         with self._lock:
             for k, v in counts.items():
@@ -461,13 +578,15 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             state = _Req(keys=keys, prompt_len=len(request.prompt_token_ids), stored=0)
             self._reqs[req_id] = state
         state.load = None
+        state.done = None
         local = int(num_computed_tokens) // self.block_size
         state.local_blocks = local
+        state.computed_from = local
         # The store's leading run over every full block (what need not be stored again),
         # of which at most len(prompt) - 1 tokens are a hit: vLLM computes the last one.
         limit = (state.prompt_len - 1) // self.block_size
         stored = 0
-        if self._load_on and state.keys:
+        if self._load_on and state.keys and self._ready():
             t0 = time.perf_counter()
             stored = len(state.keys)
             for backend in self._lookup_backends:
@@ -496,7 +615,9 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         start = state.local_blocks
         end = start + int(num_external_tokens) // self.block_size
-        state.load = (start, min(end, state.stored, (state.prompt_len - 1) // self.block_size))
+        end = min(end, state.stored, (state.prompt_len - 1) // self.block_size)
+        state.load = (start, end)
+        state.computed_from = end
 
     @_failsafe(lambda self, args: HiCacheConnectorMetadata())
     def build_connector_meta(self, scheduler_output: Any) -> HiCacheConnectorMetadata:
@@ -505,10 +626,9 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
-            if state is None:
-                continue
-            state.block_ids = list(new.block_ids[0])
-            self._plan(meta, new.req_id, state, new.num_computed_tokens, scheduled)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan_safely(meta, new.req_id, state, new.num_computed_tokens, scheduled)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -517,10 +637,36 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                state.done = None
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
-            self._plan(meta, req_id, state, cached.num_computed_tokens[i], scheduled)
+            self._plan_safely(meta, req_id, state, cached.num_computed_tokens[i], scheduled)
         return meta
+
+    def _plan_safely(
+        self,
+        meta: HiCacheConnectorMetadata,
+        req_id: str,
+        state: _Req,
+        num_computed: int,
+        scheduled: dict[str, int],
+    ) -> None:
+        """:meth:`_plan` for one request; a failure costs its stores, never its loads.
+
+        vLLM already counts a promised load as computed: if planning fails, the load is
+        still sent (its blocks load, or are reported as failed), and the request is
+        forgotten (nothing more stored for it).
+        """
+        try:
+            self._plan(meta, req_id, state, num_computed, scheduled)
+        except Exception as exc:  # noqa: BLE001 - one request's plan, not vLLM's step
+            self._count(hook_errors=1)
+            self._log("plan", "HiCacheKVConnector: planning %s failed (%s)", req_id, exc)
+            if state.load is not None:
+                a, b = state.load
+                state.load = None
+                meta.loads.append(LoadSpec(req_id, state.keys[a:b], state.block_ids[a:b]))
+            self._reqs.pop(req_id, None)
 
     def _plan(
         self,
@@ -534,13 +680,32 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             a, b = state.load
             state.load = None
             meta.loads.append(LoadSpec(req_id, state.keys[a:b], state.block_ids[a:b]))
+        num_computed = int(num_computed)
+        if state.done is not None and num_computed < state.done:
+            # vLLM went back (a block failed to load, here or on another request sharing
+            # it): what it computes again is this request's own, and is stored again.
+            back = num_computed // self.block_size
+            state.stored = min(state.stored, back)
+            state.computed_from = min(state.computed_from, back)
+        state.done = num_computed + int(scheduled.get(req_id, 0))
         if not self._save_on:
             return
-        done = min(int(num_computed) + int(scheduled.get(req_id, 0)), state.prompt_len)
-        full = min(done // self.block_size, len(state.keys), len(state.block_ids))
+        full = min(
+            min(state.done, state.prompt_len) // self.block_size,
+            len(state.keys),
+            len(state.block_ids),
+        )
         if full > state.stored:
             a = state.stored
-            meta.saves.append(SaveSpec(req_id, state.keys[a:full], state.block_ids[a:full]))
+            meta.saves.append(
+                SaveSpec(
+                    req_id,
+                    state.keys[a:full],
+                    state.block_ids[a:full],
+                    prefix_block_ids=state.block_ids[:full],
+                    computed_from=state.computed_from,
+                )
+            )
             state.stored = full
 
     @_failsafe(lambda self, args: (False, None))
@@ -577,31 +742,14 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 )
         rows = int(self.extra_config.get("staging_blocks", 16))
         staged = self.extra_config.get("staging")
-        pool = kv_blocks(layers, self.block_size, staging_rows=rows, staged=staged)
+        self._pool = kv_blocks(layers, self.block_size, staging_rows=rows, staged=staged)
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            rank = int(get_tensor_model_parallel_rank())
+            self._rank = int(get_tensor_model_parallel_rank())
         except Exception:  # noqa: BLE001 - no TP group (single process): rank 0
-            rank = 0
-        config = self._config(rank)
-        backend = create_backend(self.backend_name, config)
-        try:
-            mover = KVBlockMover.attach(backend, pool)
-        except BaseException:
-            backend.close()
-            raise
-        old, self.backend, self.mover = self.backend, backend, mover
-        self._writer = config.is_storage_writer
-        if old is not None:
-            old.close()
-        logger.info(
-            "HiCacheKVConnector: %s backend, namespace %s, %s pages of %d bytes",
-            self.backend_name,
-            self.namespace.digest,
-            type(pool).__name__,
-            pool.page_bytes,
-        )
+            self._rank = 0
+        self._ready()
 
     def _meta(self) -> HiCacheConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -612,21 +760,53 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Read this step's blocks into vLLM's paged KV before the forward pass.
 
-        Never raises: a block that did not land whole is reported as a load error.
+        Never raises: a block that did not land whole is reported as a load error, and
+        is not stored from, nor is anything computed over it (see :meth:`wait_for_save`).
         """
         meta = self._meta()
         if meta is None or not meta.loads:
             return
+        failed: set[int] = set()
+        loaded: set[int] = set()
         for spec in meta.loads:
-            self._load(spec)
+            bad = self._load(spec)
+            failed.update(bad)
+            loaded.update(b for b in spec.block_ids if b not in bad)
+        if self._tp_size > 1:
+            # A rank's failed block poisons every rank's later KV (the layers mix the
+            # heads): each rank learns every rank's failures before anything is stored.
+            failed = self._all_ranks_failed(failed, loaded | failed)
+        with self._lock:
+            self._load_errors.update(failed)
+            self._tainted.difference_update(loaded - failed)
+            self._tainted.update(failed)
 
-    def _load(self, spec: LoadSpec) -> None:
-        mover = self.mover
+    def _all_ranks_failed(self, failed: set[int], blocks: set[int]) -> set[int]:
+        """The union of the TP ranks' failed blocks (every rank has the same loads).
+
+        If the ranks cannot be asked, every block of this step's loads counts as failed.
+        """
+        try:
+            import torch.distributed as dist
+            from vllm.distributed.parallel_state import get_tp_group
+
+            group = get_tp_group()
+            gathered: list[Any] = [None] * group.world_size
+            dist.all_gather_object(gathered, sorted(failed), group=group.cpu_group)
+            return {int(b) for part in gathered for b in part or ()}
+        except Exception as exc:  # noqa: BLE001 - unknown: the conservative answer
+            self._log("tp", "HiCacheKVConnector: cannot share load failures (%s)", exc)
+            return set(blocks)
+
+    def _load(self, spec: LoadSpec) -> set[int]:
+        """Load one request's blocks; the set of those that did not land whole."""
         t0 = time.perf_counter()
         try:
+            mover = self.mover if self._ready() else None
             if mover is None:
-                raise ConfigError("no KV registered")
-            ok = mover.load(spec.keys, spec.block_ids)
+                ok = [False] * len(spec.block_ids)
+            else:
+                ok = mover.load(spec.keys, spec.block_ids)
         except Exception as exc:  # noqa: BLE001 - the blocks are failed loads, not an error
             self._count(hook_errors=1)
             self._log(
@@ -636,18 +816,15 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 scrub(str(exc), []),
             )
             ok = [False] * len(spec.block_ids)
-        bad = [b for b, x in zip(spec.block_ids, ok, strict=True) if not x]
-        good = len(ok) - len(bad)
-        page = mover.pool.page_bytes if mover is not None else 0
+        bad = {b for b, x in zip(spec.block_ids, ok, strict=True) if not x}
+        good = len(ok) - sum(1 for x in ok if not x)
         self._count(
             load_blocks=good,
-            load_failed_blocks=len(bad),
-            load_bytes=good * page,
+            load_failed_blocks=len(ok) - good,
+            load_bytes=good * (self._pool.page_bytes if self._pool is not None else 0),
             load_seconds=time.perf_counter() - t0,
         )
-        if bad:
-            with self._lock:
-                self._load_errors.update(bad)
+        return bad
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: :meth:`start_load_kv` loads every layer before returning."""
@@ -657,19 +834,48 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> None:
         """Nothing per layer: a stored block holds every layer, stored in :meth:`wait_for_save`."""
 
+    def _clean_blocks(self, spec: SaveSpec) -> bool:
+        """Whether the blocks of ``spec`` were computed over clean KV; updates the taint.
+
+        The request's blocks before ``computed_from`` (vLLM's prefix cache, the store)
+        are clean unless a load into them failed; each block the request computed is as
+        clean as everything before it. A block that failed to load (or was computed over
+        one) stays tainted until it is loaded whole or computed again over clean KV.
+        """
+        tainted = self._tainted
+        bad = False
+        for idx, b in enumerate(spec.prefix_block_ids):
+            if idx < spec.computed_from:
+                bad = bad or b in tainted
+            elif bad:
+                tainted.add(b)
+            else:
+                tainted.discard(b)
+        return not bad
+
     def wait_for_save(self) -> None:
-        """Store the step's new full blocks (synchronous: done before vLLM frees them)."""
+        """Store the step's new full blocks (synchronous: done before vLLM frees them).
+
+        A block computed over a block that failed to load (in this step or before vLLM
+        has recomputed it) is not stored: its KV is not its tokens'. vLLM recomputes
+        those blocks, and the scheduler side plans their store again.
+        """
         meta = self._meta()
-        if meta is None or not meta.saves or not getattr(self, "_writer", True):
+        if meta is None or not meta.saves or not self._writer:
             return
-        mover = self.mover
-        if mover is None:
+        with self._lock:
+            specs = [s for s in meta.saves if self._clean_blocks(s)]
+        skipped = sum(len(s.block_ids) for s in meta.saves) - sum(len(s.block_ids) for s in specs)
+        if skipped:
+            self._count(save_skipped_blocks=skipped)
+        keys = [k for s in specs for k in s.keys]
+        blocks = [b for s in specs for b in s.block_ids]
+        if not keys:
             return
-        keys = [k for s in meta.saves for k in s.keys]
-        blocks = [b for s in meta.saves for b in s.block_ids]
         t0 = time.perf_counter()
         try:
-            ok = mover.save(keys, blocks)
+            mover = self.mover if self._ready() else None
+            ok = mover.save(keys, blocks) if mover is not None else [False] * len(keys)
         except Exception as exc:  # noqa: BLE001 - a store that failed is only a future miss
             self._count(hook_errors=1)
             self._log(
@@ -683,7 +889,7 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._count(
             save_blocks=good,
             save_failed_blocks=len(ok) - good,
-            save_bytes=good * mover.pool.page_bytes,
+            save_bytes=good * self._pool.page_bytes,
             save_seconds=time.perf_counter() - t0,
         )
 

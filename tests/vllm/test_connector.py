@@ -32,7 +32,9 @@ E = list(range(500, 570))
 F = list(range(600, 670))
 G = list(range(700, 770))
 P = list(range(100, 250))  # 150 tokens: 4 full blocks and 22 more
-PROMPTS = {"A": A, "B": B, "C": C, "D": D, "E": E, "F": F, "G": G, "P": P}
+Q = A[: 2 * BLOCK] + list(range(800, 886))  # A's two blocks, then two more and 22 tokens
+R = E[: 2 * BLOCK] + list(range(886, 972))  # the same over E
+PROMPTS = {"A": A, "B": B, "C": C, "D": D, "E": E, "F": F, "G": G, "P": P, "Q": Q, "R": R}
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +174,11 @@ def test_damaged_or_lost_objects_never_change_the_output(
         t = totals(llm)
         assert t["load_failed_blocks"] == 2 and t["load_blocks"] == 0
 
-        # The damaged objects were dropped: the next request misses, then stores again.
-        out = generate(llm, [D])[0]
-        assert out["cached"] == 0 and out["tokens"] == expected["D"]
+        # The damaged objects were dropped, and the blocks vLLM computed again stored in
+        # their place: the next request hits them.
         assert len(_files(root)) == 2
+        out = generate(llm, [D])[0]
+        assert out["cached"] == 2 * BLOCK and out["tokens"] == expected["D"]
         # A truncated object, then a deleted one: a failed load, then a miss.
         first, _ = _files(root)
         first.write_bytes(first.read_bytes()[:1000])
@@ -289,3 +292,37 @@ def test_a_redis_server_that_dies_mid_run_costs_only_misses(
             t = totals(llm)
     assert back["cached"] == 2 * BLOCK and back["tokens"] == expected["E"]
     assert t["save_failed_blocks"] >= 2 and t["hook_errors"] == 0
+
+
+def test_a_failed_load_never_poisons_what_later_requests_load(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    """Blocks computed over a block that failed to load are not stored: a later request
+    that loads the whole prefix gets the uncached output (a damaged object, then a torn
+    read)."""
+    sys.path.insert(0, str(WORKERS))
+    root = tmp_path / "kv"
+    try:
+        with engine(tiny_model, "vllm_faults:FlakyFile", {"root": str(root)}) as llm:
+            generate(llm, [A, E])  # A's and E's two blocks stored
+            for path in _files(root):  # damage them all
+                data = bytearray(path.read_bytes())
+                for i in range(100, len(data) // 2, 97):
+                    data[i] ^= 0x5A
+                path.write_bytes(bytes(data))
+            outs = [generate(llm, [Q])[0] for _ in range(3)]
+            assert [o["tokens"] for o in outs] == [expected["Q"]] * 3
+            assert outs[2]["cached"] == 4 * BLOCK  # all four from the store, and right
+            t = totals(llm)
+            assert t["load_failed_blocks"] == 2 and t["save_skipped_blocks"] == 2
+
+            generate(llm, [E])  # E's damaged blocks dropped, stored again
+            vllm_faults.MODE[0] = "torn"  # E's first block fails to load, torn
+            assert generate(llm, [R])[0]["tokens"] == expected["R"]
+            vllm_faults.MODE[0] = "ok"
+            outs = [generate(llm, [R])[0] for _ in range(2)]
+            assert [o["tokens"] for o in outs] == [expected["R"]] * 2
+            assert outs[1]["cached"] == 4 * BLOCK
+            assert totals(llm)["save_skipped_blocks"] >= 4
+    finally:
+        vllm_faults.MODE[0] = "ok"

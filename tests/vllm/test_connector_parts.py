@@ -336,10 +336,15 @@ def test_a_broken_request_or_store_never_raises_into_vllm(
     r = request("b", PROMPT)
     assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, False)
     sched.update_state_after_alloc(r, None, 3 * BLOCK)
-    worker.mover = None
+
+    def broken(*args: Any) -> list[bool]:
+        raise RuntimeError("the mover broke")
+
+    worker.mover.load = broken  # type: ignore[union-attr, method-assign]
     run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 96)], scheduled={"b": 4}))
     assert worker.get_block_ids_with_load_errors() == {5, 6, 7}
     assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    assert worker.totals["hook_errors"] == 1
 
 
 def test_stats_are_per_interval_and_sum_across_workers(config: Any) -> None:
@@ -368,3 +373,120 @@ def test_metadata_is_plain_data() -> None:
 
     meta = HiCacheConnectorMetadata([LoadSpec("r", ["k"], [1])], [SaveSpec("r", ["k2"], [2])])
     assert pickle.loads(pickle.dumps(meta)) == meta
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def test_nothing_computed_over_a_failed_load_is_stored(config: Any, tmp_path: Path) -> None:
+    """A block that failed to load holds no KV of its tokens: blocks computed over it in
+    the same step (or in a step vLLM planned before it learned of the failure) are not
+    stored; once vLLM has recomputed them, they are."""
+    sched, worker, kv = pair(config, seed=9)
+    first = request("a", PROMPT[:70])  # stores 2 blocks
+    sched.get_num_new_matched_tokens(first, 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3], 0)], scheduled={"a": 70}))
+    assert len(_files(tmp_path / "kv")) == 2
+    second_key = sched.keys_for(first)[1]  # type: ignore[index]
+    long_prompt = PROMPT + list(range(300, 350))  # 150 tokens: 4 full blocks
+    r = request("b", long_prompt)  # the store has the first 2
+    assert sched.get_num_new_matched_tokens(r, 0) == (2 * BLOCK, False)
+    sched.update_state_after_alloc(r, None, 2 * BLOCK)
+    worker.backend.delete(second_key)  # lost between the lookup and the load
+    # This step loads blocks 0-1 (block 1 fails) and computes block 2 over it.
+    blocks = [10, 11, 12, 13, 14]
+    m = run_step(sched, worker, step([new_req("b", blocks, 64)], scheduled={"b": 36}))
+    assert [s.block_ids for s in m.loads] == [[10, 11]] and [s.block_ids for s in m.saves] == [[12]]
+    assert worker.get_block_ids_with_load_errors() == {11}
+    assert worker.totals["save_skipped_blocks"] == 1 and worker.totals["save_blocks"] == 2
+    # A step planned before vLLM saw the failure (async scheduling): skipped too.
+    m = run_step(sched, worker, step(cached=[("b", None, 100, False)], scheduled={"b": 50}))
+    assert [s.block_ids for s in m.saves] == [[13]]
+    assert worker.totals["save_skipped_blocks"] == 2 and worker.totals["save_blocks"] == 2
+    # vLLM goes back to the failed block and computes blocks 1-3 again, in place: now
+    # they are stored, and a new request loads all four, equal to what was computed.
+    m = run_step(sched, worker, step(cached=[("b", None, 32, False)], scheduled={"b": 118}))
+    assert [s.block_ids for s in m.saves] == [[11, 12, 13]]
+    assert worker.totals["save_blocks"] == 5 and worker._tainted == set()
+    computed = [block(kv, b) for b in blocks[:4]]
+    r2 = request("c", long_prompt)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BLOCK, False)
+    sched.update_state_after_alloc(r2, None, 4 * BLOCK)
+    run_step(sched, worker, step([new_req("c", [20, 21, 22, 23, 24], 128)], scheduled={"c": 22}))
+    assert all(same(block(kv, 20 + i), c) for i, c in enumerate(computed))
+
+
+def test_a_block_shared_after_a_failed_load_taints_the_sharer(config: Any) -> None:
+    sched, worker, _ = pair(config, seed=10)
+    worker._tainted.add(5)  # block 5 failed to load for another request
+    # A request whose first block is block 5 through vLLM's prefix cache: not stored.
+    r = request("a", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, BLOCK) == (0, False)
+    sched.update_state_after_alloc(r, None, 0)
+    m = run_step(sched, worker, step([new_req("a", [5, 6, 7, 8], 32)], scheduled={"a": 68}))
+    assert [s.block_ids for s in m.saves] == [[5, 6, 7]]  # the store lacks all three
+    assert worker.totals["save_blocks"] == 0 and worker.totals["save_skipped_blocks"] == 3
+    assert worker._tainted == {5, 6, 7}  # computed over block 5
+    # Block 5 loaded whole later: clean again.
+    worker._tainted = {5}
+    worker.bind_connector_metadata(HiCacheConnectorMetadata())
+    worker.clear_connector_metadata()
+
+
+def test_tp_load_failures_are_shared_or_fail_every_block(config: Any) -> None:
+    """With TP, every rank must know every rank's failed blocks; if the ranks cannot be
+    asked (no TP group here), every block of the step's loads counts as failed."""
+    sched, worker, _ = pair(config, seed=11)
+    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    r = request("b", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, 3 * BLOCK)
+    worker._tp_size = 2
+    run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 96)], scheduled={"b": 4}))
+    assert worker.get_block_ids_with_load_errors() == {5, 6, 7}
+
+
+def test_model_config_changes_that_change_the_kv_change_the_namespace(
+    config: Any, tiny_model: Path
+) -> None:
+    base = HiCacheKVConnector(config, SCHED, kv_config()).namespace
+    assert HiCacheKVConnector(config, SCHED, kv_config()).namespace == base  # stable
+    for overrides in ({"rope_theta": 500000.0}, {"rms_norm_eps": 0.01}):
+        args = EngineArgs(
+            model=str(tiny_model), dtype="bfloat16", block_size=BLOCK, enforce_eager=True,
+            max_model_len=256, hf_overrides=overrides,
+            kv_transfer_config=config.kv_transfer_config,
+        )  # fmt: skip
+        other = HiCacheKVConnector(args.create_engine_config(), SCHED, kv_config()).namespace
+        assert other.digest != base.digest, overrides
+        assert other.model_id == base.model_id
+
+
+def test_an_unreachable_store_at_start_costs_misses_until_it_is_back(
+    config: Any, tmp_path: Path
+) -> None:
+    from redis_server import running
+
+    with running(tmp_path / "redis") as server:
+        server.stop()
+        extra = config.kv_transfer_config.kv_connector_extra_config
+        extra.clear()
+        extra.update(backend_name="redis", url=server.url, prefix="down:", connect_timeout=0.5)
+        sched, worker, _ = pair(config, seed=12)  # vLLM starts
+        assert sched._lookup_backends == [] and worker.mover is None
+        assert sched.get_num_new_matched_tokens(request("a", PROMPT), 0) == (0, False)
+        m = run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+        assert len(m.saves) == 1 and worker.totals["save_failed_blocks"] == 3
+        assert sched.totals["connect_errors"] >= 1 and worker.totals["connect_errors"] >= 1
+        server.start()
+        sched._retry_at = worker._retry_at = 0.0  # (instead of waiting for the retry)
+        r = request("b", PROMPT)
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert sched._lookup_backends  # attached now
+        run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 0)], scheduled={"b": 100}))
+        assert worker.mover is not None and worker.totals["save_blocks"] == 3
+        assert sched.get_num_new_matched_tokens(request("c", PROMPT), 0) == (3 * BLOCK, False)
+        for c in (sched, worker):
+            c.shutdown()
