@@ -393,6 +393,7 @@ def test_nothing_computed_over_a_failed_load_is_stored(config: Any, tmp_path: Pa
     r = request("b", long_prompt)  # the store has the first 2
     assert sched.get_num_new_matched_tokens(r, 0) == (2 * BLOCK, False)
     sched.update_state_after_alloc(r, None, 2 * BLOCK)
+    assert worker.backend is not None
     worker.backend.delete(second_key)  # lost between the lookup and the load
     # This step loads blocks 0-1 (block 1 fails) and computes block 2 over it.
     blocks = [10, 11, 12, 13, 14]
@@ -464,6 +465,10 @@ def test_model_config_changes_that_change_the_kv_change_the_namespace(
         assert other.model_id == base.model_id
 
 
+def _attached(c: HiCacheKVConnector) -> bool:
+    return bool(c._lookup_backends) or c.mover is not None
+
+
 def test_an_unreachable_store_at_start_costs_misses_until_it_is_back(
     config: Any, tmp_path: Path
 ) -> None:
@@ -475,7 +480,7 @@ def test_an_unreachable_store_at_start_costs_misses_until_it_is_back(
         extra.clear()
         extra.update(backend_name="redis", url=server.url, prefix="down:", connect_timeout=0.5)
         sched, worker, _ = pair(config, seed=12)  # vLLM starts
-        assert sched._lookup_backends == [] and worker.mover is None
+        assert not _attached(sched) and not _attached(worker)
         assert sched.get_num_new_matched_tokens(request("a", PROMPT), 0) == (0, False)
         m = run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
         assert len(m.saves) == 1 and worker.totals["save_failed_blocks"] == 3
@@ -484,9 +489,9 @@ def test_an_unreachable_store_at_start_costs_misses_until_it_is_back(
         sched._retry_at = worker._retry_at = 0.0  # (instead of waiting for the retry)
         r = request("b", PROMPT)
         assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
-        assert sched._lookup_backends  # attached now
+        assert _attached(sched)  # attached now
         run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 0)], scheduled={"b": 100}))
-        assert worker.mover is not None and worker.totals["save_blocks"] == 3
+        assert _attached(worker) and worker.totals["save_blocks"] == 3
         assert sched.get_num_new_matched_tokens(request("c", PROMPT), 0) == (3 * BLOCK, False)
         for c in (sched, worker):
             c.shutdown()
