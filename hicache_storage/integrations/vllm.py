@@ -65,6 +65,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 import weakref
@@ -190,8 +191,13 @@ def model_digest(model_config: Any) -> str:
         "quantization": getattr(model_config, "quantization", None),
         "dtype": str(getattr(model_config, "dtype", "")),
     }
-    blob = json.dumps(factors, sort_keys=True, default=str).encode()
+    blob = json.dumps(factors, sort_keys=True, default=_stable_str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _stable_str(obj: object) -> str:
+    """``str(obj)`` without memory addresses (every process must get the same digest)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", str(obj))
 
 
 def namespace_for(

@@ -69,14 +69,20 @@ def kv_transfer_config(
     """The ``kv_transfer_config`` that runs ``backend`` with ``options`` (None: no connector).
 
     Made by ``hicache-storage vllm-args``' own function, so every engine test runs the
-    configuration that command prints.
+    configuration that command prints; the secret options it leaves out are set in this
+    process's environment, where the backend reads them.
     """
     if backend is None:
         return None
     from hicache_storage.cli.main import vllm_kv_transfer_config
 
     config, secret_env = vllm_kv_transfer_config(backend, options or {}, policy=policy)
-    assert not secret_env, secret_env
+    # Secret options stay out of the config (vLLM logs it): as the command tells a
+    # user, they go to the backend through its environment variables.
+    for key, value in (options or {}).items():
+        for var in secret_env:
+            if var.endswith("_" + key.upper()):
+                os.environ[var] = str(value)
     return config
 
 
