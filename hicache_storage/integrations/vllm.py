@@ -142,7 +142,9 @@ _COUNTERS = (
     "hook_errors",
 )
 
-#: Seconds between two tries to reach a backend that was unreachable (doubling, capped).
+#: Seconds before the first new try to reach a backend that was unreachable; the delay
+#: doubles after each failed try, up to :data:`RETRY_MAX_SECONDS`.
+RETRY_FIRST_SECONDS = 1.0
 RETRY_MAX_SECONDS = 30.0
 
 
@@ -326,6 +328,9 @@ class HiCacheConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: Blocks handed to a request afresh in this step (their old taint is void).
+    fresh_blocks: list[int] = field(default_factory=list)
+    fresh_done: bool = False
 
 
 @dataclass
@@ -448,12 +453,12 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Blocks whose KV is not what their tokens make: a load into them failed, or they
         # were computed over such a block. Nothing computed over them is stored.
         self._tainted: set[int] = set()
-        # Unreachable backends are tried again later (doubling delays).
-        self._failures = 0
-        self._retry_at = 0.0
+        # An unreachable backend is tried again on a thread of its own (doubling delays).
+        self._reconnecting = False
+        self._closed = threading.Event()
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         if self._is_scheduler:
-            self._ready()
+            self._connect_or_retry()
             if getattr(ktc, "kv_load_failure_policy", "fail") != "recompute" and self._load_on:
                 logger.warning(
                     "HiCacheKVConnector: kv_load_failure_policy is %r: a block the store "
@@ -491,42 +496,70 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return out
 
     def _ready(self) -> bool:
-        """True when this side's backend is attached; otherwise try again when due.
+        """True when this side's backend is attached (never blocks: see :meth:`_connect`)."""
+        return bool(self._lookup_backends) if self._is_scheduler else self.mover is not None
 
-        A backend that cannot be reached (:class:`BackendError` while it is built:
-        no server, a refused connection) does not stop vLLM: the connector runs without
-        it (lookups miss, nothing is stored or loaded) and tries again after 1, 2, 4...
-        up to :data:`RETRY_MAX_SECONDS` seconds. Anything else (a bad option) raises.
+    def _connect(self) -> bool:
+        """Build this side's backend(s); False (logged, counted) if the store is unreachable.
+
+        Unreachable is :class:`BackendError` while the backend is built (no server, a
+        refused connection, a timeout); anything else (a bad option) raises.
         """
-        if self._lookup_backends if self._is_scheduler else self.mover is not None:
-            return True
-        if (not self._is_scheduler and self._pool is None) or time.monotonic() < self._retry_at:
-            return False
         try:
             if self._is_scheduler:
-                self._lookup_backends = self._scheduler_backends()
+                backends = self._scheduler_backends()
+                if self._closed.is_set():
+                    for b in backends:
+                        b.close()
+                    return True
+                self._lookup_backends = backends
             else:
                 self._attach()
         except BackendError as exc:
-            self._failures += 1
-            delay = min(RETRY_MAX_SECONDS, 2.0 ** (self._failures - 1))
-            self._retry_at = time.monotonic() + delay
             self._count(connect_errors=1)
             self._log(
                 "connect",
                 "HiCacheKVConnector: the %s backend cannot be reached (%s: %s); running "
-                "without it (misses), next try in %.0f s",
+                "without it (misses) and trying again",
                 self.backend_name,
                 type(exc).__name__,
                 scrub(str(exc), []),
-                delay,
                 level=logging.ERROR,
             )
             return False
-        if self._failures:
-            logger.warning("HiCacheKVConnector: the %s backend is attached now", self.backend_name)
-        self._failures = 0
         return True
+
+    def _connect_or_retry(self) -> None:
+        """Connect now; if the store is unreachable, keep trying on a background thread.
+
+        vLLM starts (and runs: lookups miss, nothing is stored or loaded) without an
+        unreachable store; the thread tries again after :data:`RETRY_FIRST_SECONDS`,
+        doubling up to :data:`RETRY_MAX_SECONDS`, so no scheduler step or forward pass
+        ever waits on a store that is down.
+        """
+        if self._connect():
+            return
+        with self._lock:
+            if self._reconnecting:
+                return
+            self._reconnecting = True
+        threading.Thread(target=self._retry, name="hicache-vllm-reconnect", daemon=True).start()
+
+    def _retry(self) -> None:
+        delay = RETRY_FIRST_SECONDS
+        try:
+            while not self._closed.wait(delay):
+                if self._connect():
+                    if not self._closed.is_set():
+                        logger.warning(
+                            "HiCacheKVConnector: the %s backend is attached now", self.backend_name
+                        )
+                    return
+                delay = min(RETRY_MAX_SECONDS, delay * 2)
+        except Exception as exc:  # noqa: BLE001 - a bad option now: stop trying, say why
+            self._log("connect", "HiCacheKVConnector: giving up on the backend: %s", exc)
+        finally:
+            self._reconnecting = False
 
     def _attach(self) -> None:
         """Build the worker's backend and register the KV pool with it."""
@@ -537,6 +570,9 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except BaseException:
             backend.close()
             raise
+        if self._closed.is_set():
+            backend.close()
+            return
         old, self.backend, self.mover = self.backend, backend, mover
         self._writer = config.is_storage_writer
         if old is not None:
@@ -631,16 +667,23 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = HiCacheConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            # Blocks past what the request already has computed are its own, afresh.
+            meta.fresh_blocks.extend(new.block_ids[0][new.num_computed_tokens // self.block_size :])
             state = self._reqs.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
                 self._plan_safely(meta, new.req_id, state, new.num_computed_tokens, scheduled)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                fresh = list(new_ids[0])
+                if req_id in cached.resumed_req_ids:
+                    fresh = fresh[cached.num_computed_tokens[i] // self.block_size :]
+                meta.fresh_blocks.extend(fresh)
             state = self._reqs.get(req_id)
             if state is None:
                 continue
-            new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids is not None else []
                 state.done = None
@@ -755,7 +798,7 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._rank = int(get_tensor_model_parallel_rank())
         except Exception:  # noqa: BLE001 - no TP group (single process): rank 0
             self._rank = 0
-        self._ready()
+        self._connect_or_retry()
 
     def _meta(self) -> HiCacheConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -770,7 +813,10 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         is not stored from, nor is anything computed over it (see :meth:`wait_for_save`).
         """
         meta = self._meta()
-        if meta is None or not meta.loads:
+        if meta is None:
+            return
+        self._fresh(meta)
+        if not meta.loads:
             return
         failed: set[int] = set()
         loaded: set[int] = set()
@@ -843,21 +889,34 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _clean_blocks(self, spec: SaveSpec) -> bool:
         """Whether the blocks of ``spec`` were computed over clean KV; updates the taint.
 
-        The request's blocks before ``computed_from`` (vLLM's prefix cache, the store)
-        are clean unless a load into them failed; each block the request computed is as
-        clean as everything before it. A block that failed to load (or was computed over
-        one) stays tainted until it is loaded whole or computed again over clean KV.
+        Walking the request's blocks in order: a block this step did not compute (one
+        before the stored range, or from vLLM's prefix cache or the store: before
+        ``computed_from``) is as clean as its own taint says; each block this step
+        computed (in the stored range) is as clean as everything before it, and is
+        marked so. A block stays tainted until it is loaded whole, computed again over
+        clean KV, or handed to a request afresh (:meth:`_fresh`).
         """
         tainted = self._tainted
+        first = len(spec.prefix_block_ids) - len(spec.block_ids)  # the stored range
         bad = False
         for idx, b in enumerate(spec.prefix_block_ids):
-            if idx < spec.computed_from:
+            if idx < first or idx < spec.computed_from:
                 bad = bad or b in tainted
             elif bad:
                 tainted.add(b)
             else:
                 tainted.discard(b)
         return not bad
+
+    def _fresh(self, meta: HiCacheConnectorMetadata) -> None:
+        """Forget the taint of blocks vLLM handed to a request afresh (once per step).
+
+        Their old bytes are never read again: the request computes or loads them.
+        """
+        if meta.fresh_blocks and not meta.fresh_done:
+            with self._lock:
+                self._tainted.difference_update(meta.fresh_blocks)
+        meta.fresh_done = True
 
     def wait_for_save(self) -> None:
         """Store the step's new full blocks (synchronous: done before vLLM frees them).
@@ -867,7 +926,10 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         those blocks, and the scheduler side plans their store again.
         """
         meta = self._meta()
-        if meta is None or not meta.saves or not self._writer:
+        if meta is None:
+            return
+        self._fresh(meta)
+        if not meta.saves or not self._writer:
             return
         with self._lock:
             specs = [s for s in meta.saves if self._clean_blocks(s)]
@@ -922,7 +984,8 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return HiCacheKVConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
-        """Close the backends."""
+        """Close the backends (and stop trying to reach an unreachable one)."""
+        self._closed.set()
         backends = [*self._lookup_backends, *([self.backend] if self.backend else [])]
         self._lookup_backends, self.backend, self.mover = [], None, None
         for b in backends:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm_engine import BLOCK, kv_transfer_config
 
 from hicache_storage.errors import ConfigError, UnknownBackendError
+from hicache_storage.integrations import vllm as hv
 from hicache_storage.integrations.vllm import (
     HiCacheConnectorMetadata,
     HiCacheKVConnector,
@@ -470,9 +472,12 @@ def _attached(c: HiCacheKVConnector) -> bool:
 
 
 def test_an_unreachable_store_at_start_costs_misses_until_it_is_back(
-    config: Any, tmp_path: Path
+    config: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from redis_server import running
+
+    monkeypatch.setattr(hv, "RETRY_FIRST_SECONDS", 0.05)
+    monkeypatch.setattr(hv, "RETRY_MAX_SECONDS", 0.2)
 
     with running(tmp_path / "redis") as server:
         server.stop()
@@ -486,12 +491,66 @@ def test_an_unreachable_store_at_start_costs_misses_until_it_is_back(
         assert len(m.saves) == 1 and worker.totals["save_failed_blocks"] == 3
         assert sched.totals["connect_errors"] >= 1 and worker.totals["connect_errors"] >= 1
         server.start()
-        sched._retry_at = worker._retry_at = 0.0  # (instead of waiting for the retry)
+        # The background retries attach both halves; no hook waited on them.
+        deadline = time.monotonic() + 30
+        while not (_attached(sched) and _attached(worker)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _attached(sched) and _attached(worker)
         r = request("b", PROMPT)
         assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
-        assert _attached(sched)  # attached now
         run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 0)], scheduled={"b": 100}))
         assert _attached(worker) and worker.totals["save_blocks"] == 3
         assert sched.get_num_new_matched_tokens(request("c", PROMPT), 0) == (3 * BLOCK, False)
         for c in (sched, worker):
             c.shutdown()
+
+
+def test_blocks_computed_over_a_shared_failed_block_stay_tainted(config: Any) -> None:
+    """Async scheduling: a request B hits, through vLLM's prefix cache, a block that
+    failed to load for A, in a step vLLM planned before it knew. vLLM rolls A back (A
+    computes the block again) but not B: B's blocks computed over the bad one are never
+    stored, even after A cleaned the shared block."""
+    sched, worker, _ = pair(config, seed=13)
+    sched.get_num_new_matched_tokens(request("s", PROMPT[:70]), 0)
+    run_step(sched, worker, step([new_req("s", [1, 2, 3], 0)], scheduled={"s": 70}))
+    long_a = PROMPT + list(range(300, 350))
+    long_b = PROMPT[:64] + list(range(500, 660))
+    a, b = request("a", long_a), request("b", long_b)
+    sched.get_num_new_matched_tokens(a, 0)
+    sched.update_state_after_alloc(a, None, 2 * BLOCK)
+    assert worker.backend is not None
+    worker.backend.delete(sched.keys_for(a)[1])  # type: ignore[index]
+    run_step(sched, worker, step([new_req("a", [10, 11, 12, 13, 14], 64)], scheduled={"a": 32}))
+    assert worker.get_block_ids_with_load_errors() == {11}
+    sched.get_num_new_matched_tokens(b, 2 * BLOCK)  # vLLM's prefix cache: blocks 10, 11
+    sched.update_state_after_alloc(b, None, 0)
+    run_step(sched, worker, step([new_req("b", [10, 11, 40, 41, 42, 43, 44, 45], 64)],
+                                 cached=[("a", None, 96, False)], scheduled={"a": 32, "b": 32}))  # fmt: skip
+    run_step(sched, worker, step(cached=[("a", None, 32, False), ("b", None, 96, False)],
+                                 scheduled={"a": 118, "b": 128}))  # fmt: skip
+    keys_b = sched.keys_for(b)
+    assert keys_b is not None
+    assert [worker.backend.exists(k) for k in keys_b[2:7]] == [False] * 5
+    assert 11 not in worker._tainted  # A computed it again
+    assert {40, 41, 42, 43, 44} <= worker._tainted
+
+
+def test_a_block_handed_out_afresh_loses_its_old_taint(config: Any) -> None:
+    """A request failed (vLLM's fail policy) after a failed load: its blocks come back to
+    other requests, which compute them anew; later turns that reuse them are stored."""
+    sched, worker, _ = pair(config, seed=14)
+    worker._tainted.update({11, 12, 13})  # what a failed request left behind
+    d = request("d", list(range(600, 640)))
+    sched.get_num_new_matched_tokens(d, 0)
+    sched.update_state_after_alloc(d, None, 0)
+    m = run_step(sched, worker, step([new_req("d", [20, 11], 0)], scheduled={"d": 40}))
+    assert m.fresh_blocks == [20, 11] and 11 not in worker._tainted
+    m = run_step(sched, worker, step(cached=[("d", [12], 40, False)], scheduled={"d": 1}))
+    assert m.fresh_blocks == [12] and worker._tainted == {13}
+    # The next turn shares blocks 20 and 11 through vLLM's prefix cache: stored.
+    e = request("e", list(range(600, 640)) + list(range(700, 764)))
+    sched.get_num_new_matched_tokens(e, 2 * BLOCK)
+    sched.update_state_after_alloc(e, None, 0)
+    m = run_step(sched, worker, step([new_req("e", [20, 11, 30, 31], 64)], scheduled={"e": 40}))
+    assert m.fresh_blocks == [30, 31]
+    assert worker.totals["save_skipped_blocks"] == 0 and worker.totals["save_blocks"] == 3
