@@ -711,11 +711,16 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except Exception as exc:  # noqa: BLE001 - one request's plan, not vLLM's step
             self._count(hook_errors=1)
             self._log("plan", "HiCacheKVConnector: planning %s failed (%s)", req_id, exc)
-            if state.load is not None:
-                a, b = state.load
-                state.load = None
-                meta.loads.append(LoadSpec(req_id, state.keys[a:b], state.block_ids[a:b]))
+            self._send_load(meta, req_id, state)
             self._reqs.pop(req_id, None)
+
+    @staticmethod
+    def _send_load(meta: HiCacheConnectorMetadata, req_id: str, state: _Req) -> None:
+        """Put ``state``'s pending load (blocks vLLM counts as computed) in ``meta``."""
+        if state.load is not None:
+            a, b = state.load
+            state.load = None
+            meta.loads.append(LoadSpec(req_id, state.keys[a:b], state.block_ids[a:b]))
 
     def _plan(
         self,
@@ -725,10 +730,7 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         num_computed: int,
         scheduled: dict[str, int],
     ) -> None:
-        if state.load is not None:
-            a, b = state.load
-            state.load = None
-            meta.loads.append(LoadSpec(req_id, state.keys[a:b], state.block_ids[a:b]))
+        self._send_load(meta, req_id, state)
         num_computed = int(num_computed)
         if state.done is not None and num_computed < state.done:
             # vLLM went back (a block failed to load, here or on another request sharing
