@@ -6,14 +6,16 @@
 # cache for the package's modules.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tree=build/typecheck/hicache_storage
-rm -rf build/typecheck
+# (TYPECHECK_DIR=build/NAME: another tree, for checks that run side by side)
+top=${TYPECHECK_DIR:-build/typecheck}
+tree=$top/hicache_storage
+rm -rf "$top"
 mkdir -p "$tree"
 for f in hicache_storage/*; do ln -s "$PWD/$f" "$tree/$(basename "$f")"; done
 ln -s "$PWD/backends" "$tree/backends"
 ln -s "$PWD/conformance" "$tree/conformance"
-ln -s "$PWD/tests" build/typecheck/tests
-cd build/typecheck
+ln -s "$PWD/tests" "$top/tests"
+cd "$top"
 mypy=(../../.venv/bin/mypy --config-file ../../pyproject.toml)
 "${mypy[@]}" -p hicache_storage
 "${mypy[@]}" tests
