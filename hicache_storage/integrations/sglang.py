@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
 
 from hicache_storage.buffers import memoryview_at
 from hicache_storage.config import StorageConfig, scrub
-from hicache_storage.errors import ConfigError, HostIndicesError
+from hicache_storage.errors import ConfigError, HostIndicesError, NamespaceMismatchError
 from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
 from hicache_storage.ratelimit import RateLimitedLog
@@ -102,6 +102,23 @@ def _server_kv_cache_dtype() -> str | None:
     except Exception:  # noqa: BLE001 - not in a server (tests, tools): unknown
         return None
     return str(value) if value else None
+
+
+def _pool_is_mla(pool: Any) -> bool | None:
+    """Whether SGLang host pool ``pool`` holds MLA pages, from the pool itself.
+
+    MLA pools keep one latent vector per token (``kv_lora_rank``), MHA pools K and V
+    heads (``head_num``); an SDK pool says so itself (``mla``). None: the pool does not
+    tell.
+    """
+    own = getattr(pool, "mla", getattr(pool, "is_mla", None))
+    if isinstance(own, bool):
+        return own
+    if getattr(pool, "kv_lora_rank", None) is not None:
+        return True
+    if getattr(pool, "head_num", None) is not None:
+        return False
+    return None
 
 
 def _metrics_class() -> type:
@@ -292,6 +309,15 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """The namespace of this rank's pages for SGLang host pool ``pool``."""
         cfg = self.storage_config
         mla = bool(cfg.is_mla_model)
+        pool_mla = _pool_is_mla(pool)
+        if pool_mla is not None and pool_mla != mla:
+            # An MHA pool filed as MLA would be one replicated namespace for every rank's
+            # own heads (rank 1 loads rank 0's pages); MLA filed as MHA stores it per rank.
+            raise NamespaceMismatchError(
+                f"SGLang's config says is_mla_model={mla}, but the host pool "
+                f"({type(pool).__name__}) holds {'MLA' if pool_mla else 'MHA'} pages; "
+                "the pages are filed by what the pool holds, so the two must agree"
+            )
         model_id = self.extra_config.get("model_id") or cfg.model_name
         if not model_id:
             raise ConfigError(
@@ -388,7 +414,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             pool = (
                 mem_pool_host
                 if hasattr(mem_pool_host, "page_buffers")
-                else _PoolView(mem_pool_host, bool(cfg.is_mla_model), namespace.dtype)
+                else _PoolView(mem_pool_host, namespace.rank_replicated, namespace.dtype)
             )
             backend.register_mem_pool_host(pool)
         except BaseException:

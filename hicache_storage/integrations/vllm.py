@@ -25,9 +25,11 @@ blocks and a prefix hit is a leading run of ``batch_exists``. Whatever else chan
 KV of the same tokens seeds the chain: the LoRA adapter, the multimodal inputs and their
 positions, the request's ``cache_salt``. Requests given as prompt embeddings are neither
 stored nor loaded (their token ids do not say what the KV is). The namespace holds what
-makes the bytes differ: the model (and revision), the KV dtype, the block size, vLLM's KV
-cache layout, heads and head size, the layer count, and the TP shard (the KV heads a
-rank holds; MLA's replicated KV has none, and only rank 0 writes it).
+makes the bytes differ: the model (its resolved path, or hub id and revision, and a
+fingerprint of its weights: :mod:`hicache_storage.integrations.weights`), the KV dtype,
+the block size, vLLM's KV cache layout, heads and head size, the layer count, and the TP
+shard (the KV heads a rank holds; MLA's replicated KV has none, and only rank 0 writes
+it).
 
 **Flow.** Scheduler side, :meth:`~HiCacheKVConnector.get_num_new_matched_tokens` asks the
 store for the leading run of the prompt's blocks (never more than the prompt minus one
@@ -91,6 +93,7 @@ from hicache_storage.config import StorageConfig, scrub
 from hicache_storage.errors import BackendError, ConfigError
 from hicache_storage.integrations import VLLM_ADAPTER_KEYS
 from hicache_storage.integrations.kvblocks import KVBlockMover, kv_blocks
+from hicache_storage.integrations.weights import model_identity
 from hicache_storage.keys import (
     KVCacheNamespace,
     normalize_dtype,
@@ -223,9 +226,13 @@ def namespace_for(
     group = _the_group(kv_cache_config)
     spec = group.kv_cache_spec
     mla = isinstance(spec, MLAAttentionSpec) or bool(getattr(mc, "use_mla", False))
-    model_id = extra.get("model_id") or str(mc.model)
-    if getattr(mc, "revision", None) and not extra.get("model_id"):
-        model_id = f"{model_id}@{mc.revision}"
+    # The weights' identity: a relative path or an unpinned name says nothing of them.
+    load_format = str(getattr(getattr(vllm_config, "load_config", None), "load_format", ""))
+    if load_format == "dummy":  # vLLM's seeded random weights: the same in every process
+        resolved, weights = str(mc.model), "dummy"
+    else:
+        resolved, weights = model_identity(str(mc.model), getattr(mc, "revision", None))
+    model_id = extra.get("model_id") or resolved
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
     layout = [
         "vllm",
@@ -242,7 +249,7 @@ def namespace_for(
         layout.append(f"q{getattr(quant, 'name', quant)}")
     if cache_dtype != "auto":
         layout.append(cache_dtype)  # fp8 variants may share a torch dtype
-    fingerprint = f"vllm-cfg-{model_digest(mc)}"
+    fingerprint = f"w-{weights}+vllm-cfg-{model_digest(mc)}"
     if extra.get("weights_fingerprint"):
         fingerprint = f"{extra['weights_fingerprint']}+{fingerprint}"
     fields: dict[str, Any] = {

@@ -50,7 +50,7 @@ from sglang_pools import (
 )
 from typing_extensions import override
 
-from hicache_storage.errors import ConfigError
+from hicache_storage.errors import ConfigError, NamespaceMismatchError
 from hicache_storage.integrations.sglang import SGLangStorage
 from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.wrapper import WrapperBackend
@@ -335,6 +335,22 @@ def test_mla_writer_election_and_direct_calls_on_every_rank(tmp_path: Path) -> N
     assert ranks[0].batch_exists(more) == 2
     for b in ranks:
         b.close()
+
+
+@pytest.mark.parametrize("config_mla", [True, False])
+def test_a_pool_that_contradicts_is_mla_model_fails_the_attach(
+    config_mla: bool, tmp_path: Path
+) -> None:
+    """MLA-ness comes from the pool, not from SGLang's config: an MHA pool at TP 2 under
+    ``is_mla_model=True`` would be one replicated namespace, and rank 1 would load rank
+    0's heads as a hit. Both contradictions fail the attach; nothing is stored."""
+    pool = mha_pool("page_first") if config_mla else mla_pool("page_first")
+    b = build("file", tmp_path, mla=config_mla, tp_rank=1, tp_size=2)
+    with pytest.raises(NamespaceMismatchError, match="is_mla_model"):
+        b.register_mem_pool_host(pool)
+    assert b.backend is None
+    assert b.batch_exists([f"{1:064x}"]) == 0
+    b.close()
 
 
 # --------------------------------------------------------------------------- v2 and stats
