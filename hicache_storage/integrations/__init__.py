@@ -6,6 +6,10 @@
   v1, loaded through ``kv_connector_module_path``.
 * :mod:`hicache_storage.integrations.kvblocks` -- a paged engine's KV tensors as a pool
   of whole-block pages (no engine import), which the vLLM connector moves.
+* :mod:`hicache_storage.integrations.deadline` -- calls into a store that an engine
+  thread waits for only until a deadline (no engine import).
+* :mod:`hicache_storage.integrations.weights` -- a model's identity: its resolved
+  location and a fingerprint of its weights (no engine import).
 
 Each adapter imports its engine when it is imported, never before: ``import
 hicache_storage`` imports no engine.
@@ -21,7 +25,8 @@ SGLANG_ADAPTER_KEYS = frozenset({"model_id", "kv_cache_dtype", "tenant", "weight
 #: Extra-config keys the vLLM connector itself reads (never passed to the backend):
 #: ``model_id`` to name the model when its path is not a stable identity; ``tenant`` and
 #: ``weights_fingerprint`` as for SGLang; ``staging`` (force or forbid the host staging
-#: buffer) and ``staging_blocks`` (its size in blocks) for KV outside CPU memory.
+#: buffer) and ``staging_blocks`` (its size in blocks); ``engine_timeout`` (the longest
+#: a vLLM thread waits for the store in one call). See ``ConnectorOptions`` there.
 VLLM_ADAPTER_KEYS = frozenset(
-    {"model_id", "tenant", "weights_fingerprint", "staging", "staging_blocks"}
+    {"model_id", "tenant", "weights_fingerprint", "staging", "staging_blocks", "engine_timeout"}
 )

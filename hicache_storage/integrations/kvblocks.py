@@ -24,6 +24,7 @@ Nothing here imports an engine.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import TYPE_CHECKING, Any, cast
 
@@ -36,6 +37,7 @@ from hicache_storage.keys import normalize_dtype
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from hicache_storage.integrations.deadline import Job
     from hicache_storage.protocol import HiCacheStorage, SDKHostPool
 
 __all__ = ["KVBlockMover", "PagedKVBlocks", "StagedKVBlocks", "block_slots", "kv_blocks"]
@@ -187,17 +189,21 @@ class PagedKVBlocks(_BlockPoolBase):
 class StagedKVBlocks(_BlockPoolBase):
     """The engine's paged KV, through a host staging buffer of ``rows`` whole blocks.
 
-    For KV in accelerator memory, or blocks that are not contiguous. :meth:`gather`
-    copies engine blocks into staging rows (before a store), :meth:`scatter` copies rows
-    back into engine blocks (after a load); the backends see the rows as pages. A row
-    holds each layer's block in its logical order, so staged and direct pages of one
-    layout have the same bytes.
+    For KV in accelerator memory, blocks that are not contiguous, or calls that must
+    never touch the engine's memory after their deadline. :meth:`gather` copies engine
+    blocks into staging rows (before a store), :meth:`scatter` copies rows back into
+    engine blocks (after a load); the backends see the rows as pages. A row holds each
+    layer's block in its logical order, so staged and direct pages of one layout have
+    the same bytes. With ``lanes`` > 1 the buffer holds ``rows`` rows per lane, and
+    each lane has its own lock: loads and stores in lanes of their own never wait for
+    each other (:class:`KVBlockMover` uses lane 0 for loads, lane 1 for stores).
 
     Args:
         layers: each layer's KV tensor, ``[num_blocks, ...]``, any device and strides.
         block_size: tokens per block.
-        rows: blocks the staging buffer holds (a store or load is done in chunks of it).
+        rows: blocks a lane holds (a store or load is done in chunks of it).
         pin_memory: pin the staging buffer (default: when the layers are on CUDA).
+        lanes: independent sets of ``rows`` rows.
     """
 
     def __init__(
@@ -206,22 +212,26 @@ class StagedKVBlocks(_BlockPoolBase):
         block_size: int,
         rows: int = 16,
         pin_memory: bool | None = None,
+        lanes: int = 1,
     ) -> None:
         num_blocks, dtype = _check_layers(layers)
-        if not isinstance(rows, int) or rows <= 0:
-            raise ConfigError(f"staging rows must be a positive int, got {rows!r}")
+        for what, n in (("staging rows", rows), ("staging lanes", lanes)):
+            if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+                raise ConfigError(f"{what} must be a positive int, got {n!r}")
         super().__init__(block_size, dtype, sum(_block_bytes(t) for t in layers))
         self.num_blocks = num_blocks
         self.rows = rows
+        self.lanes = lanes
+        total = rows * lanes
         self.layers = list(layers)
         if pin_memory is None:
             pin_memory = layers[0].device.type == "cuda"
         self.staging = torch.empty(
-            (rows, self.page_bytes), dtype=torch.uint8, pin_memory=pin_memory
+            (total, self.page_bytes), dtype=torch.uint8, pin_memory=pin_memory
         )
         self.kv_buffer = [self.staging]
         self._view = memoryview_at(
-            int(self.staging.data_ptr()), self.page_bytes * rows, self.staging
+            int(self.staging.data_ptr()), self.page_bytes * total, self.staging
         )
         # Per layer, the staging rows as that layer's blocks: [rows, *block shape].
         self._row_views = []
@@ -229,45 +239,67 @@ class StagedKVBlocks(_BlockPoolBase):
         for t in layers:
             n = _block_bytes(t)
             self._row_views.append(
-                self.staging[:, off : off + n].view(t.dtype).view(rows, *t.shape[1:])
+                self.staging[:, off : off + n].view(t.dtype).view(total, *t.shape[1:])
             )
             off += n
-        #: Serializes use of the staging buffer (one store or load at a time).
-        self.lock = threading.Lock()
+        #: One lock per lane: a lane's rows serve one store or load at a time.
+        self.locks = [threading.Lock() for _ in range(lanes)]
+        self.lock = self.locks[0]
 
     def page_buffers(self, indices: Any, expected_pages: int | None = None) -> list[PageBuffer]:
         """One :class:`PageBuffer` per staging row of slots ``indices`` (views, no copy)."""
         base, pb = int(self.staging.data_ptr()), self.page_bytes
         return [
             PageBuffer([Segment(base + r * pb, pb, self._view[r * pb : (r + 1) * pb])])
-            for r in self._blocks_of(indices, expected_pages, self.rows)
+            for r in self._blocks_of(indices, expected_pages, self.rows * self.lanes)
         ]
 
-    def gather(self, block_ids: Sequence[int]) -> None:
-        """Copy engine blocks ``block_ids`` into staging rows ``0..len-1``."""
-        self._check(block_ids)
-        k = len(block_ids)
+    def gather(self, block_ids: Sequence[int], rows_used: Sequence[int] | None = None) -> None:
+        """Copy engine blocks ``block_ids`` into staging rows ``rows_used`` (default 0..)."""
+        pick = self._check(block_ids, rows_used)
+        if not block_ids:
+            return
         for t, rows in zip(self.layers, self._row_views, strict=True):
             ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=t.device)
-            rows[:k].copy_(t.index_select(0, ids))  # (to host: synchronizes the device)
+            if isinstance(pick, slice):  # (to host: synchronizes the device)
+                rows[pick].copy_(t.index_select(0, ids))
+            else:
+                rows.index_copy_(0, pick, t.index_select(0, ids).to("cpu"))
 
     def scatter(self, block_ids: Sequence[int], rows_used: Sequence[int]) -> None:
         """Copy staging rows ``rows_used`` into engine blocks ``block_ids``."""
-        self._check(block_ids)
+        pick = self._check(block_ids, rows_used)
         if not block_ids:
             return
-        rid = torch.as_tensor(list(rows_used), dtype=torch.int64)
         for t, rows in zip(self.layers, self._row_views, strict=True):
             ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=t.device)
-            t.index_copy_(0, ids, rows.index_select(0, rid).to(t.device))
+            src = rows[pick] if isinstance(pick, slice) else rows.index_select(0, pick)
+            t.index_copy_(0, ids, src.to(t.device))
         if self.layers[0].device.type == "cuda":
             torch.cuda.current_stream(self.layers[0].device).synchronize()
 
-    def _check(self, block_ids: Sequence[int]) -> None:
-        if len(block_ids) > self.rows:
-            raise HostIndicesError(f"{len(block_ids)} blocks exceed {self.rows} staging rows")
+    def _check(
+        self, block_ids: Sequence[int], rows_used: Sequence[int] | None
+    ) -> slice | torch.Tensor:
+        """The staging rows for ``block_ids`` (a slice when they are a run), checked.
+
+        :class:`HostIndicesError` for more blocks than a lane's rows, block numbers
+        outside the KV, or rows outside the staging buffer.
+        """
+        total = self.rows * self.lanes
+        rows = list(range(len(block_ids))) if rows_used is None else [int(r) for r in rows_used]
+        if len(rows) != len(block_ids) or len(block_ids) > self.rows:
+            raise HostIndicesError(
+                f"{len(block_ids)} blocks for {len(rows)} staging rows (a lane holds {self.rows})"
+            )
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             raise HostIndicesError(f"block numbers outside [0, {self.num_blocks})")
+        if rows and (min(rows) < 0 or max(rows) >= total):
+            raise HostIndicesError(f"staging rows outside [0, {total})")
+        first = rows[0] if rows else 0
+        if rows == list(range(first, first + len(rows))):
+            return slice(first, first + len(rows))
+        return torch.as_tensor(rows, dtype=torch.int64)
 
 
 def kv_blocks(
@@ -275,15 +307,19 @@ def kv_blocks(
     block_size: int,
     staging_rows: int = 16,
     staged: bool | None = None,
+    lanes: int = 1,
 ) -> PagedKVBlocks | StagedKVBlocks:
     """The pool for ``layers``: direct where it can be (CPU, contiguous blocks), else staged.
 
     ``staged=True`` forces staging (``False`` forbids it: :class:`ConfigError` where the
-    direct pool cannot be built).
+    direct pool cannot be built). ``lanes`` > 1 asks for a staged pool with that many
+    lanes (see :class:`StagedKVBlocks`), which ``staged=False`` contradicts.
     """
     direct_ok = all(t.device.type == "cpu" and t[0].is_contiguous() for t in layers)
-    if staged or (staged is None and not direct_ok):
-        return StagedKVBlocks(layers, block_size, rows=staging_rows)
+    if staged is False and lanes > 1:
+        raise ConfigError("staging lanes need a staged pool, and staging is forbidden")
+    if staged or lanes > 1 or (staged is None and not direct_ok):
+        return StagedKVBlocks(layers, block_size, rows=staging_rows, lanes=lanes)
     return PagedKVBlocks(layers, block_size)
 
 
@@ -306,19 +342,34 @@ class KVBlockMover:
         backend.register_mem_pool_host(cast("SDKHostPool", pool))
         return cls(backend, pool)
 
-    def save(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
-        """Store engine blocks ``block_ids`` under ``keys`` (one key per block)."""
-        return self._move("batch_set_v1", list(keys), list(block_ids))
+    def save(
+        self, keys: Sequence[str], block_ids: Sequence[int], job: Job[Any] | None = None
+    ) -> list[bool]:
+        """Store engine blocks ``block_ids`` under ``keys`` (one key per block).
 
-    def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
+        With a ``job`` (a call run on a :class:`~hicache_storage.integrations.deadline.Lane`)
+        the pool must be staged: each chunk is copied from the engine's blocks inside the
+        job's gate, so once the job is cut nothing more is read from them; what was
+        copied is still stored.
+        """
+        return self._move("batch_set_v1", list(keys), list(block_ids), job)
+
+    def load(
+        self, keys: Sequence[str], block_ids: Sequence[int], job: Job[Any] | None = None
+    ) -> list[bool]:
         """Read ``keys`` into engine blocks ``block_ids``; True where a block landed whole.
 
         A block whose read failed may hold part of the page: the caller must not use it
-        (the vLLM connector reports it as a load error, and vLLM recomputes it).
+        (the vLLM connector reports it as a load error, and vLLM recomputes it). With a
+        ``job`` the pool must be staged: each chunk is read into staging rows and copied
+        into the engine's blocks inside the job's gate, so a job cut at its deadline never
+        writes into them again; only blocks copied in are True.
         """
-        return self._move("batch_get_v1", list(keys), list(block_ids))
+        return self._move("batch_get_v1", list(keys), list(block_ids), job)
 
-    def _move(self, op: str, keys: list[str], block_ids: list[int]) -> list[bool]:
+    def _move(
+        self, op: str, keys: list[str], block_ids: list[int], job: Job[Any] | None
+    ) -> list[bool]:
         if len(keys) != len(block_ids):
             raise HostIndicesError(f"{len(keys)} keys for {len(block_ids)} blocks")
         if not keys:
@@ -326,21 +377,40 @@ class KVBlockMover:
         pool = self.pool
         call = getattr(self.backend, op)
         if isinstance(pool, PagedKVBlocks):
+            if job is not None:
+                raise ConfigError("a call with a deadline needs a staged pool")
             return [bool(x) for x in call(keys, block_slots(block_ids, pool.page_size))]
-        out: list[bool] = []
-        with pool.lock:
+        lane = 1 if op == "batch_set_v1" and pool.lanes > 1 else 0
+        base = lane * pool.rows
+        out = [False] * len(keys)
+        with pool.locks[lane]:
             for i in range(0, len(keys), pool.rows):
+                if job is not None and job.cut:
+                    break
                 ids, part = block_ids[i : i + pool.rows], keys[i : i + pool.rows]
-                slots = block_slots(range(len(ids)), pool.page_size)
+                rows = list(range(base, base + len(ids)))
+                slots = block_slots(rows, pool.page_size)
                 try:
                     if op == "batch_set_v1":
-                        pool.gather(ids)
-                        ok = [bool(x) for x in call(part, slots)]
-                    else:
-                        ok = [bool(x) for x in call(part, slots)]
-                        good = [r for r, x in enumerate(ok) if x]
-                        pool.scatter([ids[r] for r in good], good)
+                        with _gate(job) as ok:
+                            if not ok:
+                                break
+                            pool.gather(ids, rows)
+                        out[i : i + len(ids)] = [bool(x) for x in call(part, slots)]
+                        continue
+                    got = [bool(x) for x in call(part, slots)]
+                    good = [r for r, x in enumerate(got) if x]
+                    with _gate(job) as ok:
+                        if not ok:
+                            break
+                        pool.scatter([ids[r] for r in good], [rows[r] for r in good])
+                        for r in good:
+                            out[i + r] = True
                 except (RuntimeError, HostIndicesError):  # a copy that failed: the chunk fails
-                    ok = [False] * len(ids)
-                out.extend(ok)
+                    continue
         return out
+
+
+def _gate(job: Job[Any] | None) -> contextlib.AbstractContextManager[bool]:
+    """The job's gate to the engine's memory; always open without a job."""
+    return job.commit() if job is not None else contextlib.nullcontext(True)

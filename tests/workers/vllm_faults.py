@@ -10,13 +10,16 @@
 * ``"lie"``: ``batch_exists`` says every key is stored (a stale index), so every load
   of a page that is not there fails;
 * ``"raise"``: every call raises (the SDK's guard turns that into failure results);
-* ``"nosave"``: stores fail.
+* ``"nosave"``: stores fail;
+* ``"hang"``: every call waits for :data:`RELEASE` (a store that hangs), then goes on;
+* ``"hangread"``: reads wait for :data:`RELEASE`, lookups and stores do not.
 
 Loaded by the connector as ``backend_name="vllm_faults:FlakyFile"``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,12 +28,20 @@ from hicache_storage.buffers import PageBuffer
 
 #: The fault in force (see the module docs).
 MODE = ["ok"]
+#: What hung calls wait for (set it to let them finish; clear it for the next hang).
+RELEASE = threading.Event()
+
+
+def _hang(*modes: str) -> None:
+    if MODE[0] in modes:
+        RELEASE.wait()
 
 
 class FlakyFile(FileBackend):
     """``file`` with the fault of :data:`MODE`."""
 
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        _hang("hang", "hangread")
         if MODE[0] == "raise":
             raise RuntimeError("injected read fault")
         out = super().batch_get_pages(keys, pages)
@@ -43,6 +54,7 @@ class FlakyFile(FileBackend):
         return out
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        _hang("hang")
         if MODE[0] == "raise":
             raise RuntimeError("injected lookup fault")
         if MODE[0] == "lie":
@@ -50,6 +62,7 @@ class FlakyFile(FileBackend):
         return super().batch_exists(keys, extra_info)
 
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        _hang("hang")
         if MODE[0] == "raise":
             raise RuntimeError("injected write fault")
         if MODE[0] == "nosave":
