@@ -19,8 +19,12 @@ hicache_storage`` imports no engine.
 #: ``model_id`` when SGLang has no served model name; ``kv_cache_dtype`` when the host
 #: pool stores the KV cache as raw bytes (SGLang keeps every fp8 format as uint8);
 #: ``tenant`` and ``weights_fingerprint`` to keep apart deployments that share a model
-#: name but not their bytes (another checkpoint, other numerics).
-SGLANG_ADAPTER_KEYS = frozenset({"model_id", "kv_cache_dtype", "tenant", "weights_fingerprint"})
+#: name but not their bytes (another checkpoint, other numerics); ``engine_timeout``
+#: (the longest SGLang's scheduler and prefetch threads wait for the store in one call).
+#: See ``AdapterOptions`` there.
+SGLANG_ADAPTER_KEYS = frozenset(
+    {"model_id", "kv_cache_dtype", "tenant", "weights_fingerprint", "engine_timeout"}
+)
 
 #: Extra-config keys the vLLM connector itself reads (never passed to the backend):
 #: ``model_id`` to name the model when its path is not a stable identity; ``tenant`` and

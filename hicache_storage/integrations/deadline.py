@@ -102,6 +102,11 @@ class Lane:
         self._closed = False
 
     @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    @property
     def busy(self) -> bool:
         """True while a job runs (a job cut at its deadline keeps its lane busy)."""
         return self._busy

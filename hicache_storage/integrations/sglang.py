@@ -23,6 +23,17 @@ shard holds the TP rank (or the KV heads it holds) and the pipeline stage; conte
 parallel ranks (``attn_cp``, ``dcp``) are kept apart in the namespace's tenant. Calls
 made before the pool is registered fail cleanly (their failure shape, logged).
 
+**Deadlines.** SGLang calls a backend from its scheduler thread when it attaches,
+clears and detaches storage, and asks for hits from its prefetch thread: none of these
+waits for the store longer than ``engine_timeout`` seconds (default 5; 0: no deadline).
+An attach past it fails (SGLang runs without storage), a hit query past it is a miss,
+and while it still hangs the next one is a miss at once; a clear or close past it is
+left to finish on its own. The page transfers (``batch_get_v1`` / ``batch_set_v1`` and
+the tensor forms) run on SGLang's I/O threads and are not cut: SGLang gives a
+transfer's host pages back to its pool only when the call has returned, so a call cut
+early would let late bytes land in pages already reused. A request never waits for
+them: SGLang's own prefetch stop policy (``timeout``, its default) bounds that.
+
 **What SGLang gets that its own backends do not give it**: ``batch_set`` returns one bool
 that is True only when every page was stored (a list, SGLang's own default, is truthy
 even when every page failed); the pointer form of ``get``/``set`` accepts only addresses
@@ -55,9 +66,15 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
     ) from exc
 
 from hicache_storage.buffers import memoryview_at
-from hicache_storage.config import StorageConfig, scrub
-from hicache_storage.errors import ConfigError, HostIndicesError, NamespaceMismatchError
+from hicache_storage.config import StorageConfig, parse_options, scrub
+from hicache_storage.errors import (
+    BackendTimeoutError,
+    ConfigError,
+    HostIndicesError,
+    NamespaceMismatchError,
+)
 from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
+from hicache_storage.integrations.deadline import Lane, call_with_deadline
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.registry import available_backends, create_backend, load_backend_class
@@ -78,6 +95,35 @@ _FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """The adapter's own keys of the extra config (see :data:`ADAPTER_KEYS`).
+
+    Each may also come from ``HICACHE_STORAGE_SGLANG_ADAPTER_<NAME>``.
+
+    Attributes:
+        model_id: the model's name in the namespace when SGLang gives none.
+        kv_cache_dtype: the fp8 format of a pool that stores its KV as bytes.
+        tenant: kept apart from every other tenant's pages.
+        weights_fingerprint: keeps apart checkpoints served under one name.
+        engine_timeout: seconds SGLang's scheduler and prefetch threads wait for the
+            store in one call (see "Deadlines" in the module docs); 0: no deadline.
+    """
+
+    model_id: str | None = None
+    kv_cache_dtype: str | None = None
+    tenant: str = ""
+    weights_fingerprint: str = ""
+    engine_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.engine_timeout < 0:
+            raise ConfigError(
+                f"engine_timeout={self.engine_timeout} must be >= 0 seconds (0: no deadline)"
+            )
 
 
 @dataclass
@@ -277,9 +323,13 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             )
         self.backend_name = name
         self.extra_config = extra
+        self.options = parse_options(
+            AdapterOptions, "sglang-adapter", {k: extra[k] for k in ADAPTER_KEYS if k in extra}
+        )
         self.backend: HiCacheStorage | None = None
         self.mem_pool_host: Any = None
         self._lock = threading.Lock()
+        self._exists_lane = Lane("hicache-sglang-exists")
         self._metrics = StorageMetrics()
         self._log = RateLimitedLog(logger)
         load_backend_class(name)  # an unknown name, NAME@DIST or module:Class fails here
@@ -295,7 +345,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         two formats' pages.
         """
         stored = normalize_dtype(pool.dtype)
-        named = self.extra_config.get("kv_cache_dtype") or _server_kv_cache_dtype()
+        named = self.options.kv_cache_dtype or _server_kv_cache_dtype()
         if stored not in ("uint8", "int8"):
             return stored
         if not named or named == "auto":
@@ -318,7 +368,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
                 f"({type(pool).__name__}) holds {'MLA' if pool_mla else 'MHA'} pages; "
                 "the pages are filed by what the pool holds, so the two must agree"
             )
-        model_id = self.extra_config.get("model_id") or cfg.model_name
+        model_id = self.options.model_id or cfg.model_name
         if not model_id:
             raise ConfigError(
                 "SGLang gives no served model name: set model_id in the extra config "
@@ -330,7 +380,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             "page_size": int(pool.page_size),
             "object_layout": str(pool.layout),
             "rank_replicated": mla,
-            "weights_fingerprint": str(self.extra_config.get("weights_fingerprint") or ""),
+            "weights_fingerprint": self.options.weights_fingerprint,
         }
         heads = getattr(pool, "head_num", None)
         if not mla and isinstance(heads, int) and heads > 0:
@@ -352,7 +402,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             drafts = f"layers{layers}"
         # Context-parallel ranks hold different tokens of the same pages' positions: keep
         # them apart (the shard covers TP and PP only).
-        apart = [str(self.extra_config.get("tenant") or ""), drafts] + [
+        apart = [self.options.tenant, drafts] + [
             f"{what}{rank}of{size}"
             for what, rank, size in (
                 ("cp", getattr(cfg, "attn_cp_rank", 0), getattr(cfg, "attn_cp_size", 1)),
@@ -409,21 +459,53 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             pp_size=int(cfg.pp_size),
             extra_config={k: v for k, v in self.extra_config.items() if k not in ADAPTER_KEYS},
         )
-        backend = create_backend(self.backend_name, config)
-        try:
-            pool = (
-                mem_pool_host
-                if hasattr(mem_pool_host, "page_buffers")
-                else _PoolView(mem_pool_host, namespace.rank_replicated, namespace.dtype)
+        pool = (
+            mem_pool_host
+            if hasattr(mem_pool_host, "page_buffers")
+            else _PoolView(mem_pool_host, namespace.rank_replicated, namespace.dtype)
+        )
+        late = threading.Event()
+        if self._exists_lane.closed:  # attached again after close()
+            self._exists_lane = Lane("hicache-sglang-exists")
+
+        def attach() -> HiCacheStorage:
+            backend = create_backend(self.backend_name, config)
+            try:
+                backend.register_mem_pool_host(pool)
+            except BaseException:
+                backend.close()
+                raise
+            if late.is_set():  # nobody takes it any more
+                backend.close()
+            return backend
+
+        done, backend = self._with_deadline(attach, "attach")
+        if not done or backend is None:
+            late.set()
+            raise BackendTimeoutError(
+                f"the {self.backend_name} backend did not attach within engine_timeout "
+                f"({self.options.engine_timeout:g} s); SGLang runs without storage"
             )
-            backend.register_mem_pool_host(pool)
-        except BaseException:
-            backend.close()
-            raise
         with self._lock:
             old, self.backend, self.mem_pool_host = self.backend, backend, mem_pool_host
         if old is not None:
-            old.close()
+            self._with_deadline(old.close, "close")
+
+    def _with_deadline(self, fn: Callable[[], T], what: str) -> tuple[bool, T | None]:
+        """``call_with_deadline`` with ``engine_timeout`` (none: ``fn()`` on this thread)."""
+        timeout = self.options.engine_timeout
+        if timeout <= 0:
+            return True, fn()
+        done, result = call_with_deadline(fn, timeout, f"hicache-sglang-{what}")
+        if not done:
+            self._log(
+                "deadline:" + what,
+                "SGLangStorage: %s took longer than engine_timeout (%g s); left to finish "
+                "on its own",
+                what,
+                timeout,
+            )
+        return done, result
 
     def _backend(self, op: str) -> HiCacheStorage | None:
         backend = self.backend
@@ -531,15 +613,29 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
 
     @_failsafe(lambda self, args: False)
     def exists(self, key: str) -> bool:
-        """True if ``key`` is stored."""
-        backend = self._backend("exists")
-        return bool(backend.exists(key)) if backend is not None else False
+        """True if ``key`` is stored (False past the deadline)."""
+        return self.batch_exists([key]) == 1
 
     @_failsafe(lambda self, args: 0)
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """The number of leading keys stored."""
+        """The number of leading keys stored (0 past the deadline, or while a query hangs)."""
         backend = self._backend("batch_exists")
-        return int(backend.batch_exists(keys)) if backend is not None else 0
+        if backend is None:
+            return 0
+        timeout = self.options.engine_timeout
+        if timeout <= 0:
+            return int(backend.batch_exists(keys))
+        outcome, job = self._exists_lane.run(lambda job: int(backend.batch_exists(keys)), timeout)
+        if outcome == "done":
+            return int(job.result or 0)
+        self._log(
+            "deadline:exists",
+            "SGLangStorage: a hit query %s; answered as a miss",
+            f"took longer than engine_timeout ({timeout:g} s)"
+            if outcome == "timeout"
+            else "came while the last one still hangs",
+        )
+        return 0
 
     # ------------------------------------------------------------------ zero-copy v1
 
@@ -643,7 +739,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
                 self.backend_name,
             )
             return
-        backend.clear()
+        self._with_deadline(backend.clear, "clear")
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call (then reset), as its backends do."""
@@ -661,8 +757,9 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """Close the backend; later calls fail cleanly."""
         with self._lock:
             backend, self.backend = self.backend, None
+        self._exists_lane.close()
         if backend is not None:
-            backend.close()
+            self._with_deadline(backend.close, "close")
 
     def _page_bytes(self) -> int:
         pool = self.mem_pool_host

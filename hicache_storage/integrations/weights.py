@@ -133,7 +133,9 @@ def weights_fingerprint(directory: str | os.PathLike[str]) -> str | None:
 def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
     """The local snapshot folder of a hub model, if its files are in the local cache."""
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import (  # type: ignore[import-not-found,unused-ignore]
+            snapshot_download,
+        )
 
         return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
     except Exception:  # noqa: BLE001 - not a hub id, not cached, no huggingface_hub

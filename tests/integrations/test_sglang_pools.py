@@ -50,7 +50,7 @@ from sglang_pools import (
 )
 from typing_extensions import override
 
-from hicache_storage.errors import ConfigError, NamespaceMismatchError
+from hicache_storage.errors import BackendTimeoutError, ConfigError, NamespaceMismatchError
 from hicache_storage.integrations.sglang import SGLangStorage
 from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.wrapper import WrapperBackend
@@ -63,11 +63,11 @@ KIND_IDS = [f"{layout}-{'mla' if mla else 'mha'}" for layout, mla in KINDS]
 
 def build(
     name: str, tmp_path: Path, *, v1: bool = True, mla: bool = False, tp_rank: int = 0,
-    tp_size: int = 1,
+    tp_size: int = 1, **options: Any,
 ) -> SGLangStorage:  # fmt: skip
     """The adapter, built by SGLang's own factory from the controller's kind of config."""
     extra = {"backend_name": name, "module_path": MODULE, "class_name": "SGLangStorage",
-             "interface_v1": v1, **backend_options(name, tmp_path)}  # fmt: skip
+             "interface_v1": v1, **backend_options(name, tmp_path), **options}  # fmt: skip
     cfg = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
@@ -351,6 +351,66 @@ def test_a_pool_that_contradicts_is_mla_model_fails_the_attach(
     assert b.backend is None
     assert b.batch_exists([f"{1:064x}"]) == 0
     b.close()
+
+
+class Hung(WrapperBackend):
+    """``inner`` whose existence queries, clears and closes wait for ``release``."""
+
+    def __init__(self, inner: HiCacheStorage) -> None:
+        super().__init__(inner)
+        self.release = threading.Event()
+
+    @override
+    def batch_exists(self, keys: list[str], extra_info: object = None) -> int:
+        self.release.wait()
+        return self.inner.batch_exists(keys)
+
+    @override
+    def clear(self) -> None:
+        self.release.wait()
+        self.inner.clear()
+
+
+def test_sglangs_scheduler_and_hit_queries_never_wait_past_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that hangs: SGLang's hit query is a miss after the deadline, and at once
+    while it still hangs; a clear returns; an attach that hangs fails cleanly."""
+    pool = mha_pool("page_first")
+    b = build("file", tmp_path, engine_timeout=0.3)
+    b.register_mem_pool_host(pool)
+    ps = pool.page_size
+    tokens, keys = prompt(4, ps, seed=9)
+    src = pool.alloc(4 * ps)
+    assert b.batch_set_v1(keys, src) == [True] * 4
+    c = controller(b, pool)
+    assert c._storage_hit_query(PrefetchOperation("req", tokens)) == (keys, 4 * ps)
+    hung = Hung(b.backend)
+    b.backend = hung
+    assert c._storage_hit_query(PrefetchOperation("req", tokens))[1] == 0
+    assert b.exists(keys[0]) is False and b.batch_exists(keys) == 0  # at once: still hung
+    b.clear()  # returns after the deadline; the clear goes on once the store answers
+    hung.release.set()
+    hung.inner.close()
+
+    import hicache_storage.integrations.sglang as adapter
+
+    forever = threading.Event()
+    real = adapter.create_backend
+    monkeypatch.setattr(
+        adapter, "create_backend", lambda *a, **k: (forever.wait(), real(*a, **k))[1]
+    )
+    b2 = build("file", tmp_path, engine_timeout=0.3)
+    with pytest.raises(BackendTimeoutError, match="engine_timeout"):
+        b2.register_mem_pool_host(mha_pool("page_first"))
+    assert b2.backend is None and b2.batch_exists(keys) == 0
+    forever.set()
+
+
+def test_the_adapters_own_options_are_checked(tmp_path: Path) -> None:
+    for value in (-1, "soon", float("nan")):
+        with pytest.raises(ConfigError, match="engine_timeout"):
+            build("file", tmp_path, engine_timeout=value)
 
 
 # --------------------------------------------------------------------------- v2 and stats
