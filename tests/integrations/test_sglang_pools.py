@@ -385,6 +385,7 @@ def test_sglangs_scheduler_and_hit_queries_never_wait_past_the_deadline(
     assert b.batch_set_v1(keys, src) == [True] * 4
     c = controller(b, pool)
     assert c._storage_hit_query(PrefetchOperation("req", tokens)) == (keys, 4 * ps)
+    assert b.backend is not None
     hung = Hung(b.backend)
     b.backend = hung
     assert c._storage_hit_query(PrefetchOperation("req", tokens))[1] == 0
@@ -394,11 +395,11 @@ def test_sglangs_scheduler_and_hit_queries_never_wait_past_the_deadline(
     hung.inner.close()
 
     import hicache_storage.integrations.sglang as adapter
+    from hicache_storage.registry import create_backend
 
     forever = threading.Event()
-    real = adapter.create_backend
     monkeypatch.setattr(
-        adapter, "create_backend", lambda *a, **k: (forever.wait(), real(*a, **k))[1]
+        adapter, "create_backend", lambda *a, **k: (forever.wait(), create_backend(*a, **k))[1]
     )
     b2 = build("file", tmp_path, engine_timeout=0.3)
     with pytest.raises(BackendTimeoutError, match="engine_timeout"):
