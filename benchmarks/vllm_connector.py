@@ -6,8 +6,11 @@ head_dim]`` bf16 per layer, layer outermost; one stored page = one block of ever
 
 * **connector**: the worker-side ``HiCacheKVConnector`` (built from a real ``VllmConfig``)
   storing each step's new blocks in ``wait_for_save`` and loading them into other blocks
-  in ``start_load_kv``, from the metadata the scheduler side would send: page buffers
-  straight over vLLM's KV tensors, one segment per layer;
+  in ``start_load_kv``, from the metadata the scheduler side would send, with its default
+  deadline (``engine_timeout`` 5 s): every call on a lane, through staging rows and one
+  tensor copy per layer per chunk to or from vLLM's KV;
+* **connector, no deadline**: the same with ``engine_timeout: 0``: page buffers straight
+  over vLLM's KV tensors (one segment per layer), no copy;
 * **backend v1**: the same backend's ``batch_set_v1`` / ``batch_get_v1`` on the same
   number of pages of the same size, from a host pool (``page_first``: 2 segments a page),
   in batches of the same size: what the backend does on its own.
@@ -47,6 +50,21 @@ SHAPES = [
 ]
 
 
+def _worker(backend: str, options: dict[str, Any], model: Path, kcc: Any, kv: dict) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from hicache_storage.integrations.vllm import HiCacheKVConnector
+
+    args = EngineArgs(
+        model=str(model), dtype="bfloat16", block_size=BLOCK, enforce_eager=True,
+        max_model_len=256, kv_transfer_config=vllm_engine.kv_transfer_config(backend, options),
+    )  # fmt: skip
+    worker = HiCacheKVConnector(args.create_engine_config(), KVConnectorRole.WORKER, kcc)
+    worker.register_kv_caches(kv)
+    return worker
+
+
 def build(backend: str, options: dict[str, Any], shape: tuple, model: Path) -> dict[str, Any]:
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -72,8 +90,10 @@ def build(backend: str, options: dict[str, Any], shape: tuple, model: Path) -> d
     big = torch.empty(layers, 2 * blocks, heads, BLOCK, 2 * dim, dtype=torch.bfloat16)
     big.view(torch.int16).random_(-(2**15), 2**15 - 1)
     kv = {n: big[i] for i, n in enumerate(names)}
-    worker = HiCacheKVConnector(config, KVConnectorRole.WORKER, kcc)
-    worker.register_kv_caches(kv)
+    worker = _worker(backend, options, model, kcc, kv)
+    direct = _worker(backend, {**options, "engine_timeout": 0}, model, kcc, kv)
+    assert type(direct.mover.pool).__name__ == "PagedKVBlocks", "not the direct pool"
+    assert type(worker.mover.pool).__name__ == "StagedKVBlocks", "not the staged pool"
     sched = HiCacheKVConnector(config, KVConnectorRole.SCHEDULER, kcc)
     # The backend's own v1 path: a host pool of the same pages, another namespace.
     pool = HostKVPool(2 * blocks, BLOCK, layers, heads, dim, torch.bfloat16,
@@ -83,7 +103,8 @@ def build(backend: str, options: dict[str, Any], shape: tuple, model: Path) -> d
     ns = KVCacheNamespace.for_pool(pool, model_id="bench-v1")
     raw = create_backend(backend, StorageConfig(namespace=ns), **options)
     raw.register_mem_pool_host(pool)
-    return {"worker": worker, "sched": sched, "kv": big, "raw": raw, "pool": pool}
+    return {"worker": worker, "direct": direct, "sched": sched, "kv": big, "raw": raw,
+            "pool": pool}  # fmt: skip
 
 
 def round_(parts: dict[str, Any], shape: tuple, n: int, order: int) -> dict[str, float]:
@@ -94,22 +115,26 @@ def round_(parts: dict[str, Any], shape: tuple, n: int, order: int) -> dict[str,
     from hicache_storage.integrations.vllm import HiCacheConnectorMetadata, LoadSpec, SaveSpec
 
     _, _, _, _, blocks, per_req = shape
-    worker, raw, big = parts["worker"], parts["raw"], parts["kv"]
+    raw, big = parts["raw"], parts["kv"]
     keys = [f"{n:08x}{i:056x}" for i in range(blocks)]
     src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
     chunks = range(0, blocks, per_req)
 
-    def conn_save() -> None:
+    def conn_save(worker: Any, prefix: str) -> None:
         meta = HiCacheConnectorMetadata(saves=[
-            SaveSpec(f"r{i}", keys[i : i + per_req], src[i : i + per_req]) for i in chunks])  # fmt: skip
+            SaveSpec(f"r{i}", [prefix + k[1:] for k in keys[i : i + per_req]],
+                     src[i : i + per_req]) for i in chunks])  # fmt: skip
         worker.bind_connector_metadata(meta)
         worker.wait_for_save()
+        worker.clear_connector_metadata()
 
-    def conn_load() -> None:
+    def conn_load(worker: Any, prefix: str) -> None:
         meta = HiCacheConnectorMetadata(loads=[
-            LoadSpec(f"r{i}", keys[i : i + per_req], dst[i : i + per_req]) for i in chunks])  # fmt: skip
+            LoadSpec(f"r{i}", [prefix + k[1:] for k in keys[i : i + per_req]],
+                     dst[i : i + per_req]) for i in chunks])  # fmt: skip
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
+        worker.clear_connector_metadata()
 
     def raw_io(op: str, blocks_: list[int], prefix: str) -> None:
         call = getattr(raw, op)
@@ -120,29 +145,30 @@ def round_(parts: dict[str, Any], shape: tuple, n: int, order: int) -> dict[str,
                 raise RuntimeError(f"backend {op} failed")
 
     out: dict[str, float] = {}
-    contenders = [
-        ("connector", conn_save, conn_load),
-        ("backend v1", lambda: raw_io("batch_set_v1", src, "a"),
-         lambda: raw_io("batch_get_v1", dst, "a")),
-    ]  # fmt: skip
-    for name, save, load in contenders if order % 2 == 0 else contenders[::-1]:
-        before = dict(worker.totals)
+    bits = big.view(torch.int16)  # (bitwise: random bits include NaNs)
+    contenders: list[tuple[str, Any, Any, Any]] = [
+        (name, parts[part], lambda w=parts[part], p=p: conn_save(w, p),
+         lambda w=parts[part], p=p: conn_load(w, p))
+        for name, part, p in (("connector", "worker", "b"), ("no deadline", "direct", "c"))
+    ] + [("backend v1", None, lambda: raw_io("batch_set_v1", src, "a"),
+          lambda: raw_io("batch_get_v1", dst, "a"))]  # fmt: skip
+    for name, worker, save, load in contenders if order % 2 == 0 else contenders[::-1]:
+        before = dict(worker.totals) if worker is not None else {}
         out[f"{name} store"] = timed(save)
         out[f"{name} load"] = timed(load)
-        if name == "connector":
+        if worker is not None:
             assert worker.totals["save_failed_blocks"] == before["save_failed_blocks"]
             assert worker.totals["load_failed_blocks"] == before["load_failed_blocks"]
-    # Checks, outside the timings: every block loaded is the block stored.
-    bits = big.view(torch.int16)  # (bitwise: random bits include NaNs)
-    assert torch.equal(bits[:, blocks:], bits[:, :blocks]), "connector loaded other bytes"
+            # Checks, outside the timings: every block loaded is the block stored.
+            assert torch.equal(bits[:, blocks:], bits[:, :blocks]), f"{name} loaded other bytes"
+            big[:, blocks:].zero_()
     pool = parts["pool"].kv_buffer
     for i in range(blocks):
         s = parts["pool"].page_buffers(block_slots([src[i]], BLOCK))[0].tobytes()
         d = parts["pool"].page_buffers(block_slots([dst[i]], BLOCK))[0].tobytes()
         assert s == d, "backend v1 loaded other bytes"
-    big[:, blocks:].zero_()
     pool.view(torch.uint8)  # (keep the pool alive to here)
-    for b in (worker.backend, raw):
+    for b in (parts["worker"].backend, raw):
         b.clear()
     return out
 
@@ -209,13 +235,14 @@ def main() -> None:
             gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
             print(f"\n{backend}, {shape[0]}, {blocks} blocks in requests of {per_req}:")
             for op in ("store", "load"):
-                c, b = gbps[f"connector {op}"], gbps[f"backend v1 {op}"]
-                print(f"  {op:5s}  connector {c:6.2f} GB/s   backend v1 {b:6.2f} GB/s   "
-                      f"ratio {c / b:.2f}x")  # fmt: skip
+                c, d = gbps[f"connector {op}"], gbps[f"no deadline {op}"]
+                b = gbps[f"backend v1 {op}"]
+                print(f"  {op:5s}  connector {c:6.2f} GB/s ({c / b:.2f}x)   no deadline "
+                      f"{d:6.2f} GB/s ({d / b:.2f}x)   backend v1 {b:6.2f} GB/s")  # fmt: skip
             lat = scheduler_latency(parts, reps=20)
             print("  scheduler lookup per 2048-token request: "
                   + ", ".join(f"{k} {v:.0f} us" for k, v in lat.items()))  # fmt: skip
-            for b in (parts["worker"], parts["sched"]):
+            for b in (parts["worker"], parts["direct"], parts["sched"]):
                 b.shutdown()
             parts["raw"].close()
 
