@@ -217,8 +217,16 @@ class RedisBackend(BlobStore[RedisOptions]):
         }
         asked = {k: v for k, v in files.items() if v is not None}
         if parts.get("connection_class") is not SSLConnection:
-            if asked:
-                raise ConfigError(f"{', '.join(asked)} need a rediss:// url (TLS)")
+            # (any of them over plaintext would be ignored: the client would not use TLS)
+            named = [*asked] + [
+                n for n in ("ssl_cert_reqs", "ssl_check_hostname") if getattr(opts, n) is not None
+            ]
+            named += [f"{k} (in the url)" for k in sorted(parts) if k.startswith("ssl_")]
+            if named:
+                raise ConfigError(
+                    f"{', '.join(named)}: TLS options need a rediss:// url (TLS); this url "
+                    "is plaintext: use rediss://host:port"
+                )
             return {}
         for name, path in asked.items():
             if not os.path.isfile(path):

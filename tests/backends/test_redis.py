@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import sys
 import time
 import uuid
@@ -450,6 +451,34 @@ def test_tls_options_are_checked_at_construction(tmp_path: Path, tls_files: TlsF
         backend("rediss://127.0.0.1:1/0", ssl_ca_certs=str(tmp_path / "missing.crt"))
     with pytest.raises(ConfigError, match="needs ssl_certfile"):
         backend("rediss://127.0.0.1:1/0", ssl_keyfile=str(tls_files.client_key))
+
+
+#: Each TLS option (and the URL's own ssl_* parameters), as options given with a plaintext url.
+_TLS_OPTIONS: dict[str, Callable[[TlsFiles], dict[str, object]]] = {
+    "ssl_cert_reqs": lambda _: {"ssl_cert_reqs": "required"},
+    "ssl_check_hostname": lambda _: {"ssl_check_hostname": True},
+    "ssl_ca_certs": lambda f: {"ssl_ca_certs": str(f.ca)},
+    "ssl_certfile": lambda f: {"ssl_certfile": str(f.client_cert)},
+    "ssl_keyfile": lambda f: {"ssl_keyfile": str(f.client_key), "ssl_certfile": str(f.client_cert)},
+    "ssl_cert_reqs (in the url)": lambda _: {"query": "?ssl_cert_reqs=required"},
+    "ssl_check_hostname (in the url)": lambda _: {"query": "?ssl_check_hostname=true"},
+}
+
+
+@pytest.mark.parametrize("option", list(_TLS_OPTIONS))
+@pytest.mark.parametrize("scheme", ["redis", "unix"])
+def test_a_tls_option_with_a_plaintext_url_is_a_config_error(
+    server: RedisServer, tls_files: TlsFiles, option: str, scheme: str
+) -> None:
+    """A TLS option with redis:// (a live server that would take plaintext) or unix:// is
+    refused by name, not ignored."""
+    options = _TLS_OPTIONS[option](tls_files)
+    url = server.url if scheme == "redis" else "unix:///nonexistent/r.sock"
+    url += str(options.pop("query", ""))
+    with pytest.raises(ConfigError, match=re.escape(option)) as caught:
+        backend(url, **options).close()
+    assert "need a rediss:// url" in str(caught.value)
+    assert "use rediss://" in str(caught.value)
 
 
 def test_tls_with_a_client_certificate(tmp_path: Path, tls_files: TlsFiles) -> None:
