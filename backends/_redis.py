@@ -505,12 +505,16 @@ class RedisBackend(BlobStore[RedisOptions]):
         """``SCAN`` this namespace's keys and ``UNLINK`` them, a batch at a time.
 
         The server never runs a command longer than one batch (``KEYS`` or ``FLUSHDB``
-        would block it, or remove what is not ours).
+        would block it, or remove what is not ours). Only keys of this namespace's shape
+        go: the keys of a prefix nested in it (``<prefix><digest>/...``) stay.
         """
-        pattern = _GLOB.sub(r"\\\1", self._prefix + self.namespace_prefix) + "*"
+        pattern = _GLOB.sub(r"\\\1", self._prefix + self.namespace_prefix) + "[0-9a-f][0-9a-f]/*"
+        skip = len(self._prefix.encode())
         batch: list[bytes] = []
         # (a cluster client scans every primary)
         for key in self._client.scan_iter(match=pattern, count=self.options.clear_batch):
+            if not self._is_own_name(key[skip:].decode("ascii", "replace")):
+                continue
             batch.append(key)
             if len(batch) >= self.options.clear_batch:
                 self._unlink(batch)

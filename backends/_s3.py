@@ -644,11 +644,12 @@ class S3Backend(BlobStore[S3Options]):
 
     @override
     def _clear_namespace(self) -> None:
-        """Remove every object under this namespace's prefix, 1000 at a time.
+        """Remove every object of this namespace, 1000 at a time.
 
         Each round (one listing and one delete) has a deadline of its own, so a large
         namespace is cleared in one call; unfinished multipart uploads under the prefix
-        are aborted too.
+        are aborted too. Only objects of this namespace's shape go: those of a prefix
+        nested in it (``<prefix>/<digest>/...``) are listed, and stay.
         """
         base = f"{self._root}/{self.namespace_prefix}"
         with self._absent_lock:
@@ -664,8 +665,13 @@ class S3Backend(BlobStore[S3Options]):
             marker = self._run(self._abort_uploads(base, marker))
 
     async def _clear_fs(self, base: str) -> None:
-        if await self._call(self._fs_call("exists", base)):
-            await self._call(self._fs_call("rm", base, recursive=True))
+        if not await self._call(self._fs_call("exists", base)):
+            return
+        found = await self._call(self._fs_call("find", base))
+        skip = len(self._root) + 1
+        mine = [p for p in found if self._is_own_name(p[skip:])]
+        if mine:
+            await self._call(self._fs_call("rm", mine))
 
     async def _clear_round(self, base: str, token: str) -> str | None:
         """One listing of up to 1000 keys and their removal; the next token, or None."""
@@ -674,7 +680,12 @@ class S3Backend(BlobStore[S3Options]):
         if token:
             listing["ContinuationToken"] = token
         page = await self._call(self._s3_call("list_objects_v2", **listing))
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        skip = len(self._key_prefix())
+        keys = [
+            {"Key": o["Key"]}
+            for o in page.get("Contents", [])
+            if self._is_own_name(o["Key"][skip:])
+        ]
         if keys:
             done = await self._call(
                 self._s3_call(
@@ -697,10 +708,11 @@ class S3Backend(BlobStore[S3Options]):
         if marker[0]:
             listing.update(KeyMarker=marker[0], UploadIdMarker=marker[1])
         page = await self._call(self._s3_call("list_multipart_uploads", **listing))
+        skip = len(self._key_prefix())
         await asyncio.gather(*[
             self._call(self._s3_call("abort_multipart_upload", Bucket=bucket, Key=u["Key"],
                                      UploadId=u["UploadId"]))
-            for u in page.get("Uploads", [])
+            for u in page.get("Uploads", []) if self._is_own_name(u["Key"][skip:])
         ])  # fmt: skip
         if not page.get("IsTruncated"):
             return None

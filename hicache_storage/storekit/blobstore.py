@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import re
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,6 +84,10 @@ if TYPE_CHECKING:
 __all__ = ["PRESENT", "Blob", "BlobOptions", "BlobStore", "Present", "Segments"]
 
 logger = logging.getLogger(__name__)
+
+#: What follows ``<digest>/`` in an object name: the fan-out (two hex digits), then a leaf
+#: without a ``/``.
+_NAME_TAIL = re.compile(r"[0-9a-f]{2}/[^/]+")
 
 #: A stored value as ``_get_blobs`` returns it: header and payload in one buffer.
 Blob: TypeAlias = bytes | bytearray | memoryview
@@ -172,8 +177,9 @@ class BlobStore(HiCacheStorage, Generic[O]):
       caller's memory (a host KV pool), valid only during the call: copy or send them
       before returning, never keep them; a value returned by :meth:`_get_blobs` must not
       change afterwards (``bytes`` are ideal);
-    * :meth:`_clear_namespace` removes every value whose name starts with
-      :attr:`namespace_prefix`, and nothing else.
+    * :meth:`_clear_namespace` removes every value of this namespace and nothing else:
+      only the names :meth:`_is_own_name` accepts, not every name that starts with
+      :attr:`namespace_prefix` (see there).
 
     **What the base guarantees** to the engine, on top of :class:`HiCacheStorage`'s
     guard: every value is stored as ``header || payload`` with the name it is stored
@@ -233,6 +239,18 @@ class BlobStore(HiCacheStorage, Generic[O]):
         """What every object name of this namespace starts with (``"<digest>/"``)."""
         return f"{self.namespace.digest}/"
 
+    def _is_own_name(self, name: str) -> bool:
+        """True if ``name`` (a store key less the store's own prefix) is an object name of this namespace.
+
+        That is ``<digest>/<fan-out>/<leaf>``, with no other ``/``. A name that merely
+        starts with :attr:`namespace_prefix` may be another store's: one whose prefix is
+        this store's prefix plus ``<digest>/`` (nested in this namespace) has names of
+        more parts there. Only the same prefix and namespace make a name this accepts
+        (digests all have one length, so the part before ``/<fan-out>/<leaf>`` pins both).
+        """
+        start = len(self.namespace_prefix)
+        return name.startswith(self.namespace_prefix) and bool(_NAME_TAIL.fullmatch(name, start))
+
     # ------------------------------------------------------------------ implementer's part
 
     @abc.abstractmethod
@@ -260,7 +278,7 @@ class BlobStore(HiCacheStorage, Generic[O]):
         raise NotSupportedError(f"{type(self).__name__} does not support delete")
 
     def _clear_namespace(self) -> None:
-        """Remove every value whose name starts with :attr:`namespace_prefix`, only those.
+        """Remove every value of this namespace (names :meth:`_is_own_name` accepts), only those.
 
         Default: not supported.
         """

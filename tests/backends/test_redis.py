@@ -121,6 +121,29 @@ def test_clear_removes_this_namespace_only(server: RedisServer) -> None:
         r.close()
 
 
+@pytest.mark.parametrize("tenant", ["a", "b"])
+def test_clear_leaves_a_prefix_nested_in_its_namespace(server: RedisServer, tenant: str) -> None:
+    """B's prefix is A's prefix plus A's namespace digest and "/": A.clear() removes A's
+    pages only, whether B is in A's namespace or another."""
+    a = backend(server.url, "a", clear_batch=7)
+    b = backend(server.url, tenant, prefix=a._prefix + a.namespace_prefix)
+    try:
+        keys = [f"k{i}" for i in range(30)]
+        value = [torch.full((64,), 3, dtype=torch.uint8)] * 30
+        assert all(a.batch_set(keys, value))
+        assert all(b.batch_set(keys, value))
+        a.clear()
+        assert a.batch_exists(keys) == 0
+        assert b.batch_exists(keys) == 30
+        got = b.get("k7")
+        assert got is not None and torch.equal(got, value[0])
+        b.clear()
+        assert b.batch_exists(keys) == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_foreign_or_truncated_value_is_a_miss(server: RedisServer) -> None:
     b = backend(server.url)
     r = raw(server.url)

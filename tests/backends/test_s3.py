@@ -178,6 +178,44 @@ def test_clear_removes_this_namespace_only(moto: MotoServer) -> None:
         other.close()
 
 
+@pytest.mark.parametrize("where", ["s3", "memory", "file"])
+@pytest.mark.parametrize("tenant", ["a", "b"])
+def test_clear_leaves_a_prefix_nested_in_its_namespace(
+    moto: MotoServer, where: str, tenant: str, tmp_path: Path
+) -> None:
+    """B's prefix is A's prefix plus A's namespace digest: A.clear() removes A's pages only
+    (B in A's own namespace, and in another), and B's unfinished multipart upload stays."""
+    opts = {
+        "s3": options(moto),
+        "memory": {"url": f"memory://nest-{uuid.uuid4().hex[:8]}", "prefix": "p"},
+        "file": {"url": f"file://{tmp_path}/nest", "prefix": "p"},
+    }[where]
+    a = backend("a", **opts)
+    b = backend(tenant, **{**opts, "prefix": f"{opts['prefix']}/{a.namespace.digest}"})
+    try:
+        keys = [f"k{i}" for i in range(20)]
+        assert all(a.batch_set(keys, [page(1, 64)] * 20))
+        assert all(b.batch_set(keys, [page(2, 64)] * 20))
+        upload = None
+        if where == "s3":
+            key = b._key_prefix() + b.object_path("unfinished")
+            upload = moto.client().create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+        a.clear()
+        assert a.batch_exists(keys) == 0
+        assert b.batch_exists(keys) == 20
+        got = b.get("k3")
+        assert got is not None and torch.equal(got, page(2, 64))
+        if upload is not None:
+            listed = moto.client().list_multipart_uploads(Bucket=BUCKET, Prefix=b._key_prefix())
+            assert [u["UploadId"] for u in listed.get("Uploads", [])] == [upload]
+            moto.client().abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload)
+        b.clear()
+        assert b.batch_exists(keys) == 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_clear_pages_through_more_than_one_listing(moto: MotoServer) -> None:
     b = backend(**options(moto, max_concurrency=16))
     try:

@@ -20,7 +20,7 @@ from hicache_storage.errors import (
     ContractViolationError,
     NotSupportedError,
 )
-from hicache_storage.keys import ObjectName
+from hicache_storage.keys import ObjectName, object_name
 from hicache_storage.storekit.blobstore import BlobOptions, BlobStore, Segments
 from hicache_storage.storekit.header import HEADER_SIZE, decode_header
 
@@ -372,6 +372,18 @@ def test_delete_and_clear_stay_in_the_namespace() -> None:
     mine.clear()
     assert mine.batch_exists(["k2"]) == 0
     assert as_bytes(other.get("k1")) == b"o"
+
+
+def test_own_names_have_the_namespace_shape_only(store: DictBlobs) -> None:
+    """What clear() may remove: <digest>/<two hex>/<leaf>; not the names of a prefix nested
+    in the namespace (<digest>/<digest>/...), nor anything else under <digest>/."""
+    d = store.namespace_prefix
+    own = store.object_name("k").path
+    assert store._is_own_name(own)
+    assert store._is_own_name(object_name(store.namespace.digest, "k", "h0-7").path)
+    nested = [d + own, d + ns("b").digest + "/ab/k"]
+    others = [*nested, d + "ab/k/x", d + "AB/k", d + "a/k", d + "ab/", d + "abc/k", "x" + own]
+    assert not [n for n in others if store._is_own_name(n)]
 
 
 def test_max_object_bytes_fails_the_item_without_storing_it() -> None:
