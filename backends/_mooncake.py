@@ -12,9 +12,12 @@ is a miss, never wrong bytes. Options and guarantees: ``docs/backends/mooncake.m
 
 The client's traps, handled here: a zero-length value kills the process (every object
 here has a 48-byte header at least); ``put`` never replaces an object (first writer
-wins, our rule anyway); a missing key reads as empty bytes; ``get_into`` returns a byte
-count; removal is refused during a lease (``clear()`` forces it); ``setup`` against a
-master that does not answer blocks for about 90 s (the master's port is checked first,
+wins, our rule anyway), and answers success at once when another client's put of the
+key is still in flight, before that key can be read (and if that put fails, it never
+can): a set answers True only once the key reads (``put_wait``), and a read of such a
+key ("not ready") is a miss; a missing key reads as empty bytes; ``get_into`` returns a
+byte count; removal is refused during a lease (``clear()`` forces it); ``setup`` against
+a master that does not answer blocks for about 90 s (the master's port is checked first,
 with ``connect_timeout``).
 """
 
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from typing_extensions import override
 
-from hicache_storage.config import Size, StorageConfig
+from hicache_storage.config import Size, StorageConfig, redact_text
 from hicache_storage.errors import BackendError, BackendUnavailableError, ConfigError, ErrorMap
 from hicache_storage.protocol import Capabilities
 from hicache_storage.storekit.blobstore import PRESENT, BlobOptions, BlobStore, Present, Segments
@@ -46,7 +49,7 @@ from hicache_storage.storekit.header import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from hicache_storage.buffers import PageBuffer
     from hicache_storage.keys import ObjectName
@@ -56,11 +59,19 @@ __all__ = ["MooncakeBackend", "MooncakeOptions"]
 
 #: Mooncake's "object not found" (a miss, not a failure).
 _NOT_FOUND = -704
+#: Mooncake's "replica not ready": another client's put of the key is still in flight.
+_NOT_READY = -703
+#: Read codes that are misses: not stored, or not stored yet.
+_MISSES = (_NOT_FOUND, _NOT_READY)
 #: Mooncake's "invalid parameters": on a read, a buffer of another size than the object.
 _INVALID = -600
 #: Mooncake's RPC failures (the master did not answer) are this code and below.
 _RPC_FAIL = -900
 _GiB = 2**30
+_MiB = 2**20
+#: Where the kernel lists this host's RDMA devices (InfiniBand, RoCE, iWARP), the ones
+#: the transfer engine's RDMA transport can open.
+_RDMA_SYSFS = "/sys/class/infiniband"
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,8 @@ class MooncakeOptions(BlobOptions):
         device_name: RDMA devices (``mlx5_0,mlx5_1``); empty for TCP.
         local_hostname: the address this client gives its peers.
         global_segment_size: memory this client lends to the store (its segment).
-        local_buffer_size: the client's registered transfer buffer.
+        local_buffer_size: the client's registered transfer buffer (at least 1 MiB); the
+            tensor path's objects (header and page) must fit it whole.
         replica_num: copies of each object.
         prefix: what every key starts with, before the object name.
         config_file: a JSON file of these options (the options given directly win).
@@ -86,6 +98,9 @@ class MooncakeOptions(BlobOptions):
             objects made of many small remote slices).
         staging_size: bytes of that staging buffer, per engine thread (at least one
             page is staged at a time).
+        put_wait: seconds a set waits for a key that another client is writing at the
+            same time to become readable (Mooncake's put answers success at once for
+            it); a key still not readable then is reported not stored.
     """
 
     master_server_address: str = "127.0.0.1:50051"
@@ -101,6 +116,7 @@ class MooncakeOptions(BlobOptions):
     connect_timeout: float = 5.0
     max_buffers_per_object: int = 8
     staging_size: Size = Size(64 * 2**20)  # noqa: RUF009 - an int subclass, immutable
+    put_wait: float = 5.0
 
     def __post_init__(self) -> None:
         host, _, port = self.master_server_address.rpartition(":")
@@ -110,8 +126,16 @@ class MooncakeOptions(BlobOptions):
             raise ConfigError("replica_num must be >= 1")
         if not 0 < self.connect_timeout < float("inf"):
             raise ConfigError("connect_timeout must be a positive number of seconds")
-        if self.global_segment_size < 0 or self.local_buffer_size <= 0:
-            raise ConfigError("global_segment_size must be >= 0 and local_buffer_size > 0")
+        if not 0 <= self.put_wait < float("inf"):
+            raise ConfigError("put_wait must be a number of seconds >= 0")
+        if self.global_segment_size < 0:
+            raise ConfigError("global_segment_size must be >= 0")
+        if self.local_buffer_size < _MiB:
+            raise ConfigError(
+                f"local_buffer_size must be at least 1MiB (got {int(self.local_buffer_size)} "
+                "bytes): each object of the tensor path, a 48-byte header and one page, "
+                "goes through it whole; give at least a page's bytes plus 48"
+            )
 
 
 def _with_config_file(options: dict[str, Any]) -> dict[str, Any]:
@@ -158,6 +182,8 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             ) from exc
         opts = self.options
         self._prefix = opts.prefix
+        if opts.protocol == "rdma":
+            _check_rdma(opts.device_name)
         self._check_master()
         store = MooncakeDistributedStore()
         rc = store.setup(
@@ -168,14 +194,14 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         if rc != 0:
             raise BackendUnavailableError(
                 f"mooncake setup failed (rc {rc}) against the master at "
-                f"{opts.master_server_address} (metadata {opts.metadata_server})"
+                f"{opts.master_server_address} (metadata {redact_text(opts.metadata_server)})"
             )
         self._mc = store
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = opts.replica_num
         # The bytes path (tensors, not v1 pages) goes through the local buffer.
         self.capabilities = dataclasses.replace(
-            self.capabilities, max_object_bytes=int(opts.local_buffer_size) - HEADER_SIZE
+            self.capabilities, max_object_bytes=_largest_put(opts.local_buffer_size) - HEADER_SIZE
         )
 
     def _check_master(self) -> None:
@@ -270,6 +296,34 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         elif self._down_until:
             self._down_until = 0.0
 
+    def _settle(self, keys: list[str], put: Callable[[list[int]], Sequence[int]]) -> list[int]:
+        """Put ``keys`` (``put`` takes their indices); each code 0 only once that key reads.
+
+        Mooncake's put also answers 0 when another client's put of the key has begun and
+        its bytes are still in flight: not readable yet, and never if that put fails. A
+        key that does not read after its put is put again (which stores it if the other
+        put was dropped) until it reads or ``put_wait`` seconds have passed; then its code
+        is ``_NOT_READY``.
+        """
+        codes = list(put(list(range(len(keys)))))
+        todo = [i for i, rc in enumerate(codes) if rc == 0]
+        deadline = time.monotonic() + self.options.put_wait
+        pause = 0.001
+        while todo:
+            found = self._call("batch_is_exist", [keys[i] for i in todo])
+            todo = [i for i, rc in zip(todo, found, strict=True) if rc != 1]
+            if todo and time.monotonic() >= deadline:
+                for i in todo:
+                    codes[i] = _NOT_READY
+                break
+            if todo:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+                for i, rc in zip(todo, put(todo), strict=True):
+                    codes[i] = rc
+                todo = [i for i in todo if codes[i] == 0]
+        return codes
+
     # ------------------------------------------------------------------ BlobStore's part
 
     @override
@@ -309,15 +363,18 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
     ) -> list[bool | Present | Exception]:
         keys = self._keys(names)
         out: list[bool | Present | Exception] = []
-        for key, present, segments in zip(
-            keys, self._call("batch_is_exist", keys), blobs, strict=True
-        ):
-            if present == 1:
-                out.append(PRESENT)
-                continue
-            value = b"".join(segments)  # (never empty: the header is in it)
-            rc = self._call("put", key, value, self._replicate)
-            out.append(True if rc == 0 else BackendError(f"mooncake put failed (rc {rc})"))
+        todo: list[int] = []
+        for i, present in enumerate(self._call("batch_is_exist", keys)):
+            out.append(PRESENT if present == 1 else False)
+            if present != 1:
+                todo.append(i)
+        values = [b"".join(blobs[i]) for i in todo]  # (never empty: the header is in it)
+
+        def put(idx: list[int]) -> list[int]:
+            return [self._call("put", keys[todo[j]], values[j], self._replicate) for j in idx]
+
+        for i, rc in zip(todo, self._settle([keys[i] for i in todo], put), strict=True):
+            out[i] = True if rc == 0 else _put_failed(rc)
         return out
 
     @override
@@ -406,14 +463,11 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             slots[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE] = header
             ptrs.append([base + slot * HEADER_SIZE, *(s.ptr for s in page.segments)])
             sizes.append([HEADER_SIZE, *(s.nbytes for s in page.segments)])
+        keys = [mkeys[i] for i in todo]
         with self._errors():
-            rcs = self._call(
-                "batch_put_from_multi_buffers",
-                [mkeys[i] for i in todo],
-                ptrs,
-                sizes,
-                self._replicate,
-            )
+            rcs = self._settle(keys, lambda idx: self._call(
+                "batch_put_from_multi_buffers", [keys[j] for j in idx], [ptrs[j] for j in idx],
+                [sizes[j] for j in idx], self._replicate))  # fmt: skip
         self._settle_puts(todo, rcs, pages, out)
         return out
 
@@ -447,10 +501,11 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             for v in views:
                 view[pos : pos + v.nbytes] = v
                 pos += v.nbytes
+        keys = [mkeys[i] for i in group]
         with self._errors():
-            rcs = self._call(
-                "batch_put_from", [mkeys[i] for i in group], ptrs, sizes, self._replicate
-            )
+            rcs = self._settle(keys, lambda idx: self._call(
+                "batch_put_from", [keys[j] for j in idx], [ptrs[j] for j in idx],
+                [sizes[j] for j in idx], self._replicate))  # fmt: skip
         self._settle_puts(group, rcs, pages, out)
 
     def _settle_puts(self, idx: list[int], rcs: Sequence[int], pages: Sequence[PageBuffer],
@@ -462,7 +517,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
                 written += pages[i].nbytes
             else:
                 failed += 1
-                self._item_failed("batch_set_pages", BackendError(f"mooncake put failed (rc {rc})"))
+                self._item_failed("batch_set_pages", _put_failed(rc))
         self._record(bytes_written=written)
         self._add_item_errors(failed)
 
@@ -496,7 +551,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             off += HEADER_SIZE + page.nbytes
             payload = view[start + HEADER_SIZE : off]
             if not self._accept(n, page, names[i], view[start : start + HEADER_SIZE], [payload]):
-                failed += int(n < 0 and n not in (_NOT_FOUND, _INVALID))
+                failed += int(n < 0 and n not in (*_MISSES, _INVALID))
                 continue
             pos = 0
             for seg in page.views:
@@ -510,7 +565,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
     def _accept(self, n: int, page: PageBuffer, name: ObjectName, header_raw: memoryview,
                 payload: list[memoryview]) -> bool:  # fmt: skip
         """Whether a read of ``n`` bytes gave this page, checked (counted when not)."""
-        if n == _NOT_FOUND:
+        if n in _MISSES:
             return False
         if n == _INVALID:  # (the buffers are not the object's size)
             self._record(size_mismatches=1)
@@ -557,7 +612,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
                 out[i] = True
                 read += page.nbytes
             else:
-                failed += int(n < 0 and n not in (_NOT_FOUND, _INVALID))
+                failed += int(n < 0 and n not in (*_MISSES, _INVALID))
         self._record(bytes_read=read)
         self._add_item_errors(failed)
 
@@ -588,6 +643,42 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         )
 
 
+def _check_rdma(device_name: str) -> None:
+    """Raise ConfigError unless this host has an RDMA device, and each one named."""
+    try:
+        present = sorted(os.listdir(_RDMA_SYSFS))
+    except OSError:
+        present = []
+    if not present:
+        raise ConfigError(
+            f"protocol='rdma' needs an RDMA device and this host has none ({_RDMA_SYSFS} "
+            "lists none): use protocol='tcp'"
+        )
+    missing = [d for d in device_name.split(",") if d.strip() and d.strip() not in present]
+    if missing:
+        raise ConfigError(
+            f"device_name names RDMA devices this host does not have: {missing}; it has "
+            f"{present} ({_RDMA_SYSFS})"
+        )
+
+
+def _largest_put(buffer: int) -> int:
+    """The largest object the client's local buffer of ``buffer`` bytes takes whole.
+
+    Its allocator (an offset allocator) rounds sizes to classes of four significant bits,
+    so the largest is ``buffer`` with every bit below its top four cleared.
+    """
+    shift = max(buffer.bit_length() - 4, 0)
+    return (buffer >> shift) << shift
+
+
+def _put_failed(rc: int) -> BackendError:
+    if rc == _NOT_READY:
+        return BackendError("mooncake put: another client's put of this key did not become "
+                            "readable within put_wait; not stored")  # fmt: skip
+    return BackendError(f"mooncake put failed (rc {rc})")
+
+
 def _exists(rc: int) -> bool | Exception:
     if rc in (0, 1):
         return bool(rc)
@@ -597,4 +688,4 @@ def _exists(rc: int) -> bool | Exception:
 def _transfer_failed(keys: list[str], codes: Sequence[int]) -> list[str]:
     """The keys whose read failed in the transfer (not a miss, a size or the master)."""
     return [k for k, n in zip(keys, codes, strict=True)
-            if _RPC_FAIL < n < 0 and n not in (_NOT_FOUND, _INVALID)]  # fmt: skip
+            if _RPC_FAIL < n < 0 and n not in (*_MISSES, _INVALID)]  # fmt: skip

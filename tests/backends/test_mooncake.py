@@ -6,6 +6,7 @@ file that way; anywhere else the module fails at once (never a skip).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
@@ -209,3 +210,120 @@ def test_the_tiered_workload_is_byte_exact_on_mooncake(master: MooncakeMaster) -
     result, cache = replay_small("mooncake", options(master))
     assert result.verification_errors == 0 and result.verified_pages > 0
     assert result.storage_hit_tokens > 0 and cache.stats.backup_failed_tokens == 0
+
+
+@pytest.mark.parametrize("roles", [("set",) * 3, ("v1",) * 3 + ("read",)], ids=["set", "v1"])
+def test_a_set_that_answers_true_reads_back_under_concurrent_writers(
+    master: MooncakeMaster, roles: tuple[str, ...]
+) -> None:
+    """Three processes put the same keys at once, round after round, with every core
+    busy: each key a set answered True for reads back byte-exact at once in that process
+    and is still there at the end of the round; a reader meanwhile sees misses, never a
+    store failure or wrong bytes.
+
+    Mooncake's put answers success when another client's put of the key has begun and its
+    bytes are still in flight (not readable yet, and gone if that put fails), and a read
+    of such a key answers "not ready": the set must wait until the key reads (or answer
+    False), and the read is a miss.
+    """
+    import multiprocessing
+
+    from mooncake_writers import busy, namespace, write_rounds
+
+    from hicache_storage.conformance.data import unique_keys
+
+    ctx = multiprocessing.get_context("spawn")
+    rounds = [ctx.Queue() for _ in roles]
+    results = ctx.Queue()
+    barrier = ctx.Barrier(len(roles))
+    opts = options(master)
+    procs = [ctx.Process(target=write_rounds, args=(opts, role, 256 << 10, q, results, barrier))
+             for role, q in zip(roles, rounds, strict=True)]  # fmt: skip
+    load = [ctx.Process(target=busy) for _ in range(os.cpu_count() or 2)]
+    for p in [*procs, *load]:
+        p.start()
+    from hicache_storage.backends import MooncakeBackend
+
+    check = MooncakeBackend(StorageConfig(namespace=namespace(roles[0])), **opts)
+    try:
+        for n in range(30):
+            keys = unique_keys(16)
+            for q in rounds:
+                q.put(keys)
+            answers = [results.get(timeout=300) for _ in roles]
+            assert all("error" not in a for a in answers), answers
+            for a in answers:
+                assert not a["lost"], f"round {n}: a set answered True, the read missed: {a}"
+                assert not a["wrong"] and not a["errors"], f"round {n}: {a}"
+            stored = {k for a in answers for k in a["stored"]}
+            assert stored == set(keys), f"round {n}: no set stored {set(keys) - stored}"
+            assert check.batch_exists(keys) == 16, f"round {n}: a stored key went missing"
+    finally:
+        check.close()
+        for q in rounds:
+            q.put(None)
+        for p in load:
+            p.kill()
+        for p in [*procs, *load]:
+            p.join(60)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://user:{pw}@127.0.0.1:{port}/metadata", "etcd://user:{pw}@127.0.0.1:{port}"]
+)
+def test_a_metadata_url_password_never_shows(
+    master: MooncakeMaster, url: str, caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """No metadata server answers: the error names the URL, never its password (nor do
+    the logs or the client's own output)."""
+    import logging
+    import traceback
+
+    pw = f"Pw{uuid.uuid4().hex}"
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(BackendUnavailableError) as info:
+        backend(**options(master, metadata_server=url.format(pw=pw, port=free_port())))
+    assert "user:" in str(info.value)  # the URL is named
+    shown = "".join(traceback.format_exception(info.value)) + caplog.text
+    out = capfd.readouterr()
+    assert pw not in shown + out.out + out.err
+
+
+def test_a_local_buffer_that_holds_no_page_is_a_config_error(master: MooncakeMaster) -> None:
+    """local_buffer_size=16 built a backend whose every set failed (max_object_bytes < 0)."""
+    for size in (16, 48, "1023KiB"):
+        with pytest.raises(ConfigError, match=r"local_buffer_size must be at least 1MiB"):
+            backend(**options(master, local_buffer_size=size))
+    # Mooncake's buffer allocator takes sizes of four significant bits: 1 MiB + 100 KiB
+    # holds an object of 1 MiB at most, and that is what the backend claims and stores.
+    b = backend(**options(master, local_buffer_size=2**20 + 100 * 2**10))
+    try:
+        biggest = b.capabilities.max_object_bytes
+        assert biggest == 2**20 - 48
+        assert b.set("biggest", torch.ones(biggest, dtype=torch.uint8)) is True
+        got = b.get("biggest")
+        assert got is not None and torch.equal(got, torch.ones(biggest, dtype=torch.uint8))
+    finally:
+        b.clear()
+        b.close()
+
+
+def test_rdma_without_an_rdma_device_is_a_config_error(
+    master: MooncakeMaster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """protocol="rdma" on a host with no RDMA device (or without the one named) ran over
+    TCP unsaid. The devices are those the kernel lists in /sys/class/infiniband; here a
+    directory stands in for it."""
+    from hicache_storage.backends import _mooncake
+
+    sysfs = tmp_path / "infiniband"
+    monkeypatch.setattr(_mooncake, "_RDMA_SYSFS", str(sysfs))
+    with pytest.raises(ConfigError, match=r"needs an RDMA device and this host has none"):
+        backend(**options(master, protocol="rdma"))
+    sysfs.mkdir()
+    with pytest.raises(ConfigError, match=r"has none"):
+        backend(**options(master, protocol="rdma", device_name="mlx5_0"))
+    (sysfs / "mlx5_0").mkdir()
+    with pytest.raises(ConfigError, match=r"does not have: \['mlx5_1'\]; it has \['mlx5_0'\]"):
+        backend(**options(master, protocol="rdma", device_name="mlx5_0,mlx5_1"))
