@@ -327,3 +327,46 @@ def test_rdma_without_an_rdma_device_is_a_config_error(
     (sysfs / "mlx5_0").mkdir()
     with pytest.raises(ConfigError, match=r"does not have: \['mlx5_1'\]; it has \['mlx5_0'\]"):
         backend(**options(master, protocol="rdma", device_name="mlx5_0,mlx5_1"))
+
+
+def test_a_put_stalled_in_flight_makes_a_set_answer_false_after_put_wait() -> None:
+    """Another client's put of the key is stuck in flight (the storage node is stopped
+    under it): a set of that key answers False once put_wait has passed, never True; once
+    the node runs again the set stores the page."""
+    import multiprocessing
+    import signal
+
+    from mooncake_writers import put_raw
+
+    with running_store() as (m, holder):
+        assert holder.proc is not None
+        b = backend(**options(m, put_wait=1.0))
+        key = b._keys([b.object_name("k")])[0]
+        ctx = multiprocessing.get_context("spawn")
+        go, done = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=put_raw, args=(m.address, key, 8 << 20, go, done))
+        child.start()
+        value = torch.arange(1000, dtype=torch.int32).view(torch.uint8)
+        try:
+            assert done.get(timeout=120) == "ready"
+            os.kill(holder.proc.pid, signal.SIGSTOP)
+            try:
+                go.put(1)
+                for _ in range(1000):  # until the master shows the put begun, not done
+                    if b._mc.get_size(key) == -703:
+                        break
+                    time.sleep(0.01)
+                assert b._mc.get_size(key) == -703
+                assert b.set("k", value) is False
+                assert b.get_stats().op("set").errors == 1
+            finally:
+                os.kill(holder.proc.pid, signal.SIGCONT)
+            assert done.get(timeout=120) == 0  # the other put ends: bytes not of ours
+            assert b.get("k") is None  # (verified: a miss, and removed)
+            assert b.set("k", value) is True
+            got = b.get("k")
+            assert got is not None and torch.equal(got, value)
+        finally:
+            go.put(1)
+            child.join(60)
+            b.close()

@@ -14,7 +14,7 @@ waits on a barrier shared with the other processes, then, by its role:
 It reports, per round: ``stored`` (keys whose set answered True), ``lost`` (of those,
 the keys that did not read back byte-exact), ``wrong`` (pages read with wrong bytes) and
 ``errors`` (the backend's failed items so far), or ``error`` (a repr) if it raised.
-:func:`busy` keeps a core busy.
+:func:`put_raw` puts one key with a bare client; :func:`busy` keeps a core busy.
 """
 
 from __future__ import annotations
@@ -88,6 +88,24 @@ def write_rounds(opts: dict[str, Any], role: str, nbytes: int, rounds: Any, resu
         results.put({"error": repr(exc)})
     finally:
         b.close()
+
+
+def put_raw(master: str, key: str, nbytes: int, go: Any, done: Any) -> None:
+    """A bare Mooncake client: once ``go`` gives something, put ``nbytes`` under ``key``.
+
+    Puts the put's code on ``done`` (the bytes are not a page of ours: no header).
+    """
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    if store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 2 * nbytes, "tcp", "", master) != 0:
+        done.put("setup failed")
+        return
+    done.put("ready")
+    go.get()
+    done.put(store.put(key, b"x" * nbytes))
+    go.get()
+    store.close()
 
 
 def busy() -> None:
