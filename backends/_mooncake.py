@@ -164,6 +164,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config, **_with_config_file(dict(options)))
+        self._master = redact_text(self.options.master_server_address)  # (for messages)
         self._mc: Any = None
         self._local = threading.local()  # each thread's header arena and staging buffer
         # address -> (bytes, the tensor): holding the tensor keeps that memory from being
@@ -194,7 +195,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         if rc != 0:
             raise BackendUnavailableError(
                 f"mooncake setup failed (rc {rc}) against the master at "
-                f"{opts.master_server_address} (metadata {redact_text(opts.metadata_server)})"
+                f"{self._master} (metadata {redact_text(opts.metadata_server)})"
             )
         self._mc = store
         self._replicate = ReplicateConfig()
@@ -214,7 +215,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
                 pass
         except OSError as exc:
             raise BackendUnavailableError(
-                f"no Mooncake master answers at {self.options.master_server_address}: {exc}"
+                f"no Mooncake master answers at {self._master}: {exc}"
             ) from None
 
     # ------------------------------------------------------------------ keys, arenas
@@ -285,8 +286,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         """Fail at once while the master is known down (each call would block seconds)."""
         if self._down_until and time.monotonic() < self._down_until:
             raise BackendUnavailableError(
-                f"the Mooncake master at {self.options.master_server_address} failed a "
-                "call lately; trying again shortly"
+                f"the Mooncake master at {self._master} failed a call lately; trying again shortly"
             )
 
     def _note(self, codes: Sequence[object]) -> None:
@@ -638,7 +638,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
     @override
     def __repr__(self) -> str:
         return (
-            f"MooncakeBackend(master={self.options.master_server_address!r}, "
+            f"MooncakeBackend(master={self._master!r}, "
             f"prefix={self._prefix!r}, namespace={self.namespace.digest})"
         )
 
@@ -654,7 +654,8 @@ def _check_rdma(device_name: str) -> None:
             f"protocol='rdma' needs an RDMA device and this host has none ({_RDMA_SYSFS} "
             "lists none): use protocol='tcp'"
         )
-    missing = [d for d in device_name.split(",") if d.strip() and d.strip() not in present]
+    named = [d.strip() for d in device_name.split(",") if d.strip() != "auto-discovery"]
+    missing = [d for d in named if d and d not in present]
     if missing:
         raise ConfigError(
             f"device_name names RDMA devices this host does not have: {missing}; it has "

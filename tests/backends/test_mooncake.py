@@ -269,21 +269,24 @@ def test_a_set_that_answers_true_reads_back_under_concurrent_writers(
 
 
 @pytest.mark.parametrize(
-    "url", ["http://user:{pw}@127.0.0.1:{port}/metadata", "etcd://user:{pw}@127.0.0.1:{port}"]
-)
-def test_a_metadata_url_password_never_shows(
-    master: MooncakeMaster, url: str, caplog: pytest.LogCaptureFixture,
+    ("option", "url"),
+    [("metadata_server", "http://user:{pw}@127.0.0.1:{port}/metadata"),
+     ("metadata_server", "etcd://user:{pw}@127.0.0.1:{port}"),
+     ("master_server_address", "etcd://user:{pw}@127.0.0.1:{port}")],
+)  # fmt: skip
+def test_a_url_password_never_shows(
+    master: MooncakeMaster, option: str, url: str, caplog: pytest.LogCaptureFixture,
     capfd: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
-    """No metadata server answers: the error names the URL, never its password (nor do
-    the logs or the client's own output)."""
+    """No metadata server (or master) answers: the error names the URL, never its
+    password (nor do the logs or the client's own output)."""
     import logging
     import traceback
 
     pw = f"Pw{uuid.uuid4().hex}"
     caplog.set_level(logging.DEBUG)
     with pytest.raises(BackendUnavailableError) as info:
-        backend(**options(master, metadata_server=url.format(pw=pw, port=free_port())))
+        backend(**options(master, **{option: url.format(pw=pw, port=free_port())}))
     assert "user:" in str(info.value)  # the URL is named
     shown = "".join(traceback.format_exception(info.value)) + caplog.text
     out = capfd.readouterr()
@@ -326,7 +329,7 @@ def test_rdma_without_an_rdma_device_is_a_config_error(
         backend(**options(master, protocol="rdma", device_name="mlx5_0"))
     (sysfs / "mlx5_0").mkdir()
     with pytest.raises(ConfigError, match=r"does not have: \['mlx5_1'\]; it has \['mlx5_0'\]"):
-        backend(**options(master, protocol="rdma", device_name="mlx5_0,mlx5_1"))
+        backend(**options(master, protocol="rdma", device_name="mlx5_0, mlx5_1"))
 
 
 def test_a_put_stalled_in_flight_makes_a_set_answer_false_after_put_wait() -> None:
