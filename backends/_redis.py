@@ -3,7 +3,8 @@
 Built on :class:`~hicache_storage.storekit.blobstore.BlobStore`: every value is the core
 header then the page, so a truncated, foreign, renamed or evicted value is a miss, never
 wrong bytes. Keys are ``<prefix><namespace digest>/<fan-out>/<leaf>``; every batch is one
-round trip (``MGET``, or a pipeline of ``SET NX`` / ``EXISTS`` / ``UNLINK``), and
+round trip (a pipeline of ``GETRANGE`` bounded by the page's size, ``SET NX`` with
+``STRLEN``, ``STRLEN`` or ``UNLINK``; ``MGET`` for reads without a target), and
 ``clear()`` removes this namespace's keys only, by ``SCAN`` and ``UNLINK`` in batches
 (never ``KEYS`` or ``FLUSHDB``). Options and guarantees: ``docs/backends/redis.md``.
 """
@@ -11,6 +12,7 @@ round trip (``MGET``, or a pipeline of ``SET NX`` / ``EXISTS`` / ``UNLINK``), an
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import ssl
@@ -29,7 +31,17 @@ from hicache_storage.errors import (
     ErrorMap,
 )
 from hicache_storage.protocol import Capabilities
-from hicache_storage.storekit.blobstore import PRESENT, BlobOptions, BlobStore, Present, Segments
+from hicache_storage.storekit.blobstore import (
+    FOREIGN,
+    PRESENT,
+    Blob,
+    BlobOptions,
+    BlobStore,
+    Foreign,
+    Present,
+    Segments,
+)
+from hicache_storage.storekit.header import HEADER_SIZE
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -43,6 +55,23 @@ _GLOB = re.compile(r"([*?\[\]\\])")
 #: A part of a value larger than this goes to the socket as a view, never copied (the
 #: size above which redis-py itself stops joining the parts of a command).
 _INLINE_MAX = 6000
+#: Longer than any value (the script's "no upper bound").
+_ANY_LENGTH = 2**53
+#: Removes KEYS[1] unless it holds a string of ARGV[1] to ARGV[2] bytes that is not the
+#: value whose SHA-1 is ARGV[3] ("": any value). One step on the server, so a good page
+#: that another writer stored after the bad value was seen is kept.
+_REMOVE_BAD = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 0 end
+if kind == 'string' then
+  local n = redis.call('STRLEN', KEYS[1])
+  if n >= tonumber(ARGV[1]) and n <= tonumber(ARGV[2])
+     and (ARGV[3] == '' or redis.sha1hex(redis.call('GET', KEYS[1])) ~= ARGV[3]) then
+    return 0
+  end
+end
+return redis.call('UNLINK', KEYS[1])
+"""
 
 
 @dataclass(frozen=True)
@@ -365,7 +394,8 @@ class RedisBackend(BlobStore[RedisOptions]):
             pipe.reset()
 
     def _node_of(self, command: Any) -> str:
-        node = self._client.get_node_from_key(command.args[1])
+        args = command.args
+        node = self._client.get_node_from_key(args[3] if args[0] == "EVAL" else args[1])
         return str(node.name) if node is not None else ""
 
     def _node_by_node(self, queue: list[Any]) -> list[Any]:
@@ -436,6 +466,25 @@ class RedisBackend(BlobStore[RedisOptions]):
             return self._cluster_mget(keys)
         return cast("list[bytes | None]", self._client.mget(keys))
 
+    @override
+    def _get_blobs_within(
+        self, names: list[ObjectName], limits: list[int | None]
+    ) -> Sequence[bytes | Foreign | Exception | None]:
+        """One ``GETRANGE key 0 <limit>`` per key, in one pipeline (``MGET`` without limits).
+
+        A value longer than its limit comes back cut to one byte more (then refused): a
+        planted huge value costs the page's size, not its own.
+        """
+        if all(limit is None for limit in limits):
+            return self._get_blobs(names)
+        pipe = self._pipeline()
+        for key, limit in zip(self._keys(names), limits, strict=True):
+            if limit is None:
+                pipe.get(key)
+            else:
+                pipe.getrange(key, 0, limit)  # (both ends included: at most limit + 1 bytes)
+        return [_read(r) for r in self._execute(pipe)]
+
     def _cluster_mget(self, keys: list[str]) -> list[bytes | Exception | None]:
         """One ``MGET`` per slot, in one pipeline per node; a failed node fails its pages.
 
@@ -475,29 +524,72 @@ class RedisBackend(BlobStore[RedisOptions]):
     def _put_blobs_if_absent(
         self, names: list[ObjectName], blobs: list[Segments]
     ) -> list[bool | Present | Exception]:
+        keys = self._keys(names)
+        # (sent as the header, then views of the page buffers: see _PagePacker)
+        values = [_Value(segments) for segments in blobs]
+        answers = self._put(keys, values, clean=False)
+        # A key held by what cannot be a page (another type, a value shorter than any
+        # header) is cleaned and the page stored: one more round trip, for those only.
+        again = [i for i, answer in enumerate(answers) if answer is None]
+        if again:
+            retried = self._put([keys[i] for i in again], [values[i] for i in again], clean=True)
+            for i, answer in zip(again, retried, strict=True):
+                answers[i] = answer
+        return [
+            BackendError("the key holds a value that is not a page") if a is None else a
+            for a in answers
+        ]
+
+    def _put(
+        self, keys: list[str], values: list[_Value], *, clean: bool
+    ) -> list[bool | Present | Exception | None]:
+        """``SET NX`` then ``STRLEN`` of each key, in one pipeline.
+
+        With ``clean``, what is not a page is removed first. Each answer: stored, present,
+        failed, or None (taken by what is not a page).
+        """
         pipe = self._pipeline()
-        for key, segments in zip(self._keys(names), blobs, strict=True):
-            # (sent as the header, then views of the page buffers: see _PagePacker)
-            pipe.set(key, _Value(segments), nx=True, px=self._px)
-        # SET NX answers True when it stored the value, None when the key held one; an
-        # error reply (out of memory under noeviction...) fails its item alone.
-        return [_stored(r) for r in self._execute(pipe)]
+        for key, value in zip(keys, values, strict=True):
+            if clean:
+                pipe.execute_command("EVAL", _REMOVE_BAD, 1, key, HEADER_SIZE, _ANY_LENGTH, "")
+            pipe.set(key, value, nx=True, px=self._px)
+            pipe.strlen(key)
+        replies = self._execute(pipe)
+        step = 3 if clean else 2
+        return [_stored(*replies[i + step - 2 : i + step]) for i in range(0, len(replies), step)]
 
     @override
     def _exists_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
-        # EXISTS k1 k2... answers a count: a pipeline gives one answer per key.
-        return self._each_key("exists", names)
+        # STRLEN, not EXISTS: a key of another type, or a value shorter than any header, is
+        # not a page (a read could never load it). One answer per key, in one pipeline.
+        pipe = self._pipeline()
+        for key in self._keys(names):
+            pipe.strlen(key)
+        return [_long_enough(r) for r in self._execute(pipe)]
 
     @override
     def _delete_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
-        return self._each_key("unlink", names)
-
-    def _each_key(self, command: str, names: list[ObjectName]) -> list[bool | Exception]:
-        """One ``EXISTS`` or ``UNLINK`` per key, in one pipeline: an answer (or error) each."""
         pipe = self._pipeline()
-        send = getattr(pipe, command)
         for key in self._keys(names):
-            send(key)
+            pipe.unlink(key)
+        return [_count(r) for r in self._execute(pipe)]
+
+    @override
+    def _delete_blobs_if_bad(
+        self, names: list[ObjectName], seen: list[Blob | Foreign], limits: list[int | None]
+    ) -> list[bool | Exception]:
+        """Each key removed by :data:`_REMOVE_BAD`, in one pipeline, only if still bad.
+
+        That is: while it holds the value seen (the same SHA-1), or, for one seen cut or of
+        another type, while it is not a string or is longer than its limit.
+        """
+        pipe = self._pipeline()
+        for key, blob, limit in zip(self._keys(names), seen, limits, strict=True):
+            if isinstance(blob, Foreign) or (limit is not None and memoryview(blob).nbytes > limit):
+                args: tuple[object, ...] = (0, _ANY_LENGTH if limit is None else limit, "")
+            else:
+                args = (0, _ANY_LENGTH, hashlib.sha1(blob).hexdigest())
+            pipe.execute_command("EVAL", _REMOVE_BAD, 1, key, *args)
         return [_count(r) for r in self._execute(pipe)]
 
     @override
@@ -558,19 +650,49 @@ class RedisBackend(BlobStore[RedisOptions]):
         )
 
 
-def _stored(reply: object) -> bool | Present | Exception:
-    """The answer of one ``SET NX``: stored, already present, or the item's error."""
+def _wrong_type(reply: object) -> bool:
+    """True if ``reply`` is the server's error for a key of another type than a string."""
+    from redis.exceptions import ResponseError
+
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _read(reply: object) -> bytes | Foreign | Exception | None:
+    """A value read by ``GETRANGE`` or ``GET`` (an empty one is no page: a miss)."""
+    if isinstance(reply, bytes):
+        return reply or None  # (GETRANGE answers b"" for a missing key)
+    if reply is None or isinstance(reply, Exception):
+        return FOREIGN if _wrong_type(reply) else reply
+    return BackendError(f"unexpected reply to GETRANGE: {type(reply).__name__}")
+
+
+def _long_enough(reply: object) -> bool | Exception:
+    """Whether a ``STRLEN`` answer is a value as long as a header at least."""
+    if type(reply) is int:
+        return reply >= HEADER_SIZE
+    if isinstance(reply, Exception):
+        return False if _wrong_type(reply) else reply
+    return BackendError(f"unexpected reply to STRLEN: {type(reply).__name__}")
+
+
+def _stored(reply: object, length: object) -> bool | Present | Exception | None:
+    """The answer of one ``SET NX`` and the ``STRLEN`` after it.
+
+    Stored, already present (as a page could be), the item's error, or None (taken by
+    what is not a page).
+    """
     if reply is True:
         return True
-    if reply is None:
-        return PRESENT
     if isinstance(reply, Exception):
         return reply
-    return BackendError(f"unexpected reply to SET: {type(reply).__name__}")
+    if reply is not None:
+        return BackendError(f"unexpected reply to SET: {type(reply).__name__}")
+    present = _long_enough(length)
+    return present if isinstance(present, Exception) else PRESENT if present else None
 
 
 def _count(reply: object) -> bool | Exception:
-    """The answer of one ``EXISTS`` or ``UNLINK`` of a single key."""
+    """The answer of one ``UNLINK`` of a single key, or of :data:`_REMOVE_BAD`."""
     if isinstance(reply, Exception):
         return reply
     if type(reply) is int and reply in (0, 1):

@@ -81,7 +81,16 @@ if TYPE_CHECKING:
 
     from hicache_storage.keys import ObjectName
 
-__all__ = ["PRESENT", "Blob", "BlobOptions", "BlobStore", "Present", "Segments"]
+__all__ = [
+    "FOREIGN",
+    "PRESENT",
+    "Blob",
+    "BlobOptions",
+    "BlobStore",
+    "Foreign",
+    "Present",
+    "Segments",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +118,21 @@ class Present:
 #: value (nothing written by this call): a success, not counted in ``bytes_written``.
 #: ``True`` means stored now, or present when the store cannot tell the two apart.
 PRESENT = Present()
+
+
+class Foreign:
+    """The type of :data:`FOREIGN` (one instance; compare with ``is``)."""
+
+    @override
+    def __repr__(self) -> str:
+        return "FOREIGN"
+
+
+#: What :meth:`BlobStore._get_blobs_within` may return for a name whose value it did not
+#: read because it cannot be one of the base's: longer than the name's limit, or not a
+#: value the store can return (a Redis hash under a page's key). Counted in
+#: ``corrupt_objects`` and removed, like a value that fails verification.
+FOREIGN = Foreign()
 
 
 @contextmanager
@@ -152,8 +176,10 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
     **What the implementer writes**: :meth:`_get_blobs`, :meth:`_put_blobs_if_absent` and
     :meth:`_exists_blobs`; optionally :meth:`_delete_blobs` and :meth:`_clear_namespace`
-    (claim ``Capabilities(delete=True)`` only with both); class attributes :attr:`name`,
-    :attr:`capabilities`, :attr:`options_class` and :attr:`error_map`. Each method gets
+    (claim ``Capabilities(delete=True)`` only with both), and :meth:`_get_blobs_within`
+    and :meth:`_delete_blobs_if_bad` where the store can bound a read or compare before it
+    deletes; class attributes :attr:`name`, :attr:`capabilities`, :attr:`options_class`
+    and :attr:`error_map`. Each method gets
     the :class:`~hicache_storage.keys.ObjectName` of every item; the store's key for an
     item is ``name.path`` (ASCII, ``<namespace digest>/<fan-out>/<leaf>``; a store may
     rewrite it to its own key syntax if the rewriting is one-to-one).
@@ -185,10 +211,14 @@ class BlobStore(HiCacheStorage, Generic[O]):
     guard: every value is stored as ``header || payload`` with the name it is stored
     under bound into the header; a value that fails verification (shorter than its
     header, another program's, stored under another name, wrong length, checksum
-    mismatch when checked) is a miss, counted in ``corrupt_objects``, and removed when
-    the store supports deletion (:attr:`remove_corrupt`), so that the next ``set`` can
-    store a good value; targets are filled completely or not at all (a size mismatch is
-    ``None``/``False``, counted in ``size_mismatches``); every engine-facing call makes
+    mismatch when checked, longer than the target can hold) is a miss, counted in
+    ``corrupt_objects``, and removed when the store supports deletion
+    (:attr:`remove_corrupt`), so that the next ``set`` can store a good value; no more of a
+    value is asked for than the target can hold (where the store implements
+    :meth:`_get_blobs_within`); targets are filled completely or not at all: a whole,
+    verified value of another size than its target is ``None``/``False``, counted in
+    ``size_mismatches``, and removed too (no reader of the namespace can load it, and it
+    would hold its key: ``set`` would find the key taken); every engine-facing call makes
     one call of the implementer's methods per batch, except ``batch_exists`` (see
     :attr:`exists_chunk`) and the removal of corrupt values.
     """
@@ -277,6 +307,34 @@ class BlobStore(HiCacheStorage, Generic[O]):
         """Remove each name's value; True where one was stored. Default: not supported."""
         raise NotSupportedError(f"{type(self).__name__} does not support delete")
 
+    def _get_blobs_within(
+        self, names: list[ObjectName], limits: list[int | None]
+    ) -> Sequence[Blob | Foreign | Exception | None]:
+        """:meth:`_get_blobs`, asking for no more of each value than ``limits[i]`` bytes.
+
+        ``limits[i]`` is the longest value the caller can use (the header plus its
+        target's size; None: no limit). A longer value may come back cut to any length
+        over the limit, or as :data:`FOREIGN`: either way it is a miss, counted as
+        corrupt and removed, so a planted huge value never costs its size in memory.
+        Default: :meth:`_get_blobs` (every value read whole, then refused).
+        """
+        return self._get_blobs(names)
+
+    def _delete_blobs_if_bad(
+        self, names: list[ObjectName], seen: list[Blob | Foreign], limits: list[int | None]
+    ) -> Sequence[bool | Exception]:
+        """Remove each name's value if it is still the bad one that was read.
+
+        ``seen[i]`` is what :meth:`_get_blobs_within` returned for the name, ``limits[i]``
+        the limit it was read with. A store that can compare and delete in one step
+        removes the value only while it is still the bytes seen, or (for a value seen
+        cut or :data:`FOREIGN`) still longer than the limit or not a value of its kind:
+        a good value that another writer stored meanwhile is kept. Default:
+        :meth:`_delete_blobs`, which under that race removes the good value too (a later
+        miss, never wrong bytes).
+        """
+        return self._delete_blobs(names)
+
     def _clear_namespace(self) -> None:
         """Remove every value of this namespace (names :meth:`_is_own_name` accepts), only those.
 
@@ -328,40 +386,45 @@ class BlobStore(HiCacheStorage, Generic[O]):
         """Log an exception found in a result slot (counted by the caller)."""
         self._log_failure(op, mapped_error(exc, self.error_map))
 
-    def _fetch(self, op: str, names: list[ObjectName]) -> list[memoryview | None]:
-        """The verified payload of each name, from one call of :meth:`_get_blobs`.
+    def _fetch(
+        self, op: str, names: list[ObjectName], targets: Sequence[list[memoryview] | None]
+    ) -> list[memoryview | None]:
+        """The verified payload of each name, from one call of :meth:`_get_blobs_within`.
 
-        ``None`` stands for a miss, a failed item or a value that failed verification.
+        ``targets[i]`` is the views of the name's target (None: a new one, any size).
+        ``None`` stands for a miss, a failed item, a value that failed verification or
+        one of another size than its target (both removed).
         """
         if not names:
             return []
+        most = self.capabilities.max_object_bytes  # (no target: no value is longer)
+        sizes = [most if v is None else total_nbytes(v) for v in targets]
+        limits = [None if n is None else HEADER_SIZE + n for n in sizes]
         with self._errors():
-            got = self._get_blobs(names)
+            got = self._get_blobs_within(names, limits)
         blobs = self._results("_get_blobs", got, len(names))
         out: list[memoryview | None] = []
         failed = 0
-        corrupt: list[ObjectName] = []
-        for name, blob in zip(names, blobs, strict=True):
+        bad: list[int] = []
+        for i, (name, blob, limit) in enumerate(zip(names, blobs, limits, strict=True)):
+            payload: memoryview | None = None
             if blob is None:
-                out.append(None)
+                pass
             elif isinstance(blob, BaseException):
                 self._item_failed(op, blob)
                 failed += 1
-                out.append(None)
             else:
                 try:
-                    out.append(self._payload(name, blob))
+                    payload = self._payload(name, blob, limit)
                 except UnsupportedFormatError as exc:
                     # A newer release's value in a shared store: a miss here, kept.
                     self._log("newer", "object %s (%s): kept; the read is a miss", name.path, exc)
-                    out.append(None)
                 except CorruptObjectError as exc:
                     self._record(corrupt_objects=1)
                     self._log(
                         "corrupt", "corrupt object %s (%s): the read is a miss", name.path, exc
                     )
-                    corrupt.append(name)
-                    out.append(None)
+                    bad.append(i)
                 except (TypeError, BufferError, ValueError):
                     self._item_failed(
                         op,
@@ -371,19 +434,31 @@ class BlobStore(HiCacheStorage, Generic[O]):
                         ),
                     )
                     failed += 1
-                    out.append(None)
+                if payload is not None and targets[i] is not None and payload.nbytes != sizes[i]:
+                    self._record(size_mismatches=1)  # whole and verified, but not the page's
+                    self._log("size", "object %s holds %d bytes, its target %d: the read is a "
+                              "miss", name.path, payload.nbytes, sizes[i])  # fmt: skip
+                    bad.append(i)
+                    payload = None
+            out.append(payload)
         self._add_item_errors(failed)
-        if corrupt:
-            self._remove_corrupt(corrupt)
+        if bad:
+            self._remove_corrupt(
+                [names[i] for i in bad], [blobs[i] for i in bad], [limits[i] for i in bad]
+            )
         return out
 
-    def _payload(self, name: ObjectName, blob: Blob) -> memoryview:
-        """The payload of ``blob``, verified as read under ``name``.
+    def _payload(self, name: ObjectName, blob: Blob | Foreign, limit: int | None) -> memoryview:
+        """The payload of ``blob``, verified as read under ``name`` with ``limit``.
 
-        Raises CorruptObjectError if it does not verify, TypeError if it is not a bytes-like
-        value.
+        Raises CorruptObjectError if it does not verify or is longer than ``limit`` (or
+        :data:`FOREIGN`), TypeError if it is not a bytes-like value.
         """
-        view = memoryview(blob)
+        if blob is FOREIGN:
+            raise CorruptObjectError("not a value of this store's kind, or too long to read")
+        view = memoryview(cast("Blob", blob))
+        if limit is not None and view.nbytes > limit:
+            raise CorruptObjectError(f"longer than the {limit} bytes its target can take")
         if not view.c_contiguous:
             view = memoryview(view.tobytes())  # checksums and copies need one run of bytes
         if view.ndim != 1 or view.format != "B":
@@ -398,13 +473,15 @@ class BlobStore(HiCacheStorage, Generic[O]):
             )
         return payload
 
-    def _remove_corrupt(self, names: list[ObjectName]) -> None:
-        """Best effort: remove values that failed verification (not an item failure)."""
+    def _remove_corrupt(
+        self, names: list[ObjectName], seen: list[Blob | Foreign], limits: list[int | None]
+    ) -> None:
+        """Best effort: remove values found bad (not an item failure)."""
         if not self.remove_corrupt or type(self)._delete_blobs is BlobStore._delete_blobs:
             return
         try:
             with self._errors():
-                self._delete_blobs(names)
+                self._delete_blobs_if_bad(names, seen, limits)
         except Exception as exc:  # noqa: BLE001 - the read already answered a miss
             text = scrub(str(exc), self._secret_values())  # a client's error may quote them
             self._log("corrupt-remove", "cannot remove %d corrupt objects: %s", len(names), text)
@@ -493,14 +570,14 @@ class BlobStore(HiCacheStorage, Generic[O]):
     def get(self, key: str, target: Any = None) -> Any:
         name = self.object_name(key)
         views = None if target is None else target_views(target)
-        (payload,) = self._fetch("get", [name])
+        (payload,) = self._fetch("get", [name], [views])
         return None if payload is None else self._fill(payload, target, views)
 
     @override
     def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
         slots = list(targets) if targets is not None else [None] * len(keys)
         views = [None if t is None else target_views(t) for t in slots]
-        payloads = self._fetch("batch_get", [self.object_name(k) for k in keys])
+        payloads = self._fetch("batch_get", [self.object_name(k) for k in keys], views)
         return [
             None if p is None else self._fill(p, t, v)
             for p, t, v in zip(payloads, slots, views, strict=True)
@@ -509,7 +586,7 @@ class BlobStore(HiCacheStorage, Generic[O]):
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         views = [target_views(page) for page in pages]  # refuses read-only pages first
-        payloads = self._fetch("batch_get_pages", [self.object_name(k) for k in keys])
+        payloads = self._fetch("batch_get_pages", [self.object_name(k) for k in keys], views)
         return [
             p is not None and self._fill(p, page, v) is not None
             for p, page, v in zip(payloads, pages, views, strict=True)

@@ -19,6 +19,7 @@ from hicache_storage import KVCacheNamespace, StorageConfig
 from hicache_storage.buffers import PageBuffer, Segment
 from hicache_storage.conformance import BackendConformance, BackendSpec
 from hicache_storage.errors import BackendUnavailableError, ConfigError
+from hicache_storage.storekit.blobstore import FOREIGN
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 
@@ -160,6 +161,145 @@ def test_a_foreign_or_truncated_value_is_a_miss(server: RedisServer) -> None:
     finally:
         b.close()
         r.close()
+
+
+def _framed(b: Any, key: str, payload: bytes) -> bytes:
+    """A well-formed value (header and payload) for ``key`` in ``b``'s namespace."""
+    from hicache_storage.storekit.header import algorithm_id, checksum, encode_header
+
+    path, alg = b.object_path(key), algorithm_id("xxh3")
+    return encode_header(len(payload), checksum([memoryview(payload)], alg), alg, path) + payload
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_a_planted_value_that_is_not_a_page_never_holds_its_key(
+    request: pytest.FixtureRequest, where: str
+) -> None:
+    """A well-formed value of the wrong length is a miss and removed by the first read; a
+    hash, an empty or a short value is never counted by exists and never makes set answer
+    True without storing the page; a hash met by a read is removed too."""
+    import redis
+
+    cluster = where == "cluster"
+    url = request.getfixturevalue(where if cluster else "server").url
+    b = backend(url, cluster=cluster)
+    r = redis.RedisCluster.from_url(url) if cluster else raw(url)
+    ours = torch.full((4096,), 7, dtype=torch.uint8)
+    keys = [
+        f"{kind}{i}" for kind in ("short", "hash", "hashread", "empty", "tiny") for i in range(4)
+    ]
+    try:
+        for key in keys:
+            where_ = b._prefix + b.object_path(key)
+            if key.startswith("short"):
+                r.set(where_, _framed(b, key, b"x" * 100))  # a valid value, not a page's size
+            elif key.startswith("hash"):
+                r.hset(where_, "field", "value")
+            else:
+                r.set(where_, b"" if key.startswith("empty") else b"x" * 10)
+        short = [k for k in keys if k.startswith("short")]
+        others = [k for k in keys if not k.startswith(("short", "hashread"))]
+        # wrong length: counted (a read must tell), read once (a miss), removed
+        assert all(b.exists(k) for k in short)
+        targets = [torch.zeros(4096, dtype=torch.uint8) for _ in short]
+        assert b.batch_get(short, targets) == [None] * len(short)
+        assert all(not t.any() for t in targets)
+        assert not any(r.exists(b._prefix + b.object_path(k)) for k in short)
+        assert b.get_stats().size_mismatches == len(short)
+        # a hash met by a read: a miss, counted corrupt, removed
+        hashread = [k for k in keys if k.startswith("hashread")]
+        assert b.batch_get(hashread, [torch.zeros(4096, dtype=torch.uint8)] * 4) == [None] * 4
+        assert b.get_stats().corrupt_objects == 4
+        assert not any(r.exists(b._prefix + b.object_path(k)) for k in hashread)
+        # never a page: not counted, and set stores the page over it
+        assert not any(b.exists(k) for k in others)
+        assert b.batch_exists(others) == 0
+        assert b.batch_set(keys, [ours] * len(keys)) == [True] * len(keys)
+        assert b.get_stats().bytes_written == len(keys) * 4096  # each one stored, none "present"
+        for key in keys:
+            got = b.get(key, torch.zeros(4096, dtype=torch.uint8))
+            assert got is not None and torch.equal(got, ours)
+        assert b.batch_exists(keys) == len(keys)
+    finally:
+        b.clear()
+        b.close()
+        r.close()
+
+
+def test_a_bad_value_is_removed_only_while_it_is_still_there(server: RedisServer) -> None:
+    """The removal compares and deletes in one step: a good page another writer stored
+    after the bad value was read is kept."""
+    b = backend(server.url)
+    r = raw(server.url)
+    try:
+        name = b.object_name("k")
+        key = b._prefix + name.path
+        bad, good = _framed(b, "k", b"x" * 100), _framed(b, "k", b"y" * 4096)
+        limit = len(good)
+        cut = b"z" * (limit + 1)  # what a bounded read of an oversized value returns
+        for seen, now, removed in [
+            (bad, bad, True),
+            (bad, good, False),  # replaced meanwhile: kept
+            (cut, b"z" * (limit + 5000), True),  # still over the limit
+            (cut, good, False),
+            (FOREIGN, None, True),  # still a hash
+            (FOREIGN, good, False),
+        ]:
+            r.delete(key)
+            if now is None:
+                r.hset(key, "f", "v")
+            else:
+                r.set(key, now)
+            assert b._delete_blobs_if_bad([name], [seen], [limit]) == [removed]
+            assert r.exists(key) == (not removed)
+            if not removed:
+                assert r.get(key) == now
+    finally:
+        r.delete(b._prefix + b.object_path("k"))
+        b.close()
+        r.close()
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_a_huge_planted_value_is_never_read_whole(
+    request: pytest.FixtureRequest, where: str
+) -> None:
+    """8 values of 4 MiB under the keys of 4 KiB pages: a batch read is 8 misses, counted
+    corrupt and removed, and the server sends about the pages' size, not 32 MiB (its own
+    count of bytes sent, before and after)."""
+    import redis
+
+    cluster = where == "cluster"
+    url = request.getfixturevalue(where if cluster else "server").url
+    b = backend(url, cluster=cluster)
+    r = redis.RedisCluster.from_url(url) if cluster else raw(url)
+    nodes = request.getfixturevalue("cluster").nodes if cluster else []
+    counters = [raw(n.url) for n in nodes] if cluster else [r]  # the servers' own counts
+    keys = [f"huge{i}" for i in range(8)]
+    try:
+        for key in keys:
+            r.set(b._prefix + b.object_path(key), _framed(b, key, bytes(4 << 20)))
+        tensors = [torch.zeros(4096, dtype=torch.uint8) for _ in keys]
+        pages = [
+            PageBuffer([Segment(t.data_ptr(), 4096, memoryview(t.numpy().data))]) for t in tensors
+        ]
+
+        def sent() -> int:  # (the INFO answers themselves are a few KiB)
+            return sum(int(c.info("stats")["total_net_output_bytes"]) for c in counters)
+
+        before = sent()
+        assert b.batch_get_pages(keys, pages) == [False] * len(keys)
+        cost = sent() - before
+        assert cost < 8 * (4096 + 49) + 256 * 1024, f"{cost} bytes sent for 8 pages of 4 KiB"
+        assert all(not t.any() for t in tensors)
+        assert b.get_stats().corrupt_objects == len(keys)
+        assert not any(r.exists(b._prefix + b.object_path(k)) for k in keys)
+        assert b.batch_set(keys, [torch.ones(4096, dtype=torch.uint8)] * 8) == [True] * 8
+    finally:
+        b.clear()
+        b.close()
+        for c in {*counters, r}:
+            c.close()
 
 
 def test_nothing_listening_is_a_clear_error_at_construction() -> None:
@@ -477,7 +617,7 @@ def test_tls_options_are_checked_at_construction(tmp_path: Path, tls_files: TlsF
 
 
 #: Each TLS option (and the URL's own ssl_* parameters), as options given with a plaintext url.
-_TLS_OPTIONS: dict[str, Callable[[TlsFiles], dict[str, object]]] = {
+_TLS_OPTIONS: dict[str, Callable[[TlsFiles], dict[str, Any]]] = {
     "ssl_cert_reqs": lambda _: {"ssl_cert_reqs": "required"},
     "ssl_check_hostname": lambda _: {"ssl_check_hostname": True},
     "ssl_ca_certs": lambda f: {"ssl_ca_certs": str(f.ca)},

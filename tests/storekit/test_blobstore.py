@@ -21,7 +21,14 @@ from hicache_storage.errors import (
     NotSupportedError,
 )
 from hicache_storage.keys import ObjectName, object_name
-from hicache_storage.storekit.blobstore import BlobOptions, BlobStore, Segments
+from hicache_storage.storekit.blobstore import (
+    FOREIGN,
+    Blob,
+    BlobOptions,
+    BlobStore,
+    Foreign,
+    Segments,
+)
 from hicache_storage.storekit.header import HEADER_SIZE, decode_header
 
 
@@ -254,20 +261,89 @@ def test_a_value_that_is_not_bytes_fails_its_item(store: DictBlobs) -> None:
 
 
 @pytest.mark.parametrize("delta", [-1, 1])
-def test_wrong_size_target_is_none_and_untouched(store: DictBlobs, delta: int) -> None:
-    store.set("k", b"v" * 32)
+def test_wrong_size_target_is_none_untouched_and_the_value_removed(
+    store: DictBlobs, delta: int
+) -> None:
+    """A value of another size than its target is a miss that writes nothing, and is
+    removed (it would hold its key for good): longer than the target, it is corrupt (not
+    read whole where the store can bound reads); shorter, a size mismatch."""
     targets: list[Any] = [
         bytearray(b"\x11" * (32 + delta)),
         torch.full((32 + delta,), 0x11, dtype=torch.uint8),
         page(16, 16 + delta, fill=0x11),
     ]
+    reads = [
+        *[lambda t=t: store.get("k", t) is None for t in targets],
+        lambda: store.batch_get(["k"], [targets[0]]) == [None],
+        lambda: store.batch_get_pages(["k"], [targets[2]]) == [False],
+    ]
+    for read in reads:
+        assert store.set("k", b"v" * 32) is True
+        assert read()
+        assert store.object_name("k").path not in store.data
     for target in targets:
-        assert store.get("k", target) is None
         assert as_bytes(target) == b"\x11" * (32 + delta)
-    assert store.batch_get(["k"], [targets[0]]) == [None]
-    assert store.batch_get_pages(["k"], [targets[2]]) == [False]
-    assert as_bytes(targets[2]) == b"\x11" * (32 + delta)
-    assert store.get_stats().size_mismatches == 5
+    stats = store.get_stats()
+    assert (stats.corrupt_objects, stats.size_mismatches) == ((5, 0) if delta < 0 else (0, 5))
+    assert store.get_stats().op("get").errors == 0
+
+
+class Bounded(DictBlobs):
+    """Reads cut at one byte past each limit ("hash" values come back FOREIGN), and a
+    record of the limits asked and of what was handed over for removal."""
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config, **options)
+        self.limits: list[int | None] = []
+        self.removed: list[tuple[object, int | None]] = []
+
+    def _get_blobs_within(
+        self, names: list[ObjectName], limits: list[int | None]
+    ) -> Sequence[bytes | Foreign | None]:
+        self.limits += limits
+        values = [self.data.get(n.path) for n in names]
+        return [
+            FOREIGN if v == b"hash" else v if v is None or n is None else v[: n + 1]
+            for v, n in zip(values, limits, strict=True)
+        ]
+
+    def _delete_blobs_if_bad(
+        self, names: list[ObjectName], seen: list[Blob | Foreign], limits: list[int | None]
+    ) -> Sequence[bool | Exception]:
+        self.removed += [
+            (s if isinstance(s, Foreign) else len(s), n) for s, n in zip(seen, limits, strict=True)
+        ]
+        return super()._delete_blobs_if_bad(names, seen, limits)
+
+
+def test_reads_ask_for_what_the_target_can_take_and_refuse_more() -> None:
+    """A target of n bytes: the store is asked for at most header + n bytes; a longer
+    value (cut) or a FOREIGN one is corrupt, handed over for removal with its limit."""
+    b = Bounded(StorageConfig(namespace=ns()))
+    b.set("ok", b"a" * 32)
+    b.set("big", b"b" * 10_000)
+    b.put_raw("hash", b"hash")
+    targets = [bytearray(32) for _ in range(3)]
+    got = b.batch_get(["ok", "big", "hash"], targets)
+    assert got[0] is targets[0] and targets[0] == b"a" * 32
+    assert got[1:] == [None, None] and targets[1] == targets[2] == bytearray(32)
+    assert b.limits == [HEADER_SIZE + 32] * 3
+    assert b.removed == [(HEADER_SIZE + 33, HEADER_SIZE + 32), (FOREIGN, HEADER_SIZE + 32)]
+    assert b.get_stats().corrupt_objects == 2
+    assert sorted(b.data) == [b.object_name("ok").path]
+    b.limits.clear()
+    assert as_bytes(b.get("ok")) == b"a" * 32  # no target: no limit
+    assert b.limits == [None]
+
+
+def test_without_a_target_the_limit_is_max_object_bytes() -> None:
+    class Small(Bounded):
+        capabilities = Capabilities(delete=True, max_object_bytes=100)
+
+    b = Small(StorageConfig(namespace=ns()))
+    b.put_raw("k", b"x" * 1000)
+    assert b.get("k") is None
+    assert b.limits == [HEADER_SIZE + 100] and b.get_stats().corrupt_objects == 1
 
 
 def test_a_miss_leaves_the_target_untouched(store: DictBlobs) -> None:
