@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, cast
 
 from typing_extensions import override
 
@@ -42,7 +42,15 @@ from hicache_storage.errors import (
 from hicache_storage.keys import KEY_MAX_LEN
 from hicache_storage.protocol import Capabilities
 from hicache_storage.storekit.aioloop import LoopThread
-from hicache_storage.storekit.blobstore import PRESENT, BlobOptions, BlobStore, Present, Segments
+from hicache_storage.storekit.blobstore import (
+    PRESENT,
+    Blob,
+    BlobOptions,
+    BlobStore,
+    Foreign,
+    Present,
+    Segments,
+)
 from hicache_storage.storekit.header import HEADER_SIZE
 
 if TYPE_CHECKING:
@@ -393,37 +401,49 @@ class S3Backend(BlobStore[S3Options]):
     def _path(self, name: ObjectName) -> str:
         return f"{self._root}/{name.path}"
 
-    async def _get_one(self, path: str) -> bytes | None:
+    async def _get_one(self, path: str, limit: int | None) -> bytes | None:
+        """The object's bytes, at most ``limit + 1`` of them (a ``Range`` on S3).
+
+        On S3 they carry the object's ETag (:class:`_Read`), for a removal that takes
+        that object only.
+        """
         try:
             if self._s3:
                 bucket, key = self._split(path)
+                ranged = {} if limit is None else {"Range": f"bytes=0-{limit}"}
 
-                async def read() -> bytes:
+                async def read() -> _Read:
                     fs, _ = await self._ready()
-                    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key)
                     try:
-                        return bytes(await resp["Body"].read())
+                        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **ranged)
+                    except Exception as exc:
+                        if ranged and _code(exc) in ("InvalidRange", "416"):
+                            return _Read(b"")  # (no byte 0: an empty object)
+                        raise
+                    try:
+                        return _Read(await resp["Body"].read(), resp.get("ETag"))
                     finally:
                         resp["Body"].close()
 
-                return bytes(await self._call(read))
-            return bytes(await self._call(self._fs_call("cat_file", path)))
+                return cast("_Read", await self._call(read))
+            end = {} if limit is None else {"start": 0, "end": limit + 1}
+            return bytes(await self._call(self._fs_call("cat_file", path, **end)))
         except FileNotFoundError as exc:
             if _code(exc) == "NoSuchBucket":  # not a miss: the store is gone
                 raise BackendUnavailableError(f"{self._where}: the bucket does not exist") from None
             return None
 
-    async def _stat(self, path: str) -> int | None:
-        """The size of the object at ``path``, or None where there is none."""
+    async def _stat(self, path: str) -> tuple[int, str | None] | None:
+        """The size and ETag (S3) of the object at ``path``, or None where there is none."""
         try:
             if self._s3:
                 bucket, key = self._split(path)
                 info = await self._call(self._s3_call("head_object", Bucket=bucket, Key=key))
-                return int(info.get("ContentLength", 0))
+                return int(info.get("ContentLength", 0)), info.get("ETag")
             info = await self._call(self._fs_call("info", path))
             if info.get("type") not in (None, "file"):
                 return None
-            return int(info.get("size") or 0)
+            return int(info.get("size") or 0), None
         except FileNotFoundError:
             return None
 
@@ -431,14 +451,25 @@ class S3Backend(BlobStore[S3Options]):
         if self._negative(path):
             return False
         started = self._writes
-        size = await self._stat(path)
-        if size is None:
+        found = await self._stat(path)
+        if found is None:
             if self._written.get(path, -1) < started:  # no put of it began since the HEAD
                 self._remember_absent(path)
             return False
-        return size >= HEADER_SIZE  # shorter: not one of ours (a miss, as a read would say)
+        return found[0] >= HEADER_SIZE  # shorter: not one of ours (a miss, as a read would say)
 
-    async def _put_one(self, path: str, data: bytes) -> bool | Present:
+    async def _put_one(self, path: str, data: bytes, again: bool = False) -> bool | Present:
+        stored = await self._put_once(path, data)
+        if stored is PRESENT and not again:
+            # What exists() does not count (shorter than any header) must not make the
+            # key look stored: removed (that object only), and the page written.
+            found = await self._stat(path)
+            if found is not None and found[0] < HEADER_SIZE:
+                await self._remove(path, found[1])
+                return await self._put_one(path, data, again=True)
+        return stored
+
+    async def _put_once(self, path: str, data: bytes) -> bool | Present:
         self._writes += 1
         if self.options.negative_cache_ttl:
             self._written[path] = self._writes
@@ -507,11 +538,36 @@ class S3Backend(BlobStore[S3Options]):
     async def _delete_one(self, path: str) -> bool:
         if await self._stat(path) is None:  # (any size: a short object is removed too)
             return False
-        if self._s3:
-            bucket, key = self._split(path)
-            await self._call(self._s3_call("delete_object", Bucket=bucket, Key=key))
-        else:
-            await self._call(self._fs_call("rm_file", path))
+        return await self._remove(path, None)
+
+    async def _remove(self, path: str, etag: str | None) -> bool:
+        """Remove the object at ``path``; on S3 with ``etag``, only if it is still that one.
+
+        False when the object is gone or (``If-Match``) another one took its place. A
+        server that refuses the condition gets the plain request.
+        """
+        try:
+            if not self._s3:
+                await self._call(self._fs_call("rm_file", path))
+            elif etag is None:
+                bucket, key = self._split(path)
+                await self._call(self._s3_call("delete_object", Bucket=bucket, Key=key))
+            else:
+                bucket, key = self._split(path)
+                try:
+                    await self._call(
+                        self._s3_call("delete_object", Bucket=bucket, Key=key, IfMatch=etag)
+                    )
+                except FileNotFoundError:
+                    raise
+                except Exception as exc:
+                    if _code(exc) in ("PreconditionFailed", "412"):
+                        return False  # replaced since it was read: kept
+                    if _code(exc) not in ("NotImplemented", "501", "InvalidArgument", "400"):
+                        raise
+                    return await self._remove(path, None)
+        except FileNotFoundError:
+            return False
         self._remember_absent(path)
         return True
 
@@ -566,7 +622,14 @@ class S3Backend(BlobStore[S3Options]):
 
     @override
     def _get_blobs(self, names: list[ObjectName]) -> Sequence[bytes | Exception | None]:
-        return self._run(self._each([self._get_one(self._path(n)) for n in names]))
+        return self._run(self._each([self._get_one(self._path(n), None) for n in names]))
+
+    @override
+    def _get_blobs_within(
+        self, names: list[ObjectName], limits: list[int | None]
+    ) -> Sequence[bytes | Exception | None]:
+        coros = [self._get_one(self._path(n), m) for n, m in zip(names, limits, strict=True)]
+        return self._run(self._each(coros))
 
     @override
     def _put_blobs_if_absent(
@@ -585,6 +648,17 @@ class S3Backend(BlobStore[S3Options]):
     @override
     def _delete_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
         return self._run(self._each([self._delete_one(self._path(n)) for n in names]))
+
+    @override
+    def _delete_blobs_if_bad(
+        self, names: list[ObjectName], seen: list[Blob | Foreign], limits: list[int | None]
+    ) -> list[bool | Exception]:
+        # (S3: If-Match the ETag of the object read; other filesystems cannot compare)
+        coros = [
+            self._remove(self._path(n), getattr(b, "etag", None))
+            for n, b in zip(names, seen, strict=True)
+        ]
+        return self._run(self._each(coros))
 
     @override
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -742,6 +816,17 @@ class S3Backend(BlobStore[S3Options]):
     @override
     def __repr__(self) -> str:
         return f"S3Backend(location={self._where!r}, namespace={self.namespace.digest})"
+
+
+class _Read(bytes):
+    """An object's bytes as read from S3, with the ETag of the object they came from."""
+
+    def __new__(cls, data: bytes, etag: str | None = None) -> Self:
+        read = super().__new__(cls, data)
+        read.etag = etag
+        return read
+
+    etag: str | None
 
 
 _MEMORY_PUTS = threading.Lock()

@@ -263,6 +263,115 @@ def test_short_truncated_and_foreign_objects_are_misses(moto: MotoServer) -> Non
         b.close()
 
 
+def _framed(b: Any, key: str, payload: bytes) -> bytes:
+    """A well-formed object (header and payload) for ``key`` in ``b``'s namespace."""
+    from hicache_storage.storekit.header import algorithm_id, checksum, encode_header
+
+    path, alg = b.object_path(key), algorithm_id("xxh3")
+    return encode_header(len(payload), checksum([memoryview(payload)], alg), alg, path) + payload
+
+
+def _plant(moto: MotoServer, b: Any, key: str, data: bytes) -> None:
+    """``data`` as the object of ``key``, written behind the backend's back."""
+    path = b._path(b.object_name(key))
+    if b._s3:
+        moto.client().put_object(Bucket=BUCKET, Key=path.split("/", 1)[1], Body=data)
+    elif b._protocol == "memory":
+        import fsspec
+
+        fsspec.filesystem("memory").pipe_file(path, data)
+    else:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(data)
+
+
+@pytest.mark.parametrize("where", ["s3", "memory", "file"])
+def test_a_planted_object_that_is_not_a_page_never_holds_its_key(
+    moto: MotoServer, where: str, tmp_path: Path
+) -> None:
+    """A well-formed object of the wrong length is a miss removed by the first read; an
+    empty or short one is not counted by exists, and set stores the page over it (it
+    never answers True for a page it did not store)."""
+    opts = {
+        "s3": options(moto),
+        "memory": {"url": f"memory://planted-{uuid.uuid4().hex[:8]}"},
+        "file": {"url": f"file://{tmp_path}/planted"},
+    }[where]
+    b = backend(**opts)
+    try:
+        for i in range(3):
+            _plant(moto, b, f"short{i}", _framed(b, f"short{i}", b"x" * 100))
+            _plant(moto, b, f"empty{i}", b"")
+            _plant(moto, b, f"tiny{i}", b"x" * 10)
+        short = [f"short{i}" for i in range(3)]
+        others = [f"{kind}{i}" for kind in ("empty", "tiny") for i in range(3)]
+        assert b.batch_exists(short) == 3  # (only a read can tell)
+        targets = [torch.zeros(4096, dtype=torch.uint8) for _ in short]
+        assert b.batch_get(short, targets) == [None] * 3
+        assert all(not t.any() for t in targets)
+        assert b.get_stats().size_mismatches == 3
+        assert b.batch_exists(short[:1]) == 0  # removed by the read
+        assert not any(b.exists(k) for k in others)
+        keys = short + others
+        assert b.batch_set(keys, [page(7)] * len(keys)) == [True] * len(keys)
+        assert b.get_stats().bytes_written == len(keys) * 4096  # each stored, none "present"
+        for key in keys:
+            got = b.get(key, torch.zeros(4096, dtype=torch.uint8))
+            assert got is not None and torch.equal(got, page(7))
+    finally:
+        b.clear()
+        b.close()
+
+
+def test_a_bad_object_is_removed_only_while_it_is_still_there(moto: MotoServer) -> None:
+    """The removal is a DELETE with If-Match (the ETag of the object read): a good page
+    that another writer stored after the bad object was read is kept."""
+    from hicache_storage.backends._s3 import _Read
+
+    b = backend(**options(moto))
+    s3 = moto.client()
+    try:
+        name = b.object_name("k")
+        key = b._key_prefix() + name.path
+        bad, good = _framed(b, "k", b"x" * 100), _framed(b, "k", b"y" * 4096)
+        s3.put_object(Bucket=BUCKET, Key=key, Body=bad)
+        seen = _Read(bad, s3.head_object(Bucket=BUCKET, Key=key)["ETag"])
+        s3.put_object(Bucket=BUCKET, Key=key, Body=good)  # replaced meanwhile
+        assert b._delete_blobs_if_bad([name], [seen], [len(good)]) == [False]
+        assert s3.get_object(Bucket=BUCKET, Key=key)["Body"].read() == good
+        s3.put_object(Bucket=BUCKET, Key=key, Body=bad)
+        assert b.get("k", torch.zeros(4096, dtype=torch.uint8)) is None  # read, then removed
+        assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix=key)
+    finally:
+        b.clear()
+        b.close()
+
+
+def test_a_huge_planted_object_is_never_read_whole(moto: MotoServer) -> None:
+    """4 objects of 4 MiB under the keys of 4 KiB pages: a batch read is 4 misses,
+    counted corrupt and removed, and about the pages' size crosses the wire (Range), not
+    16 MiB (the bytes of answers a proxy in front of the server sent)."""
+    proxy = FaultProxy(moto.port)
+    b = backend(**options(moto, endpoint_url=proxy.endpoint))
+    keys = [f"huge{i}" for i in range(4)]
+    try:
+        for key in keys:
+            _plant(moto, b, key, _framed(b, key, bytes(4 << 20)))
+        targets = [torch.zeros(4096, dtype=torch.uint8) for _ in keys]
+        before = proxy.bytes_out
+        assert b.batch_get(keys, targets) == [None] * 4
+        cost = proxy.bytes_out - before
+        assert cost < 4 * (4096 + 49) + 64 * 1024, f"{cost} bytes sent for 4 pages of 4 KiB"
+        assert all(not t.any() for t in targets)
+        assert b.get_stats().corrupt_objects == 4
+        assert b.batch_exists(keys[:1]) == 0  # removed
+        assert b.batch_set(keys, [page(1)] * 4) == [True] * 4
+    finally:
+        b.clear()
+        b.close()
+        proxy.close()
+
+
 def test_a_missing_bucket_is_a_config_error(moto: MotoServer) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         backend(**options(moto, bucket="no-such-bucket"))

@@ -3,7 +3,8 @@
 It forwards every request to the upstream server (moto on 127.0.0.1) and returns its
 answer, except while a fault is set: ``slowdown`` answers ``503 SlowDown`` (S3's
 throttling reply) to the next N requests, ``stall`` holds every request without an
-answer until cleared. It counts the requests it saw.
+answer until cleared. It counts the requests it saw, and the bytes of the answers'
+bodies it sent back.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class FaultProxy:
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.requests = 0
+        self.bytes_out = 0  # bytes of answer bodies sent to the client
         self.slowdowns_left = 0
         self.stalled = threading.Event()  # set: hold requests
         self.stall_if: Callable[[str, str], bool] | None = None  # (method, path): hold this one
@@ -80,6 +82,8 @@ class FaultProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+                    with proxy._lock:
+                        proxy.bytes_out += len(data)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
