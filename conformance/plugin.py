@@ -16,6 +16,11 @@ Options (each also read from an environment variable):
 Secrets of the backend under test (see :mod:`hicache_storage.conformance._secrets`) are
 scrubbed from every test report of the session: tracebacks, assertion messages, captured
 output and captured logs, as shown on the terminal and in the reports.
+
+A check marked with the rule it enforces (``@enforces(rule_id)``, the marker
+``hicache_rule``) that fails without naming a rule fails naming that one, with what went
+wrong and where: a bare assertion, or the kit's own code tripping over what the backend
+returned (``None`` where bytes were due, text instead of a tensor) or raised.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ pytest.register_assert_rewrite(
 
 from hicache_storage.conformance import _secrets
 from hicache_storage.conformance.report import ReportCollector
+from hicache_storage.conformance.rules import failure_message, find_rule
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -78,6 +84,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "hicache_requires(*capabilities): run only if the backend claims these capabilities",
+    )
+    config.addinivalue_line(
+        "markers",
+        "hicache_rule(rule_id): the conformance rule a check enforces, named by any failure "
+        "of the check that names no rule",
     )
     config.pluginmanager.register(
         ReportCollector(
@@ -120,6 +131,23 @@ def _scrub_report(report: pytest.TestReport) -> None:
         if clean != text:
             report.longrepr = _ScrubbedRepr(clean, getattr(longrepr, "reprcrash", None))  # type: ignore[assignment]
     report.sections = [(title, _secrets.scrub(body)) for title, body in report.sections]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, object]:
+    """A conformance check's failure names a rule, whatever stopped the check."""
+    try:
+        return (yield)
+    except (Exception, pytest.fail.Exception) as exc:
+        marker = pyfuncitem.get_closest_marker("hicache_rule")
+        if marker is None or find_rule(str(exc)) is not None:
+            raise
+        if isinstance(exc, AssertionError | pytest.fail.Exception):
+            text = str(exc)
+        else:
+            text = f"the check stopped on {type(exc).__name__}: {exc}"
+        failed = pytest.fail.Exception(failure_message(marker.args[0], text[:2000]))
+        raise failed.with_traceback(exc.__traceback__) from None
 
 
 @pytest.hookimpl(hookwrapper=True)

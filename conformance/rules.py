@@ -1,10 +1,13 @@
 """The rules of the conformance kit: one id and one sentence per rule.
 
-Every failure of the kit names the rule it enforces as ``[rule-id]``; this module is the
-one list of those ids. :data:`RULES` maps each id to what a backend must do,
-:data:`RULES_BY_AREA` groups them as the vendor guide shows them, and
-:data:`BASE_ENFORCED` names the rules the SDK keeps by itself for every backend (with
-the reason), so that no backend class can break them.
+Every failure of the kit names the rule it enforces as ``[rule-id]``
+(:func:`failure_message`); this module is the one list of those ids. A check names the
+rule of each of its assertions, and is marked with the rule it enforces as a whole
+(``@enforces``): a failure that names no rule (a bare assertion, or the kit's own code
+tripping over what the backend returned or raised) is reported under that one.
+:data:`RULES` maps each id to what a backend must do, :data:`RULES_BY_AREA` groups them
+as the vendor guide shows them, and :data:`BASE_ENFORCED` names the rules the SDK keeps
+by itself for every backend (with the reason), so that no backend class can break them.
 
 The suite's ``rule()`` helper refuses an id that is not listed here, the test suite checks
 that every id the kit uses is listed (and that every listed id is used), and the rule
@@ -28,6 +31,7 @@ __all__ = [
     "RULES",
     "RULES_BY_AREA",
     "UnknownRuleError",
+    "failure_message",
     "find_rule",
     "markdown_table",
     "replace_table",
@@ -214,6 +218,11 @@ RULES_BY_AREA: dict[str, dict[str, str]] = {
             "shapes and write into no target nor host-pool page, and the backend recovers "
             "with its store."
         ),
+        "failed-write-absent": (
+            "A write that failed while the store was broken leaves no trace: once the "
+            "store is back, each of its keys either reads back right or is absent from "
+            "`exists` and `batch_exists`, and can be stored again."
+        ),
     },
     "performance": {
         "performance": (
@@ -222,7 +231,14 @@ RULES_BY_AREA: dict[str, dict[str, str]] = {
         ),
     },
     "harness": {
-        "factory": "A `backend_factory` fixture returns a `HiCacheStorage` instance.",
+        "factory": (
+            "The backend is built, as a `HiCacheStorage` instance, for every namespace the "
+            "kit asks for (other dtypes, models, layouts, page sizes and tenants)."
+        ),
+        "fault-hook": (
+            "A `break_store` fixture, when given, returns a callable that takes the backend "
+            "under test and returns a context manager, inside which the store fails."
+        ),
     },
 }
 
@@ -245,11 +261,6 @@ BASE_ENFORCED: dict[str, str] = {
         "the check injects the failures with the kit's `FaultyBackend` before the backend "
         "is called, and the guard turns them into failure shapes and counts them"
     ),
-    "factory": (
-        "a backend built from a `BackendSpec` comes from the registry, which refuses "
-        "anything but a `HiCacheStorage` subclass; only a hand-written `backend_factory` can "
-        "return something else"
-    ),
 }
 
 
@@ -266,6 +277,14 @@ def statement(rule_id: str) -> str:
             f"unknown conformance rule id {rule_id!r}: every rule the kit enforces must be "
             "listed in hicache_storage.conformance.rules.RULES_BY_AREA"
         ) from None
+
+
+def failure_message(rule_id: str, text: str) -> str:
+    """A failure message naming ``rule_id`` as ``[rule-id]``, with the rule's statement.
+
+    :class:`UnknownRuleError` if the id is not listed.
+    """
+    return f"[{rule_id}] {text}\n  rule {rule_id}: {statement(rule_id)}"
 
 
 _RULE_REF = re.compile(r"\[([a-z0-9][a-z0-9-]*)\]")

@@ -14,11 +14,25 @@ Subclass it in your test suite and tell it how to build your backend::
 ``module:Class``) and its options; worker processes build the same backend from it, so
 it must be JSON-serializable. Override ``backend_factory`` instead if a backend cannot be
 built from a spec (multi-process checks are then reported as not claimed), and
-``break_store`` to let the suite check behaviour when the store itself fails.
+``break_store`` to let the suite check behaviour when the store itself fails: a callable
+that takes the backend under test and returns a context manager, inside which the store
+fails::
+
+    @pytest.fixture
+    def break_store(self, acme_server):
+        @contextlib.contextmanager
+        def paused(backend):
+            acme_server.pause()
+            try:
+                yield
+            finally:
+                acme_server.resume()
+
+        return paused
 
 Every check states the rule it enforces in its failure message, as ``[rule-id] ...``
-followed by the rule's statement; the ids and statements are listed in
-:mod:`hicache_storage.conformance.rules`.
+followed by the rule's statement, whatever the backend returned or raised; the ids and
+statements are listed in :mod:`hicache_storage.conformance.rules`.
 Checks that need a capability (``zero_copy``, ``delete``, ``persistent``, ``shared``) run
 only when the backend claims it, and are reported as *not claimed* otherwise. Every
 backend the suite builds lives in a namespace with a random tenant of this run, is put
@@ -29,6 +43,7 @@ the backend supports ``clear``, is cleared at the end of the check.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import random
 import signal
 import threading
@@ -64,7 +79,7 @@ from hicache_storage.conformance.data import (
     unique_keys,
     worker_output,
 )
-from hicache_storage.conformance.rules import statement
+from hicache_storage.conformance.rules import failure_message, statement
 from hicache_storage.conformance.wrappers import FaultyBackend, LatencyBackend
 from hicache_storage.errors import (
     ContractViolationError,
@@ -74,10 +89,14 @@ from hicache_storage.errors import (
 )
 from hicache_storage.layouts import LAYOUTS, MLA_LAYOUTS, POOL_KIND_IDS, POOL_KINDS
 
-__all__ = ["BackendConformance", "requires"]
+__all__ = ["BackendConformance", "enforces", "requires"]
 
 #: ``@requires("delete")``: run the check only if the backend claims the capability.
 requires = pytest.mark.hicache_requires
+#: ``@enforces("delete")``: the rule a check enforces. A failure of the check that names
+#: no rule (a bare assertion, or the kit's own code tripping over what the backend
+#: returned or raised) is reported under it, by the kit's pytest plugin.
+enforces = pytest.mark.hicache_rule
 
 #: (layers, page size, KV heads, head dim) of the engine-batch check's bfloat16 pages.
 POOL_SHAPE_5D = (3, 4, 2, 16)
@@ -93,6 +112,8 @@ HOSTILE_KEYS = [
     "é-non-ascii",
     "k" * 1000,
 ]
+#: The ``break_store`` fixture's value: called with the backend under test, it returns a
+#: context manager inside which the store fails (and after which it works again).
 BreakStore = Callable[[HiCacheStorage], contextlib.AbstractContextManager[Any]]
 
 
@@ -102,17 +123,41 @@ def rule(rule_id: str, text: str) -> str:
     ``rule_id`` must be listed in :data:`hicache_storage.conformance.rules.RULES`
     (:class:`~hicache_storage.conformance.rules.UnknownRuleError` otherwise).
     """
-    return f"[{rule_id}] {text}\n  rule {rule_id}: {statement(rule_id)}"
+    return failure_message(rule_id, text)
 
 
-def as_bytes(value: Any) -> bytes:
-    """The bytes of a ``get`` result (tensor, buffer or PageBuffer)."""
+def as_bytes(value: Any) -> bytes | None:
+    """The bytes of a ``get`` result (tensor, buffer or PageBuffer); None for a miss."""
+    if value is None:
+        return None
     if isinstance(value, torch.Tensor):
         return value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     if hasattr(value, "tobytes") and hasattr(value, "segments"):
         data: bytes = value.tobytes()
         return data
     return bytes(memoryview(value))
+
+
+def broken(break_store: Any, backend: HiCacheStorage) -> contextlib.AbstractContextManager[Any]:
+    """``break_store(backend)``, checked for its shape (a failure naming ``fault-hook``)."""
+    shape = (
+        "break_store must be a callable that takes the backend under test and returns a "
+        "context manager (the store fails inside the with block, and works after it)"
+    )
+    if not callable(break_store) or hasattr(break_store, "__enter__"):
+        pytest.fail(rule("fault-hook", f"got {type(break_store).__name__}: {shape}"))
+    try:
+        inspect.signature(break_store).bind(backend)
+    except TypeError as exc:
+        pytest.fail(rule("fault-hook", f"break_store(backend) cannot be called ({exc}): {shape}"))
+    except ValueError:
+        pass  # no signature to read (a builtin): the call below tells
+    hook: contextlib.AbstractContextManager[Any] = break_store(backend)
+    if not (hasattr(hook, "__enter__") and hasattr(hook, "__exit__")):
+        pytest.fail(
+            rule("fault-hook", f"break_store(backend) returned {type(hook).__name__}: {shape}")
+        )
+    return hook
 
 
 @contextlib.contextmanager
@@ -154,7 +199,13 @@ class Kit:
         """A fresh backend instance (strict mode) in ``namespace`` (default: the run's)."""
         extra = dict(self.spec.config_extra) if self.spec else {}
         extra.update(config)
-        b = self.factory(StorageConfig(namespace=namespace or make_namespace(), **extra))
+        cfg = StorageConfig(namespace=namespace or make_namespace(), **extra)
+        try:
+            b = self.factory(cfg)
+        except Exception as exc:  # noqa: BLE001 - reported, naming the rule
+            ns = cfg.namespace
+            where = f"{ns.model_id}, {ns.dtype}, {ns.object_layout}, page size {ns.page_size}"
+            pytest.fail(rule("factory", f"building the backend ({where}) raised {exc!r}"))
         if not isinstance(b, HiCacheStorage):
             pytest.fail(
                 rule("factory", f"the factory returned {type(b).__name__}, not a HiCacheStorage")
@@ -233,7 +284,12 @@ class BackendConformance:
 
     @pytest.fixture
     def break_store(self) -> BreakStore | None:
-        """Optional: a context manager factory that makes the store fail, then restores it."""
+        """Optional: the store's fault hook, ``break_store(backend)`` (see :data:`BreakStore`).
+
+        A callable the kit calls with the backend instance under test; it returns a
+        context manager inside which every call into the store fails, as in an outage,
+        and after which the store works again.
+        """
         return None
 
     # ------------------------------------------------------------------ plumbing
@@ -268,6 +324,7 @@ class BackendConformance:
     # ------------------------------------------------------------------ result shapes
 
     @pytest.mark.parametrize("n", [0, 1, 2, 7])
+    @enforces("exact-length")
     def test_result_shapes(self, kit: Kit, n: int) -> None:
         """Batch calls give one result per key, of the right type, for 0, 1, 2 and 7 keys."""
         b = kit.backend()
@@ -307,6 +364,7 @@ class BackendConformance:
             assert b.batch_exists(missing) == 0
 
     @pytest.mark.parametrize("n", [0, 1, 3])
+    @enforces("v1-exact-length")
     def test_v1_result_length(self, kit: Kit, n: int) -> None:
         """``batch_set_v1`` and ``batch_get_v1`` give one bool per page, for 0 pages too."""
         b, pool = kit.pool_backend()
@@ -324,6 +382,7 @@ class BackendConformance:
 
     # ------------------------------------------------------------------ semantics
 
+    @enforces("read-your-writes")
     def test_read_your_writes(self, kit: Kit) -> None:
         """A stored value reads back at once; ``get`` into a tensor returns that tensor."""
         b = kit.backend()
@@ -337,6 +396,7 @@ class BackendConformance:
         assert b.get(k, t) is t, rule("get-returns-target", "get into a tensor must return it")
         assert as_bytes(t) == content(k, 4096)
 
+    @enforces("get-miss")
     def test_get_missing_leaves_target_untouched(self, kit: Kit) -> None:
         """A miss returns None and writes nothing into the target, for every target kind."""
         b = kit.backend()
@@ -366,6 +426,7 @@ class BackendConformance:
         assert not any(b.exists(k) for k in keys)
 
     @pytest.mark.parametrize("delta", [-1, 1, 4096])
+    @enforces("get-size-mismatch")
     def test_get_size_mismatch_never_fills(self, kit: Kit, delta: int) -> None:
         """A target of the wrong size gets None and not a byte (no partial fill)."""
         b = kit.backend()
@@ -386,6 +447,7 @@ class BackendConformance:
                 f"get wrote into a {kind} target of the wrong size (partial fill)",
             )
 
+    @enforces("set-existing")
     def test_set_existing_is_a_no_op(self, kit: Kit) -> None:
         """``set`` of an existing key returns True and keeps the first value."""
         b = kit.backend()
@@ -400,6 +462,7 @@ class BackendConformance:
             "set of an existing key replaced the stored value (first writer must win)",
         )
 
+    @enforces("batch-exists-leading-run")
     def test_batch_exists_counts_the_leading_run(self, kit: Kit) -> None:
         """``batch_exists`` counts the keys present before the first miss."""
         b = kit.backend()
@@ -415,6 +478,7 @@ class BackendConformance:
         assert b.batch_exists([]) == 0
         assert b.batch_exists([keys[0], keys[1]]) == 2
 
+    @enforces("miss-not-error")
     def test_a_miss_is_not_an_error(self, kit: Kit) -> None:
         """Misses, single or batched, are not counted as store errors."""
         b, pool = kit.pool_backend()
@@ -432,6 +496,7 @@ class BackendConformance:
         )
 
     @requires("delete")
+    @enforces("delete")
     def test_delete(self, kit: Kit) -> None:
         """``delete`` is True for a stored key, False for a missing one; the key can be reused."""
         b = kit.backend()
@@ -447,6 +512,7 @@ class BackendConformance:
         )
 
     @requires("delete")
+    @enforces("clear-scope")
     def test_clear_removes_only_its_namespace(self, kit: Kit) -> None:
         """``clear`` empties its namespace, for every instance on it, and no other namespace."""
         mine = kit.backend(make_namespace("-a"))
@@ -469,6 +535,7 @@ class BackendConformance:
             rule("clear-usable", "the backend is not usable after clear()")
         )
 
+    @enforces("closed")
     def test_close_is_idempotent(self, kit: Kit) -> None:
         """A second ``close`` is harmless, and calls after ``close`` give failure shapes."""
         b = kit.backend()
@@ -480,6 +547,7 @@ class BackendConformance:
             "closed", "calls after close() must return their failure shape"
         )
 
+    @enforces("stats")
     def test_stats_are_well_formed(self, kit: Kit) -> None:
         """``get_stats`` returns a StorageStats with the right counters, and resets them."""
         b = kit.backend()
@@ -497,6 +565,7 @@ class BackendConformance:
     # ------------------------------------------------------------------ zero-copy v1
 
     @pytest.mark.parametrize(("layout", "mla"), POOL_KINDS, ids=POOL_KIND_IDS)
+    @enforces("v1-round-trip")
     def test_v1_round_trip(self, kit: Kit, layout: str, mla: bool) -> None:
         """Pages stored by ``batch_set_v1`` read back byte for byte, in each claimed layout."""
         caps = kit.capabilities
@@ -523,6 +592,7 @@ class BackendConformance:
             )
 
     @pytest.mark.parametrize("layout", LAYOUTS)
+    @enforces("v1-bounds")
     def test_v1_reads_stay_inside_the_pages(self, kit: Kit, layout: str) -> None:
         """``batch_get_v1`` writes into the destination pages of the host pool only."""
         if layout not in kit.capabilities.layouts:
@@ -547,6 +617,7 @@ class BackendConformance:
         )
 
     @pytest.mark.parametrize("layout", LAYOUTS)
+    @enforces("v1-miss")
     def test_v1_misses_leave_pages_untouched(self, kit: Kit, layout: str) -> None:
         """Missing and wrong-size pages are misses that write nothing into the host pool."""
         caps = kit.capabilities
@@ -587,6 +658,7 @@ class BackendConformance:
                 f"host pool outside the one page that hit ({what})",
             )
 
+    @enforces("v1-legacy")
     def test_v1_and_legacy_paths_agree(self, kit: Kit) -> None:
         """A page stored by ``batch_set_v1`` reads back with ``get``, and the reverse."""
         b, pool = kit.pool_backend()
@@ -606,6 +678,7 @@ class BackendConformance:
             "v1-legacy", "batch_get_v1 of a value stored by set() differs"
         )
 
+    @enforces("v1-bad-indices")
     def test_v1_bad_host_indices_fail_every_page(self, kit: Kit) -> None:
         """Misaligned or wrong-count host indices fail every page and store nothing."""
         b, pool = kit.pool_backend()
@@ -623,6 +696,7 @@ class BackendConformance:
             )
         assert b.batch_exists(keys) == 0, rule("v1-bad-indices", "a rejected batch stored pages")
 
+    @enforces("v1-no-pool")
     def test_v1_before_register_fails_every_page(self, kit: Kit) -> None:
         """Zero-copy calls fail every page until a host pool is registered."""
         b = kit.backend()
@@ -632,6 +706,7 @@ class BackendConformance:
         )
 
     @requires("zero_copy")
+    @enforces("zero-copy-native")
     def test_zero_copy_path_is_native(self, kit: Kit) -> None:
         """A backend that claims ``zero_copy`` implements the page batch methods itself."""
         cls = type(kit.backend())
@@ -642,6 +717,7 @@ class BackendConformance:
 
     # ------------------------------------------------------------------ the engine's shapes
 
+    @enforces("engine-batch")
     def test_engine_batches(self, kit: Kit) -> None:
         """The engine's generic path, 128 pages per call (its storage batch).
 
@@ -670,10 +746,10 @@ class BackendConformance:
                 "batch-exists-leading-run",
                 f"batch_exists of {n} keys missing only #{gap} must return {gap}, got {hits}",
             )
-            made = [make_target("bfloat16-5d", len(want[0])) for _ in range(n)]
+            made = [make_target("bfloat16-5d", pages[0].nbytes) for _ in range(n)]
             got = b.batch_get(keys, [t for t, _ in made])
         assert len(got) == n, rule("exact-length", f"batch_get of {n} keys gave {len(got)}")
-        assert got[gap] is None and made[gap][1]() == sentinel(len(want[0])), rule(
+        assert got[gap] is None and made[gap][1]() == sentinel(pages[0].nbytes), rule(
             "get-miss", f"the missing key #{gap} of a {n}-page batch_get was a hit or written"
         )
         wrong = [i for i in stored if got[i] is not made[i][0] or made[i][1]() != want[i]]
@@ -684,6 +760,7 @@ class BackendConformance:
         )
 
     @pytest.mark.parametrize(("layout", "mla"), POOL_KINDS, ids=POOL_KIND_IDS)
+    @enforces("engine-batch")
     def test_engine_batches_v1(self, kit: Kit, layout: str, mla: bool) -> None:
         """Zero-copy batches of the engine's size (128 pages) with an engine-like page.
 
@@ -753,6 +830,7 @@ class BackendConformance:
             "engine-batch", f"page #{gap} read back wrong once stored ({what})"
         )
 
+    @enforces("key-forms")
     def test_engine_key_forms(self, kit: Kit) -> None:
         """Each key form that engines and backends derive from a page hash is its own object.
 
@@ -793,6 +871,7 @@ class BackendConformance:
         ],
         ids=["dtype", "model", "layout", "page_size", "tenant"],
     )
+    @enforces("namespace-isolation")
     def test_namespaces_do_not_share_pages(self, kit: Kit, change: dict[str, Any]) -> None:
         """Namespaces that differ in one field neither see nor overwrite each other's pages."""
         a = kit.backend(make_namespace())
@@ -813,6 +892,7 @@ class BackendConformance:
 
     # ------------------------------------------------------------------ atomic publication
 
+    @enforces("atomic-visibility")
     def test_concurrent_reader_never_sees_a_partial_value(self, kit: Kit) -> None:
         """A reader racing a writer sees each value whole or not at all."""
         writer, reader = kit.backend(), kit.backend()
@@ -847,6 +927,7 @@ class BackendConformance:
         )
 
     @requires("persistent")
+    @enforces("crash-safety")
     def test_killed_writers_leave_no_wrong_object(self, kit: Kit) -> None:
         """Writer processes killed mid-write leave each object whole or absent, never wrong."""
         spec = self._need_spec(kit)
@@ -914,6 +995,7 @@ class BackendConformance:
         assert present > 0, rule("crash-safety", "nothing committed before the kill is readable")
 
     @requires("persistent")
+    @enforces("persistence")
     def test_reopened_backend_sees_committed_pages(self, kit: Kit) -> None:
         """A backend reopened on a namespace returns what an earlier instance committed."""
         ns = make_namespace("-reopen")
@@ -928,6 +1010,7 @@ class BackendConformance:
 
     # ------------------------------------------------------------------ concurrency
 
+    @enforces("threads")
     def test_prefetch_and_backup_threads_on_one_instance(self, kit: Kit) -> None:
         """A prefetch thread and a backup thread on one instance see only correct pages."""
         b, pool = kit.pool_backend(num_pages=32)
@@ -974,6 +1057,7 @@ class BackendConformance:
         )
 
     @requires("shared")
+    @enforces("multi-process")
     def test_processes_writing_the_same_keys(self, kit: Kit) -> None:
         """Processes writing the same keys at once all succeed and leave the right values."""
         spec = self._need_spec(kit)
@@ -1000,6 +1084,7 @@ class BackendConformance:
 
     # ------------------------------------------------------------------ robustness
 
+    @enforces("hostile-keys")
     def test_hostile_keys_raise_typed_errors(self, kit: Kit) -> None:
         """Invalid keys raise InvalidKeyError (non-strings InvalidArgumentError) everywhere."""
         b, pool = kit.pool_backend()
@@ -1020,6 +1105,7 @@ class BackendConformance:
             with raises_rule("hostile-keys", InvalidArgumentError, f"key {bad!r}"):
                 b.set(bad, b"v")  # type: ignore[arg-type]
 
+    @enforces("zero-length")
     def test_zero_length_value(self, kit: Kit) -> None:
         """An empty value either reads back empty or is refused and absent."""
         b = kit.backend()
@@ -1032,6 +1118,7 @@ class BackendConformance:
         else:
             assert not b.exists(k), rule("zero-length", "a refused empty value exists")
 
+    @enforces("large-value")
     def test_large_value(self, kit: Kit) -> None:
         """A 32 MiB value (or the claimed maximum) round-trips; one over a claimed maximum fails."""
         b = kit.backend()
@@ -1048,6 +1135,7 @@ class BackendConformance:
             assert b.set(k2, b"x" * (kit.capabilities.max_object_bytes + 1)) is False
             assert not b.exists(k2), rule("large-value", "a value over max_object_bytes was stored")
 
+    @enforces("bad-value")
     def test_wrong_value_types(self, kit: Kit) -> None:
         """Values of unsupported types are refused and not stored; uneven batches raise."""
         b = kit.backend()
@@ -1064,6 +1152,7 @@ class BackendConformance:
 
     # ------------------------------------------------------------------ faults
 
+    @enforces("failure-shapes")
     def test_injected_failures_give_failure_shapes(self, kit: Kit) -> None:
         """Injected faults give failure shapes and are counted; a page reported stored is there."""
         b, pool = kit.pool_backend()
@@ -1104,6 +1193,7 @@ class BackendConformance:
                     "no-false-success", f"page {k[:12]} reported stored but reads back wrong"
                 )
 
+    @enforces("store-failure")
     def test_store_failure_gives_failure_shapes(
         self, kit: Kit, break_store: BreakStore | None
     ) -> None:
@@ -1120,7 +1210,7 @@ class BackendConformance:
         b.strict_contract = True
         targets = [(kind, *make_target(kind, pool.page_bytes)) for kind in TARGET_KINDS]
         flat = pool.kv_buffer.view(-1).view(torch.uint8)
-        with break_store(b):
+        with broken(break_store, b):
             flat.copy_(torch.frombuffer(bytearray(sentinel(flat.numel())), dtype=torch.uint8))
             results = {
                 "get": b.get(keys[0]),
@@ -1155,6 +1245,52 @@ class BackendConformance:
             "store-failure", "the backend did not recover with its store"
         )
 
+    @enforces("failed-write-absent")
+    def test_writes_failed_in_an_outage_stay_absent(
+        self, kit: Kit, break_store: BreakStore | None
+    ) -> None:
+        """Writes tried while the store is broken leave no trace once it is back.
+
+        Each key then reads back right or is absent (``exists``, ``batch_exists``), and
+        can be stored again. The store is broken with the ``break_store`` fixture
+        (skipped when it is not given).
+        """
+        if break_store is None:
+            pytest.skip("not claimed: store fault hook (override the break_store fixture)")
+        b, pool = kit.pool_backend()
+        ps = pool.page_size
+        keys = unique_keys(6)
+        data = [content(k, pool.page_bytes) for k in keys]
+        for page, k in zip(pool.page_buffers(torch.arange(2 * ps)), keys[4:], strict=True):
+            fill_page(page, k)
+        with broken(break_store, b):
+            b.set(keys[0], data[0])
+            b.batch_set(keys[1:4], data[1:4])
+            b.batch_set_v1(keys[4:], torch.arange(2 * ps))
+        for k, want in zip(keys, data, strict=True):
+            seen, got = b.exists(k), as_bytes(b.get(k))
+            assert got in (None, want), rule(
+                "failed-write-absent", f"{k[:12]}, written in the outage, reads back wrong"
+            )
+            assert got is not None or not seen, rule(
+                "failed-write-absent",
+                f"{k[:12]}, whose write failed in the outage, exists but cannot be read",
+            )
+        run = b.batch_exists(keys)
+        unread = [k[:12] for k in keys[:run] if b.get(k) is None]
+        assert not unread, rule(
+            "failed-write-absent",
+            f"batch_exists counts {run} keys written in the outage, {unread} cannot be read",
+        )
+        again = b.batch_set(keys, data)
+        back = [as_bytes(g) for g in b.batch_get(keys)]
+        assert again == [True] * len(keys) and back == data, rule(
+            "failed-write-absent",
+            f"keys written in the outage cannot be stored again: batch_set returned {again}, "
+            f"{sum(g == d for g, d in zip(back, data, strict=True))} of {len(keys)} read back",
+        )
+
+    @enforces("read-your-writes")
     def test_latency_wrapper_keeps_results(self, kit: Kit) -> None:
         """A LatencyBackend around the backend changes no result and no capability."""
         b = kit.backend()
@@ -1166,6 +1302,7 @@ class BackendConformance:
 
     # ------------------------------------------------------------------ performance
 
+    @enforces("performance")
     def test_performance_qualification(self, kit: Kit, request: pytest.FixtureRequest) -> None:
         """Time a 32-page zero-copy write, check and read, record the throughput, verify bytes."""
         layout = (

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,34 @@ def test_cli_exit_code_on_failures_and_usage_errors(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 1
     assert "no backend selected" in r.stdout
+
+
+def test_a_break_store_of_the_wrong_shape_fails_saying_what_the_kit_expects() -> None:
+    from hicache_storage.backends import MemoryBackend
+    from hicache_storage.conformance.suite import broken
+
+    @contextlib.contextmanager
+    def without_backend() -> Iterator[None]:  # the shape docs/vendors.md once showed
+        yield
+
+    @contextlib.contextmanager
+    def right(backend: object) -> Iterator[None]:
+        yield
+
+    backend = MemoryBackend()
+    try:
+        for hook, what in [
+            (without_backend, "break_store(backend) cannot be called"),
+            (without_backend(), "got _GeneratorContextManager"),
+            (lambda backend: None, "break_store(backend) returned NoneType"),
+        ]:
+            with pytest.raises(pytest.fail.Exception) as failed:
+                broken(hook, backend)
+            message = str(failed.value)
+            assert message.startswith("[fault-hook] ") and what in message, message
+            assert "takes the backend under test and returns a context manager" in message
+            assert RULES["fault-hook"] in message
+        with broken(right, backend):
+            pass
+    finally:
+        backend.close()

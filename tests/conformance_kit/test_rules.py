@@ -207,3 +207,18 @@ def test_rules_command_prints_and_updates_the_table(tmp_path: Path) -> None:
         [*cmd, "--update", str(tmp_path / "plain.md")], capture_output=True, text=True, check=False
     )
     assert r.returncode == 1 and "no rule table markers" in r.stderr
+
+
+def test_every_check_is_marked_with_the_rule_it_enforces() -> None:
+    """The plugin reports a failure that names no rule under the check's marked rule, so
+    every check carries exactly one such mark, naming a listed rule."""
+    from hicache_storage.conformance.suite import BackendConformance
+
+    checks = {n: f for n, f in vars(BackendConformance).items() if n.startswith("test_")}
+    assert len(checks) > 30
+    marks = {
+        name: [m.args for m in getattr(fn, "pytestmark", []) if m.name == "hicache_rule"]
+        for name, fn in checks.items()
+    }
+    wrong = {n: m for n, m in marks.items() if len(m) != 1 or m[0][0] not in RULES}
+    assert wrong == {}, "mark each check with @enforces(<one rule id of RULES>)"

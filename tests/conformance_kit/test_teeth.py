@@ -72,8 +72,26 @@ EXPECTED = [
     ("ExistsStopsShort", "result_shapes", "batch-exists"),
     ("DropsPastBatchBudget", "performance_qualification", "performance"),
     ("DropsFirstWrite", "killed_writers_leave_no_wrong_object", "worker"),
+    # a result the kit's own code cannot take, or a backend that cannot be built: the
+    # failure still names a rule
+    ("OneSlotPerKey", "namespaces_do_not_share_pages", "namespace-isolation"),
+    ("DecodedResponses", "read_your_writes", "read-your-writes"),
+    ("SkipsWideTensorTargets", "read_your_writes", "read-your-writes"),
+    ("RefusesFloat8", "namespaces_do_not_share_pages", "factory"),
+    # the store's fault hook: a write that failed in the outage, a hook of the wrong shape
+    ("RemembersFailedWrites", "writes_failed_in_an_outage_stay_absent", "failed-write-absent"),
+    ("FaultHookWithoutBackend", "store_failure_gives_failure_shapes", "fault-hook"),
+    ("FaultHookWithoutBackend", "writes_failed_in_an_outage_stay_absent", "fault-hook"),
 ]
-FILE_BASED = {"InPlaceFile", "SwallowsStoreErrors", "DropsFirstWrite"}
+FILE_BASED = {
+    "InPlaceFile",
+    "SwallowsStoreErrors",
+    "DropsFirstWrite",
+    "RemembersFailedWrites",
+    "FaultHookWithoutBackend",
+}
+#: The break_store hook of a file-based class (default: broken_directory).
+BREAK_STORE = {"FaultHookWithoutBackend": "paused_directory"}
 CONTROLS = {"ControlMem": "memory", "ControlFile": "file"}
 
 
@@ -96,12 +114,12 @@ def suite_module() -> str:
                     return BackendSpec({name!r}, {options})
             """)
         )
-        if root:  # file stores can be broken for real: the store-failure check runs
+        if root:  # file stores can be broken for real: the store-failure checks run
             out.append(
                 "    @pytest.fixture\n"
                 "    def break_store(self):\n"
                 "        import broken_backends\n"
-                "        return broken_backends.broken_directory\n"
+                f"        return broken_backends.{BREAK_STORE.get(cls, 'broken_directory')}\n"
             )
     return "\n".join(out)
 

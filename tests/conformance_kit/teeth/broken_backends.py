@@ -550,3 +550,106 @@ __all__ += [
     "ExistsStopsShort",
     "SetReportsExisted",
 ]
+
+
+class OneSlotPerKey(MemStore):
+    """Keeps one slot per key, tagged with the writer's namespace: another namespace's write
+    evicts the page, so a namespace's own page reads back as a miss (None where the kit
+    expects bytes)."""
+
+    def set(self, key: str, value: Any) -> bool:
+        with _LOCK:
+            _DATA[key] = self.namespace.digest.encode() + b"\0" + b"".join(source_views(value))
+        return True
+
+    def _mine(self, key: str) -> bytes | None:
+        with _LOCK:
+            blob = _DATA.get(key)
+        tag = self.namespace.digest.encode() + b"\0"
+        return blob[len(tag) :] if blob is not None and blob.startswith(tag) else None
+
+    def get(self, key: str, target: Any = None) -> Any:
+        blob = self._mine(key)
+        if blob is None:
+            return None
+        return _tensor(blob) if target is None else _fill(target, blob)
+
+    def exists(self, key: str) -> bool:
+        return self._mine(key) is not None
+
+
+class DecodedResponses(MemStore):
+    """Returns a value read without a target as text, as a Redis client built with
+    ``decode_responses=True`` does: neither bytes nor a tensor."""
+
+    def get(self, key: str, target: Any = None) -> Any:
+        got = super().get(key, target)
+        if target is None and got is not None:
+            return got.numpy().tobytes().decode("latin-1")
+        return got
+
+
+class SkipsWideTensorTargets(MemStore):
+    """Fills a tensor target only when it is uint8, and returns a wider one (int32,
+    bfloat16...) as it was, reported as a hit: a dtype branch that forgot to copy."""
+
+    def get(self, key: str, target: Any = None) -> Any:
+        if is_tensor(target) and target.dtype != torch.uint8 and self.exists(key):
+            return target
+        return super().get(key, target)
+
+
+class RefusesFloat8(MemStore):
+    """Raises in its constructor for a KV dtype it was not written for."""
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config)
+        if self.namespace.dtype.startswith("float8"):
+            raise ValueError(f"unsupported dtype {self.namespace.dtype}")
+
+
+class RemembersFailedWrites(FileBackend):
+    """A write-behind index: each name is noted before its write is tried, and a name the
+    store does not hold but the index does counts as present (its write is "on its way").
+    A write that raised while the store was down then exists for good, and never reads."""
+
+    def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
+        super().__init__(config, **options)
+        self._index: set[str] = set()
+
+    def _write(self, name: ObjectName, views: list[memoryview]) -> bool:
+        self._index.add(name.path)
+        return super()._write(name, views)
+
+    def exists(self, key: str) -> bool:
+        on_disk = self._exists_at(self._root_prefix + self.object_path(key))  # raises when down
+        return on_disk or self.object_name(key).path in self._index
+
+    def delete(self, key: str) -> bool:
+        self._index.discard(self.object_name(key).path)
+        return super().delete(key)
+
+    def clear(self) -> None:
+        self._index.clear()
+        super().clear()
+
+
+class FaultHookWithoutBackend(FileBackend):
+    """A correct store, qualified with :func:`paused_directory`, a ``break_store`` hook
+    written to the zero-argument shape docs/vendors.md once showed."""
+
+
+@contextlib.contextmanager
+def paused_directory() -> Iterator[None]:
+    """A ``break_store`` hook of the wrong shape: the kit calls ``break_store(backend)``."""
+    yield
+
+
+__all__ += [
+    "DecodedResponses",
+    "FaultHookWithoutBackend",
+    "OneSlotPerKey",
+    "RefusesFloat8",
+    "RemembersFailedWrites",
+    "SkipsWideTensorTargets",
+]
