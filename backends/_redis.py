@@ -55,20 +55,22 @@ _GLOB = re.compile(r"([*?\[\]\\])")
 #: A part of a value larger than this goes to the socket as a view, never copied (the
 #: size above which redis-py itself stops joining the parts of a command).
 _INLINE_MAX = 6000
-#: Longer than any value (the script's "no upper bound").
-_ANY_LENGTH = 2**53
-#: Removes KEYS[1] unless it holds a string of ARGV[1] to ARGV[2] bytes that is not the
-#: value whose SHA-1 is ARGV[3] ("": any value). One step on the server, so a good page
-#: that another writer stored after the bad value was seen is kept.
+#: More bytes than any Redis value holds (512 MiB at most).
+_LONGEST = 2**40
+#: Removes KEYS[1] if it holds what is not a string, or a string that is still bad:
+#: ``longer <n>`` (over n bytes), ``shorter <n>`` (under n bytes) or ``same <n> <sha1>``
+#: (the n-byte value seen, by its SHA-1; read only when the length matches). One step on
+#: the server, so a good page that another writer stored after the bad one was seen stays.
 _REMOVE_BAD = """
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind == 'none' then return 0 end
 if kind == 'string' then
-  local n = redis.call('STRLEN', KEYS[1])
-  if n >= tonumber(ARGV[1]) and n <= tonumber(ARGV[2])
-     and (ARGV[3] == '' or redis.sha1hex(redis.call('GET', KEYS[1])) ~= ARGV[3]) then
-    return 0
-  end
+  local n, m = redis.call('STRLEN', KEYS[1]), tonumber(ARGV[2])
+  local bad
+  if ARGV[1] == 'longer' then bad = n > m
+  elseif ARGV[1] == 'shorter' then bad = n < m
+  else bad = n == m and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[3] end
+  if not bad then return 0 end
 end
 return redis.call('UNLINK', KEYS[1])
 """
@@ -551,7 +553,7 @@ class RedisBackend(BlobStore[RedisOptions]):
         pipe = self._pipeline()
         for key, value in zip(keys, values, strict=True):
             if clean:
-                pipe.execute_command("EVAL", _REMOVE_BAD, 1, key, HEADER_SIZE, _ANY_LENGTH, "")
+                pipe.execute_command("EVAL", _REMOVE_BAD, 1, key, "shorter", HEADER_SIZE)
             pipe.set(key, value, nx=True, px=self._px)
             pipe.strlen(key)
         replies = self._execute(pipe)
@@ -580,15 +582,17 @@ class RedisBackend(BlobStore[RedisOptions]):
     ) -> list[bool | Exception]:
         """Each key removed by :data:`_REMOVE_BAD`, in one pipeline, only if still bad.
 
-        That is: while it holds the value seen (the same SHA-1), or, for one seen cut or of
-        another type, while it is not a string or is longer than its limit.
+        That is: while it holds the value seen (the same length and SHA-1), or, for one
+        seen cut or of another type, while it is not a string or is longer than its limit.
         """
         pipe = self._pipeline()
         for key, blob, limit in zip(self._keys(names), seen, limits, strict=True):
-            if isinstance(blob, Foreign) or (limit is not None and memoryview(blob).nbytes > limit):
-                args: tuple[object, ...] = (0, _ANY_LENGTH if limit is None else limit, "")
+            if isinstance(blob, Foreign):  # (of another type: any string is left alone)
+                args: tuple[object, ...] = ("longer", _LONGEST if limit is None else limit)
+            elif limit is not None and memoryview(blob).nbytes > limit:
+                args = ("longer", limit)
             else:
-                args = (0, _ANY_LENGTH, hashlib.sha1(blob).hexdigest())
+                args = ("same", memoryview(blob).nbytes, hashlib.sha1(blob).hexdigest())
             pipe.execute_command("EVAL", _REMOVE_BAD, 1, key, *args)
         return [_count(r) for r in self._execute(pipe)]
 

@@ -240,6 +240,7 @@ def test_a_bad_value_is_removed_only_while_it_is_still_there(server: RedisServer
         for seen, now, removed in [
             (bad, bad, True),
             (bad, good, False),  # replaced meanwhile: kept
+            (bad, _framed(b, "k", b"w" * 100), False),  # as long, other bytes: kept
             (cut, b"z" * (limit + 5000), True),  # still over the limit
             (cut, good, False),
             (FOREIGN, None, True),  # still a hash
