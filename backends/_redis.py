@@ -61,7 +61,8 @@ _LONGEST = 2**40
 #: ``longer <n>`` (over n bytes), ``shorter <n>`` (under n bytes) or ``same <n> <sha1>``
 #: (the n-byte value seen, by its SHA-1; read only when the length matches). One step on
 #: the server, so a good page that another writer stored after the bad one was seen stays.
-_REMOVE_BAD = """
+#: (Bytes, as sent: Lua source, not a message.)
+_REMOVE_BAD = b"""
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind == 'none' then return 0 end
 if kind == 'string' then
