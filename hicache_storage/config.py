@@ -17,7 +17,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -25,6 +25,18 @@ from typing import Any, TypeVar
 
 from hicache_storage.errors import ConfigError
 from hicache_storage.keys import DEFAULT_NAMESPACE, KVCacheNamespace
+
+# The redaction rule lives in hicache_storage.secrets; its names stay importable from here.
+from hicache_storage.secrets import (
+    REDACTED,
+    is_secret_option,
+    redact_options,
+    redact_text,
+    redact_value,
+    scrub,
+    secret,
+    secret_values,
+)
 
 __all__ = [
     "CONTROLLER_KEYS",
@@ -59,94 +71,6 @@ CONTROLLER_KEYS = frozenset(
         "allocator",  # SGLang's host-memory allocator of the dynamic backend ("shm")
     }
 )
-
-#: What a secret value is replaced by wherever options are shown.
-REDACTED = "<redacted>"
-#: Words that make an option name a secret, as a whole part of the name (``_``/``-``
-#: separated): ``password``, ``redis_password``, ``aws_secret_access_key``, ``token``...
-_SECRET_WORDS = frozenset(
-    {
-        "password", "passwd", "pass", "passphrase", "pwd", "secret", "token", "key", "auth",
-        "credential", "credentials", "cookie", "signature", "apikey", "privatekey",
-    }
-)  # fmt: skip
-#: ``scheme://user:password@host``: the password part of a URL.
-# (The password runs to the authority's last ``@``, so one holding ``@`` is cut whole.)
-_URL_PASSWORD = re.compile(
-    r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:)(?P<pw>[^/?#\s]+)(?=@[^@/?#\s]*(?:[/?#\s]|$))"
-)
-#: ``?password=...`` / ``&token=...``: secret query parameters of a URL.
-_QUERY_SECRET = re.compile(
-    r"(?P<head>[?&;](?:[A-Za-z0-9_]*(?:password|passwd|pwd|token|secret|key|auth)[A-Za-z0-9_]*)=)"
-    r"(?P<val>[^&#\s]+)",
-    re.IGNORECASE,
-)
-
-
-def secret(default: Any = None) -> Any:
-    """A dataclass field marked as a secret (shown redacted wherever options are shown).
-
-    Use in a backend's options class for a secret whose name does not say so::
-
-        auth: str | None = secret()
-    """
-    return field(default=default, metadata={"secret": True}, repr=False)
-
-
-def is_secret_option(name: str, options_class: type | None = None) -> bool:
-    """True if option ``name`` holds a secret.
-
-    It does when its name says so (a part of it is ``password``, ``secret``, ``token``,
-    ``key``, ``credentials``...) or when the backend's options class marks the field with
-    :func:`secret`.
-    """
-    spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name)  # camelCase: apiKey, accessKeyId
-    parts = re.split(r"[_\-.\s]+", spaced.lower())
-    if any(p in _SECRET_WORDS for p in parts):
-        return True
-    if options_class is not None and dataclasses.is_dataclass(options_class):
-        for f in dataclasses.fields(options_class):
-            if f.name == name and f.metadata.get("secret"):
-                return True
-    return False
-
-
-def redact_text(text: str) -> str:
-    """``text`` with URL passwords and secret query parameters redacted.
-
-    The password of every ``scheme://user:password@`` URL is redacted, and so is the value
-    of every secret query parameter (``?password=``, ``&token=``...).
-    """
-    text = _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED, text)
-    return _QUERY_SECRET.sub(lambda m: m.group("head") + REDACTED, text)
-
-
-def _redact_value(value: Any) -> Any:
-    if isinstance(value, str):
-        return redact_text(value)
-    if isinstance(value, Mapping):
-        return redact_options(value)
-    if isinstance(value, (list, tuple)):
-        return [_redact_value(v) for v in value]
-    return value
-
-
-def redact_options(
-    options: Mapping[str, Any] | None, options_class: type | None = None
-) -> dict[str, Any]:
-    """A copy of ``options`` that is safe to print, log or report.
-
-    Secret options (see :func:`is_secret_option`) become :data:`REDACTED`, URL passwords
-    are cut out, and nested mappings are redacted the same way.
-    """
-    out: dict[str, Any] = {}
-    for name, value in (options or {}).items():
-        if is_secret_option(str(name), options_class) and value is not None:
-            out[name] = REDACTED
-        else:
-            out[name] = _redact_value(value)
-    return out
-
 
 _SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 _UNITS = {
@@ -408,6 +332,14 @@ def _coerce(value: Any, annotation: Any, name: str, hidden: bool = False) -> Any
         if "\x00" in text:
             raise ConfigError(f"option {name}={shown} must not contain a NUL byte")
         return text
+    kind = {dict: "object", list: "array"}.get(origin or annotation)
+    if kind is not None and isinstance(value, str):  # (from the environment: JSON text)
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            value = None
+        if not isinstance(value, origin or annotation):
+            raise ConfigError(f"option {name}={shown} must be a JSON {kind}")
     return value
 
 
@@ -417,7 +349,7 @@ def _shown(value: Any, hidden: bool) -> str:
         return REDACTED
     if isinstance(value, str):
         return _short(redact_text(value))
-    text = repr(value)
+    text = redact_text(repr(redact_value(value)))
     return text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
 
 
@@ -445,7 +377,10 @@ def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
             raw = env
         else:
             continue
-        kwargs[name] = _coerce(raw, hints[name], name, is_secret_option(name, cls))
+        try:
+            kwargs[name] = _coerce(raw, hints[name], name, is_secret_option(name, cls))
+        except ConfigError as exc:  # (a parser's message may quote a value nested in raw)
+            raise ConfigError(scrub(str(exc), secret_values({name: raw}, cls))) from None
     _redact_repr(cls)
     try:
         return cls(**kwargs)
@@ -456,35 +391,6 @@ def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
         if not isinstance(exc, ConfigError):
             msg = f"{type(exc).__name__}: {msg}"
         raise ConfigError(f"invalid options for backend {backend!r}: {msg}") from None
-
-
-def secret_values(options: Mapping[str, Any], options_class: type | None = None) -> list[str]:
-    """The values of the secret options in ``options`` (as text), for :func:`scrub`."""
-    out = []
-    for name, value in options.items():
-        if value is None:
-            continue
-        if is_secret_option(str(name), options_class):
-            out.append(str(value))
-        elif isinstance(value, str):  # passwords inside URLs of ordinary options
-            out.extend(m.group("pw") for m in _URL_PASSWORD.finditer(value))
-            out.extend(m.group("val") for m in _QUERY_SECRET.finditer(value))
-        elif isinstance(value, Mapping):
-            out.extend(secret_values(value))
-    return out
-
-
-def scrub(text: str, secrets: Sequence[str] = ()) -> str:
-    """``text`` without URL passwords and without any of ``secrets``.
-
-    Only secret values of 4 characters or more are cut out; shorter ones would garble the
-    text (they are redacted by name).
-    """
-    text = redact_text(text)
-    for value in sorted(set(secrets), key=len, reverse=True):
-        if len(value) >= 4:
-            text = text.replace(value, REDACTED)
-    return text
 
 
 def _redact_repr(cls: type) -> None:
@@ -502,7 +408,7 @@ def _redact_repr(cls: type) -> None:
         value = getattr(self, name)
         if name in hidden and value is not None:
             return REDACTED
-        return redact_text(repr(_redact_value(value)))
+        return redact_text(repr(redact_value(value)))
 
     def __repr__(self: Any) -> str:
         body = ", ".join(f"{f.name}={shown(self, f.name)}" for f in fields)

@@ -72,7 +72,7 @@ from hicache_storage.buffers import (
     pages_from_meta,
     source_views,
 )
-from hicache_storage.config import StorageConfig, scrub, secret_values
+from hicache_storage.config import StorageConfig
 from hicache_storage.errors import (
     BackendError,
     HostIndicesError,
@@ -85,6 +85,7 @@ from hicache_storage.keys import (
     ObjectNamer,
 )
 from hicache_storage.layouts import LAYOUTS
+from hicache_storage.secrets import scrub, secret_values
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -296,8 +297,7 @@ class HiCacheStorage(abc.ABC):
         opts = getattr(self, "options", None)
         if opts is None or not dataclasses.is_dataclass(opts) or isinstance(opts, type):
             return []  # not parsed yet (or none): look again next time
-        values = {f.name: getattr(opts, f.name, None) for f in dataclasses.fields(opts)}
-        state.secrets = secret_values(values, type(opts))
+        state.secrets = sorted(secret_values(opts))
         return state.secrets
 
     def _record(self, **counters: int) -> None:

@@ -9,24 +9,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
-import re
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from typing_extensions import override
 
-from hicache_storage.config import REDACTED, is_secret_option, load_extra_config, redact_text
+from hicache_storage.config import load_extra_config, parse_options
 from hicache_storage.errors import ConfigError, HiCacheStorageError
 from hicache_storage.layouts import LAYOUTS
 from hicache_storage.registry import available_backends
+from hicache_storage.secrets import LogScrubber, is_secret_option, scrub, secret_values
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["build_parser", "main"]
-
-#: The password of a ``scheme://user:password@host`` URL.
-_URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:([^@/\s]+)@")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -41,83 +41,30 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _secret_values(options: Any, options_class: type | None = None) -> set[str]:
-    """Every secret in ``options``: values of secret options, URL passwords, nested too."""
-    found: set[str] = set()
-    if isinstance(options, Mapping):
-        for name, value in options.items():
-            if is_secret_option(str(name), options_class) and value is not None:
-                if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-                    found.add(str(value))
-                else:
-                    found.update(str(v) for v in _flatten(value))
-            found |= _secret_values(value, options_class)
-    elif isinstance(options, (list, tuple)):
-        for value in options:
-            found |= _secret_values(value, options_class)
-    elif isinstance(options, str):
-        found.update(m.group(1) for m in _URL_PASSWORD.finditer(options))
-    # A secret of 1-3 characters is not cut out of messages: it would mangle them.
-    return {s for s in found if len(s) >= 4}
-
-
-def _flatten(value: Any) -> list[Any]:
-    if isinstance(value, Mapping):
-        return [x for v in value.values() for x in _flatten(v)]
-    if isinstance(value, (list, tuple)):
-        return [x for v in value for x in _flatten(v)]
-    return [value]
-
-
-def _scrub(text: str, secrets: set[str]) -> str:
-    """``text`` with every secret and every URL password replaced by ``<redacted>``."""
-    text = redact_text(text)
-    for s in sorted(secrets, key=len, reverse=True):
-        text = text.replace(s, REDACTED)
-    return text
-
-
-class _RedactingFilter(logging.Filter):
-    """Cuts the run's secrets out of every log record (backends log their errors)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.secrets: set[str] = set()
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # noqa: BLE001 - a bad format string: logging reports it itself
-            return True
-        scrubbed = _scrub(message, self.secrets)
-        if scrubbed != message:
-            record.msg, record.args = scrubbed, None
-        if record.exc_info and self.secrets:
-            import traceback
-
-            record.exc_text = _scrub(
-                "".join(traceback.format_exception(*record.exc_info)), self.secrets
-            )
-            record.exc_info = None
-        return True
-
-
-_REDACTOR = _RedactingFilter()
+#: Cuts the run's secrets out of every log record (backends log their errors).
+_REDACTOR = LogScrubber()
 
 
 def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     """The backend options of ``args``; their secrets are cut from every later message."""
+    from hicache_storage.registry import load_backend_class
+
     options = load_extra_config(args.extra_config)
     try:
-        from hicache_storage.registry import load_backend_class
-
-        options_class = getattr(load_backend_class(args.backend), "options_class", None)
+        cls = load_backend_class(args.backend)
     except HiCacheStorageError:
-        options_class = None  # the name is reported when the backend is built
-    secrets = _secret_values(options, options_class)
-    args.secrets = secrets
-    _REDACTOR.secrets |= secrets
+        cls = None  # the name is reported when the backend is built
+    options_class = getattr(cls, "options_class", None)
+    args.secrets = secret_values(options, options_class)
+    if isinstance(options_class, type) and dataclasses.is_dataclass(options_class):
+        # and the secrets the backend will read from its environment variables
+        own = {
+            f.name: options[f.name] for f in dataclasses.fields(options_class) if f.name in options
+        }
+        with contextlib.suppress(Exception):  # bad options: reported when the backend is built
+            parsed = parse_options(options_class, getattr(cls, "name", "") or args.backend, own)
+            args.secrets |= secret_values(parsed)
+    _REDACTOR.add(args.secrets)
     return options
 
 
@@ -389,11 +336,12 @@ def _engine_options(
     """Check ``options`` for ``backend``; return its name and the secret options.
 
     The options are checked against the backend's options class (a typo fails here, not
-    in the engine's worker). A secret option (by name, or a value that carries a secret,
-    such as a URL with a password) must stay out of an engine's configuration, which the
-    engine logs: the backend reads it from its environment variable instead.
+    in the engine's worker). A secret option (by name, or a value that holds a secret
+    anywhere inside it: a URL with a password, a list or dict with a secret entry) must stay
+    out of an engine's configuration, which the engine logs: the backend reads it from its
+    environment variable instead (JSON, for a list or a dict).
     """
-    from hicache_storage.config import CONTROLLER_KEYS, parse_options
+    from hicache_storage.config import CONTROLLER_KEYS
     from hicache_storage.registry import load_backend_class
 
     clash = sorted(reserved & set(options))
@@ -406,10 +354,7 @@ def _engine_options(
     if options_class is not None:
         parse_options(options_class, name, own)  # unknown or bad options: ConfigError
     secrets = sorted(
-        k
-        for k in own
-        if is_secret_option(k, options_class)
-        or (isinstance(own[k], str) and redact_text(own[k]) != own[k])
+        k for k in own if is_secret_option(k, options_class) or secret_values({k: own[k]})
     )
     return name, secrets
 
@@ -643,14 +588,14 @@ def _report_error(args: argparse.Namespace, exc: BaseException, unexpected: bool
     if args.verbose >= 2:
         import traceback
 
-        print(_scrub("".join(traceback.format_exception(exc)), secrets), file=sys.stderr, end="")
+        print(scrub("".join(traceback.format_exception(exc)), secrets), file=sys.stderr, end="")
     try:
         text = str(exc)
     except Exception:  # noqa: BLE001 - an exception whose __str__ fails
         text = "<unprintable message>"
     what = f"{type(exc).__name__}: {text}" if unexpected else text
     hint = " (run with -vv for the traceback)" if unexpected and args.verbose < 2 else ""
-    print(f"hicache-storage: error: {_scrub(_one_line(what), secrets)}{hint}", file=sys.stderr)
+    print(f"hicache-storage: error: {scrub(_one_line(what), secrets)}{hint}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
-"""``hicache-storage bench`` never shows a secret (issue 8 item 9, the bench part).
+"""The CLI never shows a secret (issue 8 item 9, the bench part; issue 27 item 13).
 
 A test backend with secret options (``password`` by name, ``auth`` marked with
-``secret()``, and a ``redis://user:PASSWORD@host`` URL) is selected with a ``module:Class``
-spec; canary secrets planted in its options must not appear in stdout or stderr of
-``bench --json``, the human report, ``-vv`` logs, or any error message.
+``secret()``, a ``redis://user:PASSWORD@host`` URL, and secrets nested in a list option
+and a dict option) is selected with a ``module:Class`` spec; canary secrets planted in its
+options must not appear in stdout or stderr of ``bench --json``, the human report, ``-vv``
+logs, any error message, or the engine flags of ``sglang-args`` and ``vllm-args``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,8 +24,12 @@ EXE = Path(sys.executable).parent / "hicache-storage"
 CANARY_PW = "CANARY-pw-5f2a9c"
 CANARY_URL_PW = "CANARY-url-77be01"
 CANARY_AUTH = "CANARY-auth-d41d8c"
+CANARY_NESTED_URL_PW = "CANARY-nurl-0b7e41"
+CANARY_NESTED_PW = "CANARY-npw-9a3f20"
+CANARY_TOKEN = "CANARY-tok-61c5d2"
 
 SECRET_BACKEND = '''
+import json
 import logging
 from dataclasses import dataclass
 
@@ -38,6 +44,8 @@ class SecretOptions(FileOptions):
     password: str | None = None
     url: str | None = None
     auth: str | None = secret()
+    endpoints: list[dict] | None = None
+    extra: dict | None = None
     fail: str = ""
 
 
@@ -49,14 +57,18 @@ class SecretBackend(FileBackend):
     def __init__(self, config=None, **options):
         super().__init__(config, **options)
         o = self.options
+        if not isinstance(o.endpoints, (list, type(None))):  # (from the environment: JSON)
+            raise TypeError(f"endpoints came as {type(o.endpoints).__name__}")
         # A careless backend: logs and raises with its secrets in the message.
-        log.warning("connecting to %s with password %s (auth %s)", o.url, o.password, o.auth)
+        log.warning("connecting to %s with password %s (auth %s), endpoints %s, %s",
+                    o.url, o.password, o.auth, o.endpoints, json.dumps(o.extra))
         if o.fail == "value":
-            raise ValueError(f"login to {o.url} failed for password {o.password} / {o.auth}")
+            raise ValueError(f"login to {o.url} failed for password {o.password} / {o.auth} "
+                             f"on {o.endpoints} with {json.dumps(o.extra)}")
         if o.fail == "config":
             from hicache_storage.errors import ConfigError
 
-            raise ConfigError(f"bad credentials {o.password} {o.auth} for {o.url}")
+            raise ConfigError(f"bad credentials {o.password} {o.auth} for {o.url} {o.endpoints}")
         if o.fail == "runtime":
             raise RuntimeError(f"{o.password}")
 '''
@@ -76,6 +88,11 @@ def options(tmp_path: Path, **extra: object) -> dict[str, object]:
         "password": CANARY_PW,
         "url": f"redis://admin:{CANARY_URL_PW}@cache.example:6379/0",
         "auth": CANARY_AUTH,
+        "endpoints": [
+            {"url": f"redis://u:{CANARY_NESTED_URL_PW}@h:1/0"},
+            {"url": "redis://h:2/0", "password": CANARY_NESTED_PW},
+        ],
+        "extra": {"auth": {"token": CANARY_TOKEN}},
         **extra,
     }
 
@@ -93,7 +110,14 @@ def bench(env: dict[str, str], cfg: str, *extra: str) -> subprocess.CompletedPro
 
 
 def assert_no_canary(r: subprocess.CompletedProcess[str]) -> None:
-    for canary in (CANARY_PW, CANARY_URL_PW, CANARY_AUTH):
+    for canary in (
+        CANARY_PW,
+        CANARY_URL_PW,
+        CANARY_AUTH,
+        CANARY_NESTED_URL_PW,
+        CANARY_NESTED_PW,
+        CANARY_TOKEN,
+    ):
         assert canary not in r.stdout, f"{canary} leaked on stdout"
         assert canary not in r.stderr, f"{canary} leaked on stderr"
     assert "CANARY" not in r.stdout + r.stderr
@@ -111,6 +135,11 @@ def test_bench_json_and_report_never_show_secrets(tmp_path: Path, env: dict[str,
     assert shown["auth"] == "<redacted>"  # marked secret() by the options class
     assert shown["url"] == "redis://admin:<redacted>@cache.example:6379/0"
     assert shown["root"] == str(tmp_path / "store")  # other options are shown as given
+    assert shown["endpoints"] == [
+        {"url": "redis://u:<redacted>@h:1/0"},
+        {"url": "redis://h:2/0", "password": "<redacted>"},
+    ]
+    assert shown["extra"] == {"auth": "<redacted>"}
     assert "secret_backend" in r.stderr  # the backend's warning was logged, redacted
     r = bench(env, cfg, "-v")  # the human report, with its progress bars
     assert r.returncode == 0, r.stderr[-3000:]
@@ -159,4 +188,33 @@ def test_conformance_errors_never_show_secrets(tmp_path: Path, env: dict[str, st
     assert len(errors) == 1, r.stderr  # (the backend's own warning is on the line before)
     assert "Traceback" not in r.stderr
     assert "passed" not in r.stdout  # no check ran
+    assert_no_canary(r)
+
+
+@pytest.mark.parametrize("command", ["sglang-args", "vllm-args"])
+def test_engine_flags_leave_out_options_holding_nested_secrets(
+    tmp_path: Path, env: dict[str, str], command: str
+) -> None:
+    """An engine logs the configuration these commands print: an option with a secret
+    anywhere inside goes to its environment variable instead, as JSON the backend reads."""
+    opts = options(tmp_path)
+    r = subprocess.run(
+        [str(EXE), command, "--hicache-storage-backend", "secret_backend:SecretBackend",
+         "--hicache-storage-backend-extra-config", json.dumps(opts)],
+        env=env, capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_no_canary(r)
+    assert str(tmp_path / "store") in r.stdout  # the options without secrets are there
+    named = set(re.findall(r"# set (HICACHE_STORAGE_\w+) in", r.stderr))
+    assert named == {
+        f"HICACHE_STORAGE_FILE_{k.upper()}"
+        for k in ("password", "url", "auth", "endpoints", "extra")
+    }, r.stderr
+    # Given as the command says, the backend gets them back as they were (JSON).
+    secret_env = {f"HICACHE_STORAGE_FILE_{k.upper()}": v if isinstance(v, str) else json.dumps(v)
+                  for k, v in opts.items() if k in ("endpoints", "extra")}  # fmt: skip
+    cfg = json.dumps({k: v for k, v in opts.items() if k not in ("endpoints", "extra")})
+    r = bench({**env, **secret_env}, cfg, "-v", "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
     assert_no_canary(r)

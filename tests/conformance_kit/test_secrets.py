@@ -1,8 +1,8 @@
 """Issue 8 item 9: the conformance kit never shows a backend's secrets.
 
 A conformance run of a backend with secret options (``password``, a ``redis://u:pw@``
-URL, and ``auth``, marked secret only by the backend's options class), given in a
-private ``@file``, must keep every secret out of the worker processes' command lines
+URL, ``auth``, marked secret only by the backend's options class, and secrets nested in a
+list and a dict option: issue 27 item 13), given in a private ``@file``, must keep every secret out of the worker processes' command lines
 (which every local user can read), the JSON and Markdown reports, the terminal output,
 the log records and the failure messages, while the workers still receive the options.
 """
@@ -57,6 +57,9 @@ def canary_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "password": f"CANARY-pw-{secrets.token_hex(8)}",
         "upstream": f"CANARY-url-{secrets.token_hex(8)}",
         "auth": f"CANARY-auth-{secrets.token_hex(8)}",
+        "endpoint_url": f"CANARY-eurl-{secrets.token_hex(8)}",
+        "endpoint_pw": f"CANARY-epw-{secrets.token_hex(8)}",
+        "token": f"CANARY-tok-{secrets.token_hex(8)}",
     }
     traces = tmp / "traces"
     traces.mkdir()
@@ -65,6 +68,11 @@ def canary_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "password": canaries["password"],
         "upstream": f"redis://u:{canaries['upstream']}@127.0.0.1:1/0",
         "auth": canaries["auth"],
+        "endpoints": [
+            {"url": f"redis://u:{canaries['endpoint_url']}@127.0.0.1:2/0"},
+            {"url": "redis://127.0.0.1:3/0", "password": canaries["endpoint_pw"]},
+        ],
+        "extra": {"auth": {"token": canaries["token"]}},
         "trace_dir": str(traces),
     }
     extra = tmp / "extra-config.json"  # the private @file
@@ -187,6 +195,11 @@ def test_reports_show_the_options_redacted(canary_run: dict) -> None:
     assert options["password"] == REDACTED
     assert options["auth"] == REDACTED  # marked secret by the backend's options class only
     assert options["upstream"] == f"redis://u:{REDACTED}@127.0.0.1:1/0"
+    assert options["endpoints"] == [
+        {"url": f"redis://u:{REDACTED}@127.0.0.1:2/0"},
+        {"url": "redis://127.0.0.1:3/0", "password": REDACTED},
+    ]
+    assert options["extra"] == {"auth": REDACTED}
     assert options["root"].endswith("store")  # what is not secret is still shown
     assert f'"password": "{REDACTED}"' in canary_run["markdown"]
 
@@ -199,6 +212,7 @@ def test_failure_messages_keep_their_cause_without_the_secret(canary_run: dict) 
     for message, rule in ((same, "[multi-process]"), (crash, "[worker]")):
         assert rule in message, message
         assert "ConnectionError" in message and "127.0.0.1:1" in message, message
+        assert "127.0.0.1:3" in message, message  # the nested options, quoted and scrubbed
         assert REDACTED in message, message
     assert "ConnectionError" in canary_run["proc"].stdout
     vendor = by_id[("TestCanary", "vendor_assert_showing_the_password")]

@@ -1,10 +1,14 @@
 """Secrets at library level (an engine calls the SDK directly, no CLI in between):
-option reprs, errors raised by an options class, and the protocol layer's failure logs
-never show a secret option's value or a URL password."""
+option reprs, errors raised by an options class or by option coercion, and the protocol
+layer's failure logs never show a secret option's value or a URL password, however deep
+in a list or dict option it sits; and the one redaction rule of
+:mod:`hicache_storage.secrets` itself."""
 
 from __future__ import annotations
 
+import json
 import logging
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,11 @@ from hicache_storage.errors import ConfigError
 PW = "CANARY-PW-7f3a"
 AUTH = "CANARY-AUTH-91b2"
 URL_PW = "CANARY-URLPW-55c1"
+# Secrets nested in list and dict options (issue 27 item 13).
+PW2 = "CANARY-PW2-3c9e"
+T0K3N = "CANARY-T0K3N-8d1e"
+ENDPOINTS = [{"url": f"redis://u:{URL_PW}@h", "password": PW2}]
+EXTRA = {"auth": {"token": T0K3N}}
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,8 @@ class CanaryOptions(FileOptions):
     auth_blob: str | None = secret()  # a secret whose name does not say so
     apiKey: str | None = None
     upstream: str | None = None
+    endpoints: list[dict[str, Any]] | None = None
+    extra: dict[str, Any] | None = None
     min_len: int = 0
     fail: bool = False
 
@@ -33,6 +44,8 @@ class CanaryOptions(FileOptions):
         super().__post_init__()
         if self.password is not None and len(self.password) < self.min_len:
             raise ConfigError(f"password {self.password!r} is shorter than {self.min_len}")
+        if any("host" in e for e in self.endpoints or ()):
+            raise ConfigError(f"endpoints take a url, not a host: {self.endpoints}")
 
 
 class Canary(FileBackend):
@@ -44,7 +57,8 @@ class Canary(FileBackend):
         if self.options.fail:  # a client error that quotes what it was given
             raise ConnectionError(
                 f"AUTH {self.options.password} {self.options.auth_blob} refused by "
-                f"{self.options.upstream}"
+                f"{self.options.upstream} ({self.options.endpoints}, "
+                f"{json.dumps(self.options.extra)})"
             )
         return super().set(key, value)
 
@@ -61,12 +75,12 @@ def canary(tmp_path: Path, **options: Any) -> Canary:
         auth_blob=AUTH,
         apiKey=PW + "-api",
         upstream=f"redis://user:{URL_PW}@127.0.0.1:1/0",
-        **options,
+        **{"endpoints": ENDPOINTS, "extra": EXTRA, **options},
     )
 
 
 def assert_clean(text: str) -> None:
-    for canary_ in (PW, AUTH, URL_PW):
+    for canary_ in (PW, AUTH, URL_PW, PW2, T0K3N):
         assert canary_ not in text, text
 
 
@@ -136,3 +150,107 @@ def test_url_passwords_of_ordinary_options_are_scrubbed_from_failure_logs(
     assert URL_PW not in redact_text(f"s3://h/b?password={URL_PW}&x=1")
     assert URL_PW not in redact_text(f"redis://u:a@{URL_PW}@127.0.0.1:1/0")
     assert URL_PW not in repr(redact_options({"extra": {"token": URL_PW}}))
+
+
+@pytest.mark.parametrize("bad", [EXTRA, ENDPOINTS, [[[EXTRA]]]])
+def test_option_coercion_errors_never_show_nested_secrets(tmp_path: Path, bad: Any) -> None:
+    """Issue 27 item 13: a list or dict given where a number was due was quoted as is."""
+    with pytest.raises(ConfigError, match="min_len") as info:
+        canary(tmp_path, min_len=bad)
+    assert_clean(str(info.value))
+    assert_clean("".join(traceback.format_exception(info.value)))
+
+
+def test_an_options_class_error_never_quotes_a_nested_secret(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a host") as info:
+        canary(tmp_path, endpoints=[{"host": "127.0.0.1", "password": PW2}])
+    assert_clean(str(info.value))
+    assert "127.0.0.1" in str(info.value)  # what is not secret is kept
+
+
+def test_a_dict_or_list_option_from_the_environment_is_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hicache-storage sglang-args`` moves an option holding a nested secret to its
+    environment variable: the backend must get the list back, not its text."""
+    monkeypatch.setenv("HICACHE_STORAGE_CANARY_ENDPOINTS", json.dumps(ENDPOINTS))
+    b = Canary(root=str(tmp_path / "root"))
+    try:
+        assert b.options.endpoints == ENDPOINTS
+    finally:
+        b.close()
+    monkeypatch.setenv("HICACHE_STORAGE_CANARY_ENDPOINTS", "not json")
+    with pytest.raises(ConfigError, match="endpoints='not json' must be a JSON array"):
+        Canary(root=str(tmp_path / "root"))
+
+
+def test_the_secrets_of_options_at_any_depth() -> None:
+    from hicache_storage.secrets import secret_values
+
+    options = {
+        "endpoints": ENDPOINTS,  # a URL password, and a secret by name, in a list
+        "extra": {"nested": ({"auth": {"token": T0K3N, "n": 1234567}},)},  # all of auth
+        "storage": {"SSECustomerKey": b"raw-key-bytes"},  # camelCase, bytes
+        "url": f"s3://h/b?X-Amz-Security-Token={AUTH}&page=2",  # a secret query parameter
+        "root": "/data",
+        "on": True,
+    }
+    assert secret_values(options) == {URL_PW, PW2, T0K3N, "1234567", "raw-key-bytes", AUTH}
+    cycle: list[Any] = [{"password": PW}]
+    cycle.append(cycle)
+    deep: Any = {"password": PW2}
+    for _ in range(5000):  # deeper than the interpreter's recursion limit
+        deep = [deep]
+    assert secret_values({"a": cycle, "b": deep}) == {PW, PW2}
+    assert secret_values(None) == set()
+
+
+def test_every_form_a_client_prints_a_secret_in_is_cut() -> None:
+    """Issue 27 item 11: botocore sends an SSE-C key base64-encoded, with its MD5."""
+    import base64
+    import hashlib
+    from urllib.parse import quote
+
+    from hicache_storage.secrets import REDACTED, scrub
+
+    key = 'CANARY-"key"/é+%'
+    raw = key.encode()
+    forms = [
+        key,
+        json.dumps(key)[1:-1],
+        repr(key)[1:-1],
+        quote(key, safe=""),
+        base64.b64encode(raw).decode(),
+        base64.b64encode(hashlib.md5(raw).digest()).decode(),
+    ]
+    for form in forms:
+        assert scrub(f"header: {form}.", [key]) == f"header: {REDACTED}.", form
+    assert scrub("abc and abc", ["abc"]) == "abc and abc"  # too short to search for
+    assert scrub(f"redis://u:{URL_PW}@h") == f"redis://u:{REDACTED}@h"  # always
+
+
+def test_the_log_scrubber_counts_holders_and_scrubs_tracebacks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from hicache_storage.secrets import LogScrubber
+
+    scrubber = LogScrubber()
+    log = logging.getLogger("test.library_secrets.scrubber")
+    scrubber.attach(log.name)
+    try:
+        scrubber.add([PW])
+        scrubber.add([PW])  # a second holder of the same secret
+        scrubber.forget([PW])
+        with caplog.at_level(logging.INFO, logger=log.name):
+            try:
+                raise ConnectionError(f"AUTH {PW} refused")
+            except ConnectionError:
+                log.exception("login with %s failed", PW)
+            scrubber.forget([PW])  # the last holder is gone
+            log.info("now %s", "CANARY-shown")
+        assert "AUTH <redacted> refused" in caplog.text  # the traceback, scrubbed
+        assert "login with <redacted> failed" in caplog.text
+        assert "now CANARY-shown" in caplog.text
+        assert_clean(caplog.text)
+    finally:
+        log.removeFilter(scrubber)
