@@ -42,6 +42,7 @@ _VERB_DOTTED = re.compile(
 #: Bare names that look like calls but are not APIs, each with the reason.
 NOT_APIS = {
     "hicache_requires": "a pytest marker, registered in conformance/plugin.py",
+    "hicache_rule": "a pytest marker, registered in conformance/plugin.py",
 }
 
 
