@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import logging
 import os
 import random
 import threading
@@ -41,6 +40,7 @@ from hicache_storage.errors import (
 )
 from hicache_storage.keys import KEY_MAX_LEN
 from hicache_storage.protocol import Capabilities
+from hicache_storage.secrets import LogScrubber, secret_values
 from hicache_storage.storekit.aioloop import LoopThread
 from hicache_storage.storekit.blobstore import (
     PRESENT,
@@ -217,9 +217,9 @@ class S3Backend(BlobStore[S3Options]):
             if self._s3
             else f"{protocol}://{root}"
         )
-        self._secrets = [v for v in (opts.key, opts.secret, opts.token) if v]
-        self._secrets += [v for v in opts.fs_options().values() if isinstance(v, str) and v]
+        self._secrets = sorted(secret_values(opts))  # storage_options' at any depth too
         _LOG_SCRUB.add(self._secrets)
+        _LOG_SCRUB.attach(*_CLIENT_LOGGERS)
         self._check_key_length()
         if not self._s3 and protocol == "memory":
             self.capabilities = Capabilities(delete=True)  # this process only, not kept
@@ -857,56 +857,17 @@ def _publish_local(path: str, data: bytes) -> bool | Present:
             os.unlink(temp)
 
 
-class _Scrub(logging.Filter):
-    """Removes live backends' secrets from the records of the S3 client's loggers.
-
-    botocore logs request headers at DEBUG (the access key in ``Authorization``, the
-    session token in ``X-Amz-Security-Token``).
-    """
-
-    LOGGERS = ("botocore", "botocore.endpoint", "botocore.auth", "botocore.hooks",
-               "botocore.parsers", "botocore.retryhandler", "botocore.credentials",
-               "botocore.httpsession", "botocore.awsrequest", "botocore.client",
-               "botocore.utils", "botocore.regions", "aiobotocore", "aiobotocore.endpoint",
-               "aiobotocore.httpsession", "aiobotocore.credentials", "aiobotocore.client",
-               "s3fs", "fsspec")  # fmt: skip
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._secrets: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._installed = False
-
-    def add(self, secrets: list[str]) -> None:
-        with self._lock:
-            for value in secrets:
-                self._secrets[value] = self._secrets.get(value, 0) + 1
-            if not self._installed:
-                for name in self.LOGGERS:
-                    logging.getLogger(name).addFilter(self)
-                self._installed = True
-
-    def forget(self, secrets: list[str]) -> None:
-        with self._lock:
-            for value in secrets:
-                left = self._secrets.get(value, 0) - 1
-                if left > 0:
-                    self._secrets[value] = left
-                else:
-                    self._secrets.pop(value, None)
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not self._secrets:
-            return True
-        text = record.getMessage()
-        clean = scrub(text, list(self._secrets))
-        if clean != text:
-            record.msg, record.args = clean, None
-        return True
-
-
-_LOG_SCRUB = _Scrub()
+#: The S3 client's loggers. botocore logs request headers at DEBUG: the access key in
+#: ``Authorization``, the session token, the SSE-C customer key (base64) and its MD5.
+_CLIENT_LOGGERS = ("botocore", "botocore.endpoint", "botocore.auth", "botocore.hooks",
+                   "botocore.parsers", "botocore.retryhandler", "botocore.credentials",
+                   "botocore.httpsession", "botocore.awsrequest", "botocore.client",
+                   "botocore.utils", "botocore.regions", "botocore.handlers", "botocore.signers",
+                   "botocore.httpchecksum", "aiobotocore", "aiobotocore.endpoint",
+                   "aiobotocore.httpsession", "aiobotocore.credentials", "aiobotocore.client",
+                   "aiobotocore.httpchecksum", "s3fs", "fsspec")  # fmt: skip
+#: Cuts live backends' secrets out of those loggers' records.
+_LOG_SCRUB = LogScrubber()
 
 
 def _check_bucket(bucket: str) -> None:
