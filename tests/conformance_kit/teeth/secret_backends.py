@@ -10,8 +10,8 @@ With ``workers_unreachable``, building it in a conformance worker process fails 
 careless client library fails: with the URL and the passwords in the error message.
 ``fail`` makes it fail that way everywhere: ``"build"`` when it is built (a
 ``BackendUnavailableError``), ``"writes"`` on every ``set`` (a ``ConnectionError``, which
-the protocol layer logs), ``"refuse"`` on every ``exists`` (an ``InvalidArgumentError``,
-which reaches the caller).
+the protocol layer logs), ``"refuse"`` on every ``batch_exists`` (an
+``InvalidArgumentError``, which reaches the caller).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class CanaryFile(FileBackend):
         return super().set(key, value)
 
     @override
-    def exists(self, key: str) -> bool:
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         if self._opts.fail == "refuse":
             raise InvalidArgumentError(self._opts.careless())
-        return super().exists(key)
+        return super().batch_exists(keys, extra_info)
