@@ -12,7 +12,10 @@ Modelled on the reference's HiCache controller, with its known faults fixed:
 * with ``torch.distributed`` initialised, every rank performs the same all-reduces
   (MIN) for every query, zero hits included, so ranks agree and never deadlock;
 * a backend that raises, times out or fails degrades to misses; no worker thread dies;
-  host pages of a failed prefetch are freed.
+  host pages of a failed prefetch are freed; failures are logged at a bounded rate;
+* a store that hangs costs one wait: while a read a request gave up on still hangs, new
+  prefetches are misses at once (as existence queries are), and the I/O threads are
+  daemon threads, so one stuck in the store never keeps the process from exiting.
 
 It talks to storage only through :class:`~hicache_storage.protocol.HiCacheStorage`.
 """
@@ -23,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,6 +34,7 @@ import torch
 
 from hicache_storage.errors import BackendClosedError, BackendError, ConfigError
 from hicache_storage.keys import page_hashes
+from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.tier.device import LayerProgress
 from hicache_storage.tier.index import PageEntry, PrefixIndex, PrefixMatch
 
@@ -40,6 +44,8 @@ if TYPE_CHECKING:
     from hicache_storage.host_pool import HostKVPool
     from hicache_storage.protocol import HiCacheStorage
     from hicache_storage.tier.device import DevicePool
+
+    _Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]  # (future, fn, args)
 
 __all__ = ["Lease", "PrefetchOp", "TierConfig", "TierStats", "TieredCache"]
 
@@ -120,6 +126,7 @@ class TierStats:
     prefetch_terminated: int = 0
     prefetch_short: int = 0  # ended short by a miss or a storage failure
     prefetch_dropped: int = 0  # refused for host capacity (rate limiting) or no room
+    prefetch_hung: int = 0  # refused at once: a read a request gave up on still hangs
     prefetched_tokens: int = 0
     prefetch_bytes: int = 0  # read by prefetches (taken or not)
     prefetch_seconds: float = 0.0  # wall time of prefetches, from start to their last batch
@@ -134,6 +141,52 @@ class TierStats:
     evicted_device_pages: int = 0
     evicted_host_pages: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+
+
+class _Workers:
+    """``n`` daemon threads running submitted calls, each with its :class:`Future`.
+
+    Not a ``ThreadPoolExecutor``: the interpreter joins its threads at exit, so one stuck
+    in a store that never answers would keep the process alive for good.
+    """
+
+    def __init__(self, n: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._n, self._closed, self._lock = n, False, threading.Lock()
+        for i in range(n):
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on a worker; RuntimeError after :meth:`shutdown`."""
+        future: Future[Any] = Future()
+        with self._lock:  # (never behind the threads' stop marks)
+            if self._closed:
+                raise RuntimeError("the workers are shut down")
+            self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - the future's to report
+                    future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started; each thread ends when its running call returns."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in range(self._n):
+            self._jobs.put(None)
 
 
 def _agree(value: int) -> int:
@@ -297,10 +350,14 @@ class TieredCache:
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
         self._lock = threading.RLock()
-        self._io = ThreadPoolExecutor(self.config.io_workers, thread_name_prefix="hicache-prefetch")
+        self._log = RateLimitedLog(logger)
+        self._io = _Workers(self.config.io_workers, "hicache-prefetch")
+        # Prefetches whose request gave up waiting on a read still running: while one is
+        # there, new prefetches are misses at once.
+        self._hung: set[PrefetchOp] = set()
         # Existence queries on a thread of their own, one at a time: a query that hangs
         # makes the next ones misses at once, and never holds up the prefetch threads.
-        self._exists_pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-exists")
+        self._exists_pool = _Workers(1, "hicache-exists")
         self._exists_future: Any = None
         self._prefetch_pages = 0  # host pages held by running prefetches
         self._backups: queue.Queue[tuple[list[str], list[int]] | None] = queue.Queue()
@@ -370,8 +427,9 @@ class TieredCache:
         """Start reading the storage part of ``match``'s logical prefix into host pages.
 
         None when it is shorter than ``prefetch_threshold`` tokens, when prefetches hold
-        too much of the host pool (rate limiting), or when no host room can be made. Every
-        rank takes the same decision (MIN-agreed).
+        too much of the host pool (rate limiting), when no host room can be made, or while
+        a read an earlier request gave up waiting for still hangs (``prefetch_hung``).
+        Every rank takes the same decision (MIN-agreed).
         """
         keys = match.keys[match.host_pages : match.logical_pages]
         threshold = self.config.prefetch_threshold
@@ -381,12 +439,15 @@ class TieredCache:
             self._count(prefetch_dropped=1)
             return None
         with self._lock:
+            self._hung = {op for op in self._hung if not op.finished}
             # Rate limiting: prefetches hold at most this much of the host pool; a long
             # hit is cut to what fits (its leading part is what a request can use).
             room = int(self.config.prefetch_host_fraction * self.host.num_pages)
             room -= self._prefetch_pages
             want = max(0, min(len(keys), room))
-            if want and want * self.page_size >= threshold:
+            if self._hung:  # the store still hangs on an earlier read: a miss at once
+                pages = []
+            elif want and want * self.page_size >= threshold:
                 pages = self._host_pages(want) or []
             else:
                 pages = []
@@ -396,7 +457,10 @@ class TieredCache:
             pages = pages[:take]
         if not pages or take * self.page_size < threshold:
             self._free_host(pages)
-            self._count(prefetch_dropped=1)
+            if self._hung:
+                self._count(prefetch_hung=1, storage_errors=1)
+            else:
+                self._count(prefetch_dropped=1)
             return None
         keys = keys[:take]
         op = PrefetchOp(keys, pages, self.config.batch_pages)
@@ -419,9 +483,9 @@ class TieredCache:
                 run += 1
             ok[:run] = [True] * run
             self._count(prefetch_bytes=run * self.host.page_bytes)
-        except Exception:
+        except Exception:  # noqa: BLE001 - counted and logged (rate limited): a miss
             self._count(storage_errors=1)
-            logger.warning("prefetch batch failed", exc_info=True)
+            self._log("prefetch", "prefetch batch failed; its pages are misses", exc_info=True)
         finally:
             if op._batch_done(b, ok):  # settled meanwhile: these pages are ours to free
                 with self._lock:
@@ -440,9 +504,10 @@ class TieredCache:
         if op.settled:  # once per op: its pages belong to the index now
             return 0
         policy, cap = self.config.prefetch_policy, self.config.prefetch_max_wait
+        waited_out = False
         if policy == "timeout":
             tokens = len(op.keys) * self.page_size
-            op.wait(
+            waited_out = not op.wait(
                 min(
                     cap,
                     self.config.prefetch_timeout_base
@@ -450,8 +515,11 @@ class TieredCache:
                 )
             )
         elif policy == "wait_complete":
-            op.wait(cap)  # (a store that hangs must not hang the request for good)
+            waited_out = not op.wait(cap)  # (a store that hangs must not hang the request)
         done, free = op._settle()
+        if waited_out and not op.finished:  # a read still running after the wait
+            with self._lock:
+                self._hung.add(op)
         self._count(prefetch_seconds=op.ended - op.started)
         take = _agree(done)
         if take == len(op.keys):
@@ -695,8 +763,8 @@ class TieredCache:
             keys, pages = item
             try:
                 self._backup_batches(keys, pages)
-            except Exception:
-                logger.exception("backup failed")
+            except Exception:  # noqa: BLE001 - logged (rate limited); the loop goes on
+                self._log("backup", "backup failed", exc_info=True)
             finally:
                 with self._lock:
                     self._backup_done(keys)
@@ -828,7 +896,8 @@ class TieredCache:
     def close(self) -> None:
         """Finish the queued backups, then stop the threads; the backend stays open.
 
-        Backups still queued after ``close_timeout`` seconds count as failed.
+        Backups still queued after ``close_timeout`` seconds count as failed. A thread
+        stuck in the store is left to it (a daemon thread: the process can still exit).
         """
         if self._closed:
             return
@@ -853,5 +922,5 @@ class TieredCache:
             )
         self._backups.put(None)
         self._backup_thread.join(self.config.close_timeout)
-        self._io.shutdown(wait=False, cancel_futures=True)
-        self._exists_pool.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown()
+        self._exists_pool.shutdown()

@@ -4,6 +4,10 @@ eviction, prefetch (threshold, termination, rate limiting), backup retries, faul
 from __future__ import annotations
 
 import hashlib
+import logging
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -13,12 +17,15 @@ from typing import Any
 
 import pytest
 import torch
+from typing_extensions import override
 
 from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig
 from hicache_storage.backends import FileBackend, MemoryBackend
 from hicache_storage.conformance.wrappers import FaultyBackend, LatencyBackend
-from hicache_storage.errors import ConfigError
+from hicache_storage.errors import ConfigError, NotSupportedError
+from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.tier import DevicePool, TierConfig, TieredCache, host_page_layer
+from hicache_storage.wrapper import WrapperBackend
 
 PS = 4  # tokens per page
 
@@ -480,3 +487,146 @@ def test_a_hung_existence_query_does_not_stall_the_next(
         assert c.match_prefix(keys).logical_pages == 0
     assert time.monotonic() - t0 < 1.0  # one timeout, then misses at once while it hangs
     c.close()
+
+
+class HungReads(WrapperBackend):
+    """A store whose ``batch_get_v1`` does not return until the test lets it go."""
+
+    def __init__(self, inner: MemoryBackend) -> None:
+        super().__init__(inner)
+        self.let_go = threading.Event()
+        self.reads = 0
+
+    @override
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
+        self.reads += 1
+        self.let_go.wait()
+        return super().batch_get_v1(keys, host_indices, extra_info)
+
+
+def test_a_prefetch_behind_a_hung_read_is_a_miss_at_once(
+    store: Callable[..., MemoryBackend],
+) -> None:
+    host_a, host_b = make_host(), make_host()
+    a = new_cache(store(host_a), host_a, prefetch_threshold=0)
+    first, second = prompt(6 * PS, 80), prompt(6 * PS, 81)
+    run(a, first)
+    run(a, second)
+    assert a.flush(10)
+    hung = HungReads(store(host_b))
+    b = new_cache(hung, host_b, prefetch_threshold=0, prefetch_policy="wait_complete",
+                  prefetch_max_wait=0.5)  # fmt: skip
+    try:
+        op = b.prefetch(b.match_prefix(b.keys_of(first)))
+        assert op is not None and b.finish_prefetch(op) == 0  # waited the cap once
+        match = b.match_prefix(b.keys_of(second))
+        assert match.logical_pages == 6  # the existence query still answers
+        assert b.prefetch(match) is None  # the first read still hangs: a miss, no wait
+        assert b.stats.prefetch_hung == 1 and hung.reads == 1
+        assert all(t.daemon for t in threading.enumerate() if t.name.startswith("hicache"))
+        hung.let_go.set()
+        assert op.wait(10)  # the store answers again: prefetches read again
+        again = b.prefetch(match)
+        assert again is not None and b.finish_prefetch(again) == 6
+        b.release_prefetch(again)
+    finally:
+        hung.let_go.set()
+        b.close()
+        a.close()
+
+
+HUNG_PROCESS = """
+import threading
+
+import torch
+
+from hicache_storage import HostKVPool, KVCacheNamespace, StorageConfig
+from hicache_storage.backends import MemoryBackend
+from hicache_storage.tier import DevicePool, TierConfig, TieredCache
+from hicache_storage.wrapper import WrapperBackend
+
+
+class Hung(WrapperBackend):
+    def batch_get_v1(self, keys, host_indices, extra_info=None):
+        threading.Event().wait()  # never returns
+
+    def batch_exists(self, keys, extra_info=None):
+        if self.hang_exists:
+            threading.Event().wait()
+        return super().batch_exists(keys, extra_info)
+
+
+def cache(hang_exists=False, hung=True):
+    host = HostKVPool(num_pages=32, page_size=4, layer_num=2, kv_heads=2, head_dim=8,
+                      dtype=torch.bfloat16, layout="page_first")
+    backend = MemoryBackend(StorageConfig(namespace=KVCacheNamespace.for_pool(host, model_id="m")))
+    if hung:
+        backend = Hung(backend)
+        backend.hang_exists = hang_exists
+    config = TierConfig(prefetch_threshold=0, prefetch_policy="best_effort", exists_timeout=0.1)
+    return TieredCache(backend, host, DevicePool(host, 16), config)
+
+
+writer = cache(hung=False)
+keys = writer.keys_of(list(range(24)))
+writer.release(writer.acquire(keys, lambda i, page: None))
+assert writer.flush(10)
+reader = cache()  # reads hang
+op = reader.prefetch(reader.match_prefix(keys))
+assert op is not None
+reader.finish_prefetch(op)
+asker = cache(hang_exists=True)  # existence queries hang
+assert asker.match_prefix(keys).logical_pages == 0
+for c in (writer, reader, asker):
+    c.close()
+print("closed", flush=True)
+"""
+
+
+def test_a_process_with_hung_store_reads_exits_after_close(tmp_path: Path) -> None:
+    """Threads stuck in a store never keep the interpreter alive (nor are they joined)."""
+    script = tmp_path / "hung.py"
+    script.write_text(textwrap.dedent(HUNG_PROCESS))
+    done = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["closed"]
+
+
+class FailingReads(WrapperBackend):
+    """A store whose ``batch_get_v1`` raises past the guard (an instance used after fork)."""
+
+    @override
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
+        raise NotSupportedError("this backend instance was created in another process")
+
+
+def test_failing_prefetch_batches_are_logged_at_a_bounded_rate(
+    store: Callable[..., MemoryBackend], caplog: pytest.LogCaptureFixture
+) -> None:
+    host_a, host_b = make_host(), make_host()
+    a = new_cache(store(host_a), host_a, prefetch_threshold=0)
+    tokens = prompt(6 * PS, 90)
+    run(a, tokens)
+    assert a.flush(10)
+    b = new_cache(FailingReads(store(host_b)), host_b, prefetch_threshold=0, batch_pages=1,
+                  prefetch_policy="wait_complete")  # fmt: skip
+    match = b.match_prefix(b.keys_of(tokens))
+    caplog.set_level(logging.WARNING, logger="hicache_storage.tier")
+    t0 = time.monotonic()
+    for _ in range(40):
+        op = b.prefetch(match)
+        assert op is not None and b.finish_prefetch(op) == 0
+    elapsed = time.monotonic() - t0
+    failures = b.stats.storage_errors
+    logged = [r for r in caplog.records if r.name.startswith("hicache_storage.tier")]
+    assert failures >= 40
+    # At most one record per interval of the rate limiter (and one to start with).
+    assert 1 <= len(logged) <= 1 + int(elapsed // RateLimitedLog().interval) + 1
+    assert "prefetch batch failed" in logged[0].getMessage()
+    b.close()
+    a.close()
