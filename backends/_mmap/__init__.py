@@ -2,13 +2,17 @@
 
 Files (``path`` is the arena):
 
-``<path>``            superblock (4 KiB, with a random creation nonce), slot table (64 B
-                      per slot), then the slots; writers lock this file (``flock``)
+``<path>``            superblock (4 KiB, with a random creation nonce), slab table (the
+                      size class of each slab), slot table (64 B per unit), then the
+                      slabs; writers lock this file (``flock``)
 ``<path>.index``      a header naming the arena's nonce, then an append-only log of PUT /
                       DEL / CLEAR records and, after a compaction, BULK records (many
                       PUTs in columns), each with a CRC-32
 
-A page lives in one fixed-size slot. A write reserves a free slot (marking it *writing*
+The arena is a row of equal slabs; a slab is cut into slots of one size class when a
+writer first needs that class, so objects of any size up to a slab share one arena. A
+page lives in one slot of the smallest class that holds it. A write reserves a free slot
+of its class (cutting an unused or empty slab if the class has none; marking it *writing*
 with its token in the shared slot table, under the lock), copies the page into the mapping
 without the lock, then appends a PUT record (under the lock). A key is visible only once
 its record is in the log, so a writer killed at any point leaves no visible torn page,
@@ -19,7 +23,8 @@ A writer holds an open-file-description lock (``F_OFD_SETLK``) on its slot's byt
 arena file while it copies; the kernel drops it if the writer dies, which is how other
 processes tell a crashed writer's slot (reclaimable) from a live one, whatever pid
 namespace either runs in. Eviction is LRU over the slot table's last-access times
-(updated by readers in every process). An evicted slot is logged (DEL), given a new
+(updated by readers in every process): objects of the class that needs room, or a whole
+slab of another class whose newest object is older. An evicted slot is logged (DEL), given a new
 random generation, and *retired*: it
 is reused only after ``reuse_delay`` seconds, so no reader can still be copying out of it;
 readers also re-check the slot's generation after their copy and report a miss if it

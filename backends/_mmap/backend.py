@@ -3,8 +3,9 @@
 The pieces of :class:`MmapBackend`, in the order of the class: the lifecycle gate (no
 call outlives ``close()``, none runs after ``fork()``), opening the arena and its log,
 the writer locks (a ``flock`` on the arena for bookkeeping, an OFD byte lock per slot
-being written), the slot allocator (free slots, orphans of dead writers, LRU eviction,
-retirement), the write pipeline (reserve under the lock, copy without it, publish with
+being written), the slot allocator (free slots of a size class, orphans of dead
+writers, slabs cut into a class, LRU eviction within and across classes, retirement),
+the write pipeline (reserve under the lock, copy without it, publish with
 one log append) and the protocol methods.
 """
 
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from typing_extensions import override
 
 from hicache_storage.backends._mmap.arena import (
-    PAGE,
     SlotState,
     _Arena,
     _copy_in,
@@ -33,7 +33,7 @@ from hicache_storage.backends._mmap.arena import (
     _fence,
     _new_generations,
     _pointers,
-    _round_up,
+    slab_geometry,
 )
 from hicache_storage.backends._mmap.index_log import (
     _NO_ENTRY,
@@ -72,15 +72,21 @@ class MmapOptions:
             Default: ``/tmp/hicache-storage-mmap-<uid>/arena``, in a private (0700)
             directory of the user. An existing arena or index file must be a
             regular file owned by the user and writable by nobody else.
-        capacity: arena size, fixed at creation (e.g. ``"512MiB"``); slots = capacity /
-            slot_size. Reopening an arena keeps its original geometry.
-        slot_size: bytes per slot (the largest storable object), rounded up to 4 KiB;
-            default: the page size of the host pool registered before the first write,
-            else 4 MiB (or the first object's size if larger). Fixed at creation.
+        capacity: arena size, fixed at creation (e.g. ``"512MiB"``). Reopening an arena
+            keeps its original geometry.
+        slot_size: the largest slot, hence the largest storable object: the size of a
+            slab, rounded up to a whole number of units (4 KiB, or more for slabs over
+            256 KiB: a slab has at most 64 units). Smaller objects take smaller slots (size
+            classes). Default: the page size of the host pool registered before the first
+            write, else 4 MiB (or the first object's size if larger). Fixed at creation.
         fsync: make every write durable (msync the slot and fsync the index) before it
             becomes visible; without it a write survives a process crash, not a power loss.
-        checksum: payload checksum kept in the index: ``"none"`` or ``"xxh3"``.
-        verify_checksum: verify the checksum on every read (needs ``checksum="xxh3"``).
+        checksum: payload checksum kept in the index: ``"xxh3"`` (default) or ``"none"``
+            (no checksum written: the explicit opt-out).
+        verify_checksum: verify the checksum of every read that has one. Default (None):
+            on with ``checksum="xxh3"``, off with ``"none"``; ``True`` with ``"none"`` is a
+            :class:`ConfigError`, ``False`` with ``"xxh3"`` keeps the checksums (for repairs
+            after a power loss) without checking reads.
         reuse_delay: seconds an evicted slot rests before it is reused (readers also
             re-check a slot's generation after copying, so this only avoids wasted reads).
         low_free_slots: evict ahead when fewer than this fraction of the slots is free.
@@ -92,8 +98,8 @@ class MmapOptions:
     capacity: Size = Size(512 * 2**20)  # noqa: RUF009 - an int constant
     slot_size: Size | None = None
     fsync: bool = False
-    checksum: Literal["xxh3", "none"] = "none"
-    verify_checksum: bool = False
+    checksum: Literal["xxh3", "none"] = "xxh3"
+    verify_checksum: bool | None = None
     reuse_delay: float = 0.05
     low_free_slots: float = 0.05
     io_threads: int = 2
@@ -115,7 +121,16 @@ class MmapOptions:
         if self.io_threads < 1:
             raise ConfigError("io_threads must be >= 1")
         if self.verify_checksum and self.checksum == "none":
-            raise ConfigError('verify_checksum needs checksum="xxh3"')
+            raise ConfigError(
+                'verify_checksum=true needs checksum="xxh3" (checksum="none" writes none to verify)'
+            )
+
+    @property
+    def verify(self) -> bool:
+        """Whether reads are verified: ``verify_checksum``, by default as ``checksum`` says."""
+        if self.verify_checksum is None:
+            return self.checksum != "none"
+        return self.verify_checksum
 
 
 # struct flock on 64-bit Linux (l_type, l_whence, start, len, pid)
@@ -195,6 +210,7 @@ class MmapBackend(HiCacheStorage):
         self.path = os.path.abspath(os.path.expanduser(self.options.path or raw))
         self.index_path = self.path + ".index"
         self._algorithm = algorithm_id(self.options.checksum)
+        self._verify = self.options.verify
         # The log's lock (self._log.lock) guards the in-memory index and the log position
         # (readers take it to catch up); _wlock orders this process's writers before they
         # take the flock. Neither is ever held while waiting for another process, but for
@@ -202,7 +218,7 @@ class MmapBackend(HiCacheStorage):
         self._wlock = threading.Lock()
         self._open_lock = threading.Lock()  # one opener of the arena per instance
         self._arena: _Arena | None = None
-        self._free_hint: list[int] = []
+        self._free_hint: dict[int, list[int]] = {}  # per size class, lowest slot last
         self._log = IndexLog(
             self.index_path, self.options.fsync, self._drop_free_hint, self._on_log_damage
         )
@@ -223,15 +239,15 @@ class MmapBackend(HiCacheStorage):
             self._open_arena(self.options.slot_size or DEFAULT_SLOT)
 
     def _refine_capabilities(self) -> None:
-        """This instance's capabilities: the class's, limited to the slot size once known."""
+        """This instance's capabilities: the class's, limited to the largest slot once known."""
         self.capabilities = replace(type(self).capabilities, max_object_bytes=self._slot_limit())
 
     def _slot_limit(self) -> int | None:
-        """The largest storable object: the slot size, once known."""
+        """The largest storable object: the largest slot (a slab), once known."""
         if self._arena is not None:
-            return int(self._arena.slot_size)
+            return int(self._arena.slab_size)
         if self.options.slot_size is not None:
-            return _round_up(self.options.slot_size, PAGE)
+            return slab_geometry(self.options.slot_size)[1]
         return None
 
     @property
@@ -284,7 +300,7 @@ class MmapBackend(HiCacheStorage):
     # ------------------------------------------------------------------ arena, log and locks
 
     def _open_arena(self, slot_size: int, lazy: bool = False) -> _Arena:
-        """Open (or create) the arena and load its index.
+        """Open (or create, with slabs of ``slot_size``) the arena and load its index.
 
         ``lazy``: opened by an engine-facing call, whose failures must be failure shapes,
         not exceptions: a bad arena is then a :class:`BackendError` (logged by the
@@ -324,19 +340,31 @@ class MmapBackend(HiCacheStorage):
         power failure; only the slot's bytes can tell. The row is rebuilt from the record
         when the record has a checksum, the slot's bytes match it and no live writer
         holds the slot; otherwise the key is dropped (a miss), never served from bytes
-        that may be another key's.
+        that may be another key's. A key whose slot is not a slot of its size class in the
+        slab table (the table lost or rolled back) is dropped too: writers of the slab's
+        class could overwrite part of it.
         """
         import numpy as np
 
         log = self._log
         if not log.by_slot:
             return
-        live = np.fromiter(log.by_slot, np.int64, len(log.by_slot))
+        live = self._live_slots()
         table = arena.slots
+        lengths = log.lengths[live].astype(np.int64)
+        units = np.array(arena.class_of, np.int64)[np.maximum(1, -(-lengths // arena.unit))]
+        offset = live % arena.units
+        misfit = (
+            (arena.slabs[live // arena.units] != units)
+            | (offset % units != 0)
+            | (offset + units > arena.units)
+        )
         bad = live[
-            (table["generation"][live] != log.generations[live])
+            misfit
+            | (table["generation"][live] != log.generations[live])
             | (table["state"][live] != _COMMITTED)
         ]
+        misfits = set(live[misfit].tolist())
         for slot in bad.tolist():  # rows that disagree with the log: one at a time
             name = log.by_slot[slot]
             entry = log.entry(name)
@@ -344,6 +372,7 @@ class MmapBackend(HiCacheStorage):
             row = arena.slots[slot]
             if (
                 entry.algorithm
+                and slot not in misfits
                 and self._slot_lock(arena, entry.slot, take=True)
                 and checksum([arena.slot_view(entry.slot, entry.length)], entry.algorithm)
                 == entry.checksum
@@ -376,11 +405,12 @@ class MmapBackend(HiCacheStorage):
 
     @override
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Attach the host pool; the arena's slots must hold one of its pages.
+        """Attach the host pool; the arena's largest slot must hold one of its pages.
 
-        Creates the arena with the pool's page size as the slot size when it does not
-        exist yet (and ``slot_size`` is not set). Raises :class:`ConfigError` when the
-        pool's pages are larger than the slots of the arena (existing or configured).
+        Creates the arena with the pool's page size as the largest slot (the slab size)
+        when it does not exist yet (and ``slot_size`` is not set): the pool's pages then
+        fill their slabs exactly. Raises :class:`ConfigError` when the pool's pages are
+        larger than the largest slot of the arena (existing or configured).
         """
         page_bytes = _pool_page_bytes(mem_pool_host)
         if page_bytes:
@@ -391,7 +421,7 @@ class MmapBackend(HiCacheStorage):
                 where = "the arena" if self._arena is not None else "the configured slot_size"
                 raise ConfigError(
                     f"host pool pages are {page_bytes} bytes but {where} at {self.path} has "
-                    f"{limit}-byte slots: set the mmap option slot_size to at least "
+                    f"{limit}-byte slots at most: set the mmap option slot_size to at least "
                     f"{page_bytes} (a new arena: delete {self.path} and {self.index_path}, "
                     "or choose another path)"
                 )
@@ -400,24 +430,28 @@ class MmapBackend(HiCacheStorage):
             self._open_arena(page_bytes)
 
     @contextmanager
-    def _writer_lock(self, arena: _Arena | None = None) -> Iterator[None]:
+    def _writer_lock(self, arena: _Arena | None = None, wait: bool = True) -> Iterator[None]:
         """Hold the writer lock: one writer of this process at a time, then one of all processes.
 
-        The cross-process part is a ``flock`` on the arena file.
+        The cross-process part is a ``flock`` on the arena file. ``wait=False``: raise
+        :class:`BackendTimeoutError` at once if another thread or process holds it.
         """
         arena = arena or self._arena
         if arena is None:
             raise BackendError("the mmap arena is not open")
-        deadline = time.monotonic() + 60.0
-        with self._wlock:
+        deadline = time.monotonic() + (60.0 if wait else 0.0)
+        if not self._wlock.acquire(blocking=wait):
+            raise BackendTimeoutError(f"the writer lock of {self.path} is taken")
+        try:
             while True:
                 try:
                     fcntl.flock(arena.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() > deadline:
+                    if time.monotonic() >= deadline:
                         raise BackendTimeoutError(
-                            f"another process has held the writer lock of {self.path} for over 60 s"
+                            f"another process has held the writer lock of {self.path}"
+                            + (" for over 60 s" if wait else "")
                         ) from None
                     time.sleep(0.0005)
             try:
@@ -425,6 +459,8 @@ class MmapBackend(HiCacheStorage):
                     yield
             finally:
                 fcntl.flock(arena.fd, fcntl.LOCK_UN)
+        finally:
+            self._wlock.release()
 
     def _slot_lock(self, arena: _Arena, slot: int, take: bool) -> bool:
         """Take (or release) this instance's OFD lock on the slot's byte of the arena file.
@@ -457,7 +493,7 @@ class MmapBackend(HiCacheStorage):
 
     def _drop_free_hint(self) -> None:
         """The index was reloaded: the free slots found from the old one are forgotten."""
-        self._free_hint = []
+        self._free_hint = {}
 
     # ------------------------------------------------------------------ slot allocator
 
@@ -484,39 +520,59 @@ class MmapBackend(HiCacheStorage):
             return None
         return entry
 
-    def _refill_hint(self, arena: _Arena) -> None:
-        """Find reusable slots (writer lock held, index caught up)."""
+    def _class_slots(self, arena: _Arena, units: int) -> Any:
+        """The slots of every slab cut into class ``units`` (a numpy array)."""
         import numpy as np
 
-        slots = arena.slots
-        state = slots["state"]
-        resting = self._resting(arena)
-        usable = (state == _FREE) | ((state == _RETIRED) & ~resting)
-        live = np.zeros(arena.nslots, dtype=bool)
+        return arena.slot_rows(np.flatnonzero(arena.slabs == units), units)
+
+    @staticmethod
+    def _classes_cut(arena: _Arena) -> list[int]:
+        """The classes some slab is cut into."""
+        import numpy as np
+
+        counts = np.bincount(arena.slabs, minlength=arena.units + 1)
+        return [int(u) for u in np.flatnonzero(counts[1:]) + 1]
+
+    def _live_slots(self) -> Any:
+        """The slots holding live objects (the index as it is: caught up by the caller)."""
+        import numpy as np
+
         by_slot = self._log.by_slot
-        if by_slot:
-            live[np.fromiter(by_slot, np.int64, len(by_slot))] = True
+        return np.fromiter(by_slot, np.int64, len(by_slot))
+
+    def _refill_hint(self, arena: _Arena, units: int, _count: int = 0) -> list[int]:
+        """Find the reusable slots of class ``units`` (writer lock held, index caught up)."""
+        import numpy as np
+
+        slots = self._class_slots(arena, units)
+        table = arena.slots
+        state = table["state"][slots]
+        usable = (state == _FREE) | ((state == _RETIRED) & ~self._resting(arena, slots))
+        live = np.zeros(arena.nslots, dtype=bool)
+        live[self._live_slots()] = True
         # Orphans: committed in the table but in no record (a crash between the two, or
         # between a CLEAR record and the retirement of its slots), or reserved by a writer
-        # that died (its slot lock is gone; _reserve_slot skips those of live writers).
+        # that died (its slot lock is gone; _reserve_slots skips those of live writers).
         # They are free slots too: counted in the hint, they keep the eviction ahead
         # from evicting live pages while they last.
-        mine = slots["token"] == self._token
-        orphans = ((state == _COMMITTED) | ((state == _WRITING) & ~mine)) & ~live
-        hint = np.flatnonzero(usable | orphans).tolist()
+        mine = table["token"][slots] == self._token
+        orphans = ((state == _COMMITTED) | ((state == _WRITING) & ~mine)) & ~live[slots]
+        hint: list[int] = slots[usable | orphans].tolist()
         hint.reverse()  # pop() from the end takes the lowest slot first
-        self._free_hint = hint
+        self._free_hint[units] = hint
+        return hint
 
-    def _resting(self, arena: _Arena) -> Any:
-        """Mask of the retired slots that are still resting.
+    def _resting(self, arena: _Arena, slots: Any) -> Any:
+        """Mask of ``slots`` (a numpy array) that are retired and still resting.
 
         A rest that would end more than ``reuse_delay`` in the future (the clock stepped back)
         is over: it must not keep a slot out of use for as long as the clock is behind.
         """
         now = time.time()
-        since = arena.slots["since"]
+        since = arena.slots["since"][slots]
         return (
-            (arena.slots["state"] == _RETIRED)
+            (arena.slots["state"][slots] == _RETIRED)
             & (since > now - self.options.reuse_delay)
             & (since <= now)
         )
@@ -528,28 +584,103 @@ class MmapBackend(HiCacheStorage):
         )
         return int(_FLOCK.unpack(got)[0]) != fcntl.F_UNLCK
 
-    def _busy(self, arena: _Arena) -> int:
-        """Count the slots that live writers are filling (this instance's, or locked elsewhere).
+    def _busy(self, arena: _Arena, writing: Any) -> list[int]:
+        """Those of the ``writing`` slots (state WRITING) that live writers are filling.
 
-        A dead writer's slot is not busy: it is reclaimed as an orphan.
+        This instance's, or locked elsewhere; a dead writer's slot is not busy: it is
+        reclaimed as an orphan.
+        """
+        mine = (arena.slots["token"][writing] == self._token).tolist()
+        return [
+            s
+            for s, ours in zip(writing.tolist(), mine, strict=True)
+            if ours or self._held_elsewhere(arena, s)
+        ]
+
+    def _slab_use(self, arena: _Arena, keep: frozenset[int], live: bool) -> tuple[Any, Any, Any]:
+        """Per slab (writer lock held, caught up): ``(pinned, resting, live)``.
+
+        ``pinned`` counts its slots that live writers are filling or that are in ``keep``;
+        ``resting`` says whether some of its slots still rest; ``live`` (only when asked:
+        it costs a pass over the index) whether it holds live objects. One read of the
+        state of every slot; the other columns only for the few writing or retired ones.
         """
         import numpy as np
 
-        slots = arena.slots
-        busy = 0
-        for s in np.flatnonzero(slots["state"] == _WRITING):
-            if int(slots[s]["token"]) == self._token or self._held_elsewhere(arena, int(s)):
-                busy += 1
-        return busy
+        n = arena.nslabs
+        taken, retired = [], []
+        for units in self._classes_cut(arena):
+            slots = self._class_slots(arena, units)
+            state = arena.slots["state"][slots]
+            taken += self._busy(arena, slots[state == _WRITING])
+            old = slots[state == _RETIRED]
+            retired.append(old[self._resting(arena, old)])
+        taken += list(keep)
+        pinned = np.bincount(np.array(taken, np.int64) // arena.units, minlength=n)
+        resting = np.zeros(n, dtype=bool)
+        if retired:
+            resting[np.concatenate(retired) // arena.units] = True
+        held = np.zeros(n, dtype=bool)
+        if live:
+            held[self._live_slots() // arena.units] = True
+        return pinned, resting, held
+
+    def _claim_slabs(self, arena: _Arena, units: int, count: int) -> list[int]:
+        """Cut empty slabs into class ``units`` for ``count`` more objects (writer lock held).
+
+        Slabs never used come first (an eighth of those left at least, so that a class
+        that grows claims them in a few rounds, not one per batch), then slabs of other
+        classes that hold nothing (no live object, no slot being written or resting).
+        Returns the hint of the new slots.
+        """
+        import numpy as np
+
+        need = -(-count // (arena.units // units))
+        unused = np.flatnonzero(arena.slabs == 0)
+        chosen = unused[: max(need, len(unused) // 8)].tolist()
+        if len(chosen) < need and ((arena.slabs != 0) & (arena.slabs != units)).any():
+            pinned, resting, live = self._slab_use(arena, frozenset(), live=True)
+            empty = (arena.slabs != 0) & (arena.slabs != units) & (pinned == 0) & ~resting & ~live
+            chosen += np.flatnonzero(empty)[: need - len(chosen)].tolist()
+        if chosen:
+            self._cut(arena, np.array(chosen, np.int64), units)
+        hint: list[int] = arena.slot_rows(np.array(chosen, np.int64), units).tolist()
+        hint.reverse()
+        self._free_hint[units] = hint
+        return hint
+
+    def _cut(self, arena: _Arena, slabs: Any, units: int) -> None:
+        """Cut empty slabs (a numpy array) into slots of class ``units`` (writer lock held).
+
+        Every row of the slabs becomes free with a new generation first (a reader still
+        copying out of an old slot there sees the change), then the slab table says the
+        new class. A writer killed in between leaves a slab in its old class, with free
+        slots.
+        """
+        import numpy as np
+
+        table = arena.slots
+        rows = np.add.outer(slabs * arena.units, np.arange(arena.units)).ravel()
+        table["generation"][rows] = _new_generations(table["generation"][rows])
+        table["state"][rows] = _FREE
+        table["token"][rows] = 0
+        table["since"][rows] = 0.0
+        low, high = int(slabs.min()), int(slabs.max()) + 1
+        if self.options.fsync:
+            arena.flush_row(low * arena.units, (high - low) * arena.units)
+        arena.slabs[slabs] = units
+        if self.options.fsync:
+            arena.flush_slab(low, high - low)
 
     def _reserve_slots(
-        self, arena: _Arena, count: int, keep: frozenset[int] = frozenset()
+        self, arena: _Arena, units: int, count: int, keep: frozenset[int] = frozenset()
     ) -> list[tuple[int, int]]:
-        """Up to ``count`` free slots for new objects, as ``(slot, new generation)``.
+        """Up to ``count`` free slots of class ``units``, as ``(slot, new generation)``.
 
-        Writer lock held. Fewer (maybe none) when no more are usable now; the caller
-        decides what to evict. The candidates are checked, and the rows of the slots
-        taken written, for the whole batch at once.
+        Writer lock held. Free slots of the class come first, then empty slabs cut into
+        the class; fewer (maybe none) when no more are usable now: the caller decides what
+        to evict. The candidates are checked, and the rows of the slots taken written, for
+        the whole batch at once.
         """
         import numpy as np
 
@@ -558,30 +689,35 @@ class MmapBackend(HiCacheStorage):
         delay = self.options.reuse_delay
         taken: list[int] = []
         chosen: set[int] = set()
-        refilled = False
+        hint = self._free_hint.setdefault(units, [])
+        more = iter((self._refill_hint, self._claim_slabs))
         while len(taken) < count:
-            if not self._free_hint:
-                if refilled:
+            if not hint:
+                step = next(more, None)
+                if step is None:
                     break
-                self._refill_hint(arena)
-                refilled = True
-                if not self._free_hint:
-                    break
+                hint = step(arena, units, count - len(taken))
+                continue
             need = count - len(taken)
-            candidates = self._free_hint[-need:]
-            del self._free_hint[-need:]
+            candidates = hint[-need:]
+            del hint[-need:]
             candidates.reverse()  # the hint is used from its end: lowest slots first
             idx = np.array(candidates, np.int64)
             state = table["state"][idx]
             since = table["since"][idx]
             now = time.time()
-            skip = ((state == _RETIRED) & (since > now - delay) & (since <= now)) | (
-                (state == _WRITING) & (table["token"][idx] == self._token)  # ours, in flight
+            skip = (
+                ((state == _RETIRED) & (since > now - delay) & (since <= now))
+                | ((state == _WRITING) & (table["token"][idx] == self._token))  # ours, in flight
+                # no longer a slot of this class: its slab was cut again (by another process)
+                | (arena.slabs[idx // arena.units] != units)
+                | (idx % arena.units % units != 0)
+                | (idx % arena.units + units > arena.units)
             )
-            for slot, resting_or_ours in zip(candidates, skip.tolist(), strict=True):
+            for slot, skipped in zip(candidates, skip.tolist(), strict=True):
                 # (taken: a refill of the hint finds this batch's slots free again, as
                 # their rows are written at the end)
-                if resting_or_ours or slot in by_slot or slot in chosen:
+                if skipped or slot in by_slot or slot in chosen:
                     continue
                 if not self._slot_lock(arena, slot, take=True):
                     continue  # a live writer elsewhere holds it
@@ -596,31 +732,69 @@ class MmapBackend(HiCacheStorage):
         table["pid"][idx] = self._pid
         table["token"][idx] = self._token
         table["since"][idx] = time.time()
-        low = self.options.low_free_slots * arena.nslots
-        if len(self._free_hint) + 1 < low:  # as if checked after taking the last one
+        per = arena.units // units
+        unused = int((arena.slabs == 0).sum()) * per  # slabs never used: free for any class
+        total = int((arena.slabs == units).sum()) * per + unused
+        low = self.options.low_free_slots * total
+        if len(hint) + unused + 1 < low:  # as if checked after taking the last one
             # Evict ahead, so the slots have rested by the time they are needed.
-            states = table["state"]
-            if int(((states == _FREE) | (states == _RETIRED)).sum()) < low:
+            states = table["state"][self._class_slots(arena, units)]
+            if int(((states == _FREE) | (states == _RETIRED)).sum()) + unused < low:
                 try:
-                    self._evict_some(arena, max(1, arena.nslots // 20), keep)
+                    self._evict_for(arena, units, max(1, total // 20), keep)
                 except BaseException:
                     # The slots just taken are not the caller's yet: give them back here.
                     self._give_back(arena, dict(enumerate(zip(taken, gens.tolist(), strict=True))))
                     raise
         return list(zip(taken, gens.tolist(), strict=True))
 
-    def _evict_some(self, arena: _Arena, count: int, keep: frozenset[int] = frozenset()) -> None:
-        """Evict the ``count`` least recently used live objects, sparing slots in ``keep``."""
+    def _evict_for(
+        self, arena: _Arena, units: int, count: int, keep: frozenset[int] = frozenset()
+    ) -> None:
+        """Make room for ``count`` objects of class ``units``: evict the least recently used.
+
+        The candidates are the objects of that class, a slot each, and whole slabs of
+        other classes, ranked by their most recently used object (a slab evicted is cut
+        into the class once its slots have rested). Slots in ``keep`` are spared, and so
+        are the slabs that hold one or a slot being written.
+        """
         import numpy as np
 
         log = self._log
-        candidates = [s for s in log.by_slot if s not in keep] if keep else list(log.by_slot)
-        if not candidates or count <= 0:
+        if count <= 0 or not log.by_slot:
             return
-        live = np.fromiter(candidates, dtype=np.int64)
-        count = min(len(live), count)
+        live = self._live_slots()
+        if keep:
+            live = live[~np.isin(live, np.fromiter(keep, np.int64, len(keep)))]
         access = arena.slots["last_access"][live]
-        victims = [int(s) for s in live[np.argsort(access, kind="stable")[:count]]]
+        slab = live // arena.units
+        own = arena.slabs[slab] == units
+        order = np.argsort(access[own], kind="stable")
+        objects, object_times = live[own][order], access[own][order]
+        others = np.unique(slab[~own])
+        newest = np.full(arena.nslabs, -np.inf)
+        if others.size:
+            np.maximum.at(newest, slab[~own], access[~own])
+            pinned = self._slab_use(arena, keep, live=False)[0]
+            others = others[pinned[others] == 0]
+            others = others[np.argsort(newest[others], kind="stable")]
+        per = arena.units // units
+        n_objects, got = 0, 0
+        slabs: list[int] = []
+        while got < count and (n_objects < len(objects) or len(slabs) < len(others)):
+            if len(slabs) == len(others) or (
+                n_objects < len(objects) and object_times[n_objects] <= newest[others[len(slabs)]]
+            ):
+                n_objects += 1
+                got += 1
+            else:
+                slabs.append(int(others[len(slabs)]))
+                got += per
+        victims = objects[:n_objects].tolist()
+        if slabs:
+            victims += live[~own][np.isin(slab[~own], slabs)].tolist()
+        if not victims:
+            return
         records: list[Record] = []
         for s in victims:
             entry = log.entry(log.by_slot[s])
@@ -682,14 +856,20 @@ class MmapBackend(HiCacheStorage):
     # ------------------------------------------------------------------ write pipeline
 
     def _reserve_all(
-        self, arena: _Arena, names: list[str], pending: list[int], results: list[bool]
+        self,
+        arena: _Arena,
+        names: list[str],
+        pending: list[int],
+        results: list[bool],
+        units: list[int],
     ) -> dict[int, tuple[int, int]]:
         """Reserve a slot per pending item (distinct names); items already stored count as done.
 
-        A batch never asks for more slots than the arena can give it (all slots but those
-        live writers are filling, and those of keys it found stored): the items beyond
-        that fail at once (the leading ones are stored, as the engine reads leading
-        runs), and only as many pages are evicted as the batch will use.
+        ``units[i]`` is the size class of item ``i``. A batch never takes more slots than
+        the arena can give it (all slots but those live writers are filling, and those of
+        keys it found stored): when free slots run short, the items beyond that fail at
+        once (the leading ones are stored, as the engine reads leading runs), and only as
+        many pages are evicted as the batch will use.
         """
         slots: dict[int, tuple[int, int]] = {}
         deadline = time.monotonic() + max(5.0, 20 * self.options.reuse_delay)
@@ -708,34 +888,39 @@ class MmapBackend(HiCacheStorage):
                             keep.add(entry.slot)
                             continue
                         waiting.append(i)
-                    if first:
-                        first = False
-                        busy = self._busy(arena)
-                        room = max(0, arena.nslots - busy - len(keep))
+                    by_class: dict[int, list[int]] = {}
+                    for i in waiting:
+                        by_class.setdefault(units[i], []).append(i)
+                    for cls, items in by_class.items():
+                        got = self._reserve_slots(arena, cls, len(items), frozenset(keep))
+                        slots.update(zip(items, got, strict=False))
+                    pending = [i for i in waiting if i not in slots]
+                    if pending and first:
+                        # Short of free slots: does the batch fit at all? The items beyond
+                        # what it can hold fail now (and give their slots back).
+                        ours = [s for s, _ in slots.values()]
+                        room = self._room(arena, [units[i] for i in waiting], keep, ours)
                         if len(waiting) > room:
-                            refused = len(waiting) - room
-                            waiting = waiting[:room]
-                            self._add_item_errors(refused)
+                            refused = waiting[room:]
+                            self._give_back(arena, {i: slots.pop(i) for i in refused if i in slots})
+                            pending = [i for i in waiting[:room] if i not in slots]
+                            self._add_item_errors(len(refused))
                             self._log_failure(
                                 "batch_set",
                                 CapacityError(
-                                    f"{refused} of {len(names)} objects refused: the arena has "
-                                    f"{arena.nslots} slots and {busy} are being written"
+                                    f"{len(refused)} of {len(names)} objects refused: the "
+                                    f"arena has room for {room} (the slots other writers are "
+                                    "filling and those of keys found stored excluded)"
                                 ),
                             )
-                    got = self._reserve_slots(arena, len(waiting), frozenset(keep))
-                    slots.update(zip(waiting, got, strict=False))
-                    pending = waiting[len(got) :]
-                    if pending:
+                    first = False
+                    mine = frozenset(keep | {s for s, _ in slots.values()})
+                    for cls in dict.fromkeys(units[i] for i in pending):
                         # Evict what this batch will use, beyond the slots resting already
                         # and those whose rest ended since the hint was filled (the next
                         # round takes them).
-                        resting = self._resting(arena)
-                        state = arena.slots["state"]
-                        usable = (state == _FREE) | ((state == _RETIRED) & ~resting)
-                        spare = int(resting.sum()) + int(usable.sum())
-                        mine = {s for s, _ in slots.values()}
-                        self._evict_some(arena, len(pending) - spare, frozenset(keep | mine))
+                        need = sum(units[i] == cls for i in pending)
+                        self._evict_for(arena, cls, need - self._spare(arena, cls), mine)
                 if pending:
                     if time.monotonic() > deadline:
                         raise CapacityError("no slot became free in time (all busy or resting)")
@@ -744,6 +929,51 @@ class MmapBackend(HiCacheStorage):
             self._release(arena, slots)
             raise
         return slots
+
+    def _room(self, arena: _Arena, units: list[int], keep: set[int], ours: list[int]) -> int:
+        """How many leading items of these classes the arena can hold at once (lock held).
+
+        Every slot counts but those live writers other than this batch (its slots:
+        ``ours``) are filling and those in ``keep``; a slab of a class the batch does not
+        use counts as cut into the class that needs it, unless one of its slots is pinned.
+        """
+        import numpy as np
+
+        pinned = self._slab_use(arena, frozenset(keep), live=False)[0]
+        if ours:
+            np.subtract.at(pinned, np.array(ours, np.int64) // arena.units, 1)
+        classes = arena.slabs
+        wanted = set(units)
+        room = {
+            u: int((classes == u).sum()) * (arena.units // u) - int(pinned[classes == u].sum())
+            for u in wanted
+        }
+        spare = int(((classes == 0) | (~np.isin(classes, list(wanted)) & (pinned == 0))).sum())
+        for n, u in enumerate(units):
+            if room[u] <= 0:
+                if not spare:
+                    return n
+                spare -= 1
+                room[u] += arena.units // u
+            room[u] -= 1
+        return len(units)
+
+    def _spare(self, arena: _Arena, units: int) -> int:
+        """Slots of class ``units`` that will be free without evicting more (lock held).
+
+        Resting slots of the class, those whose rest has just ended, and the slots of the
+        slabs of other classes that will be empty once theirs have rested.
+        """
+        slots = self._class_slots(arena, units)
+        state = arena.slots["state"][slots]
+        resting = self._resting(arena, slots)
+        usable = (state == _FREE) | ((state == _RETIRED) & ~resting)
+        spare = int(resting.sum()) + int(usable.sum())
+        if ((arena.slabs != 0) & (arena.slabs != units)).any():
+            pinned, slab_resting, live = self._slab_use(arena, frozenset(), live=True)
+            soon = (arena.slabs != units) & (pinned == 0) & slab_resting & ~live
+            spare += int(soon.sum()) * (arena.units // units)
+        return spare
 
     def _write_many(self, items: Sequence[tuple[str, Any, list[memoryview]]]) -> list[bool]:
         """Store ``(key, value, views)`` items; one result per item.
@@ -759,21 +989,22 @@ class MmapBackend(HiCacheStorage):
         arena = self._arena_for(max(sizes))
         names = [self.object_path(key) for key, _, _ in items]
         results = [False] * len(items)
-        fits = [n <= arena.slot_size for n in sizes]
+        fits = [n <= arena.slab_size for n in sizes]
+        units = [arena.units_for(n) if ok else 0 for n, ok in zip(sizes, fits, strict=True)]
         first_of: dict[str, int] = {}
         for i, name in enumerate(names):
             if fits[i]:  # a key twice in a batch is stored once: its first value that fits
                 first_of.setdefault(name, i)
         pending = [i for i, name in enumerate(names) if fits[i] and first_of[name] == i]
-        oversized = sum(n > arena.slot_size for n in sizes)
+        oversized = len(items) - sum(fits)
         if oversized:
             if len(items) == 1:
                 raise CapacityError(
-                    f"{sizes[0]}-byte object exceeds the slot size {arena.slot_size}"
+                    f"{sizes[0]}-byte object exceeds the largest slot ({arena.slab_size} bytes)"
                 )
-            self._log_failure("set", CapacityError(f"{oversized} objects exceed the slot size"))
+            self._log_failure("set", CapacityError(f"{oversized} objects exceed the largest slot"))
             self._add_item_errors(oversized)
-        slots = self._reserve_all(arena, names, pending, results)
+        slots = self._reserve_all(arena, names, pending, results, units)
         order = list(slots)
 
         def copy(k: int) -> int:
@@ -865,7 +1096,8 @@ class MmapBackend(HiCacheStorage):
         return records
 
     def _read(self, key: str, views: list[memoryview] | None, target: Any) -> Any:
-        entry = self._find(self.object_path(key))
+        name = self.object_path(key)
+        entry = self._find(name)
         if entry is None:
             return None
         arena = self._arena
@@ -886,22 +1118,36 @@ class MmapBackend(HiCacheStorage):
         row = arena.slots[entry.slot]
         if int(row["generation"]) != entry.generation or int(row["state"]) != _COMMITTED:
             return None
-        if (
-            self.options.verify_checksum
-            and entry.algorithm
-            and checksum(views, entry.algorithm) != entry.checksum
-        ):
+        if self._verify and entry.algorithm and checksum(views, entry.algorithm) != entry.checksum:
             self._record(corrupt_objects=1)
             self._warn(
                 "corrupt",
-                "checksum mismatch in slot %d of %s; the read is a miss",
+                "checksum mismatch in slot %d of %s; the read is a miss, the key deleted",
                 entry.slot,
                 self.path,
             )
+            self._drop_damaged(name, entry)
             return None
         row["last_access"] = time.time()
         self._record(bytes_read=entry.length)
         return out
+
+    def _drop_damaged(self, name: str, entry: _Entry) -> None:
+        """Delete a key whose bytes failed their checksum, if it is still that incarnation.
+
+        Otherwise ``exists`` would count a page that never loads, and ``set`` would keep
+        answering that it is stored. Only if the writer lock is free right now (a reader
+        never waits for it): else a later read of the key tries again.
+        """
+        arena = self._arena
+        try:
+            with self._writer_lock(arena, wait=False):
+                self._log.catch_up()
+                if arena is not None and self._log.entry(name) == entry:
+                    self._log.append([(RecordKind.DEL, name, entry)])
+                    self._retire(arena, [entry.slot])
+        except (BackendError, ConfigError, OSError) as exc:
+            self._warn("drop", "could not delete the damaged %s yet: %s", name, exc)
 
     # ------------------------------------------------------------------ protocol
 
@@ -1075,9 +1321,24 @@ class MmapBackend(HiCacheStorage):
         """Slots of the arena and how many hold live objects (all namespaces)."""
         arena = self._arena
         if arena is None:
-            return {"slots": 0, "slot_size": 0, "live": 0}
+            return {"slabs": 0, "slot_size": 0, "unit": 0, "live": 0}
         self._log.catch_up()
-        return {"slots": arena.nslots, "slot_size": arena.slot_size, "live": len(self._log.index)}
+        return {
+            "slabs": arena.nslabs,
+            "slot_size": arena.slab_size,
+            "unit": arena.unit,
+            "live": len(self._log.index),
+        }
+
+    def slots_for(self, nbytes: int) -> int:
+        """How many objects of ``nbytes`` the arena holds when it holds nothing else.
+
+        0 if they do not fit in a slot, or before the arena exists.
+        """
+        arena = self._arena
+        if arena is None or nbytes > arena.slab_size:
+            return 0
+        return arena.nslabs * (arena.units // arena.units_for(nbytes))
 
     @override
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ Records follow, appended one after the other (36 bytes, a body, a CRC)::
     4       1     kind        a RecordKind: 1 PUT, 2 DEL, 3 BULK, 4 CLEAR
     5       1     algorithm   payload checksum algorithm (0 none, 1 xxh3-64)
     6       2     name_len    bytes of the name
-    8       4     slot        the slot holding the object
+    8       4     slot        the slot holding the object (the unit it starts at)
     12      8     generation  the slot's generation when the object was written
     20      8     length      payload bytes
     28      8     checksum    payload checksum (0 without one)
@@ -25,15 +25,17 @@ Records follow, appended one after the other (36 bytes, a body, a CRC)::
     36+n    4     crc         CRC-32 of bytes 0..35+n
 
 A PUT makes the name live at (slot, generation), replacing its earlier incarnation and
-whatever other name that slot held; a DEL removes the name only if it names the same
-(slot, generation). A CLEAR (``name`` a namespace prefix, the other fields 0) removes
-every name with that prefix put before it. A BULK record is many PUTs in columns, written
-by compaction so that a large index loads in a few vectorized passes: its ``slot`` field
-holds the number of entries *c*, ``length`` the bytes of the body that follows (instead
-of a name; ``name_len``, ``generation``, ``checksum`` and ``algorithm`` are 0), and the
-CRC covers the 36 bytes and the body. The body holds, column after column: ``slot``
-(c x u32), ``generation``, ``length``, ``checksum`` (c x u64 each), ``algorithm``
-(c x u8), then the c names, UTF-8, joined by newlines (which object names never hold).
+whatever other name that slot held; the slot's size class is not written, it follows from
+the length (the arena's slab table says which class each slab is cut into). A DEL
+removes the name only if it names the same (slot, generation). A CLEAR (``name`` a
+namespace prefix, the other fields 0) removes every name with that prefix put before it.
+A BULK record is many PUTs in columns, written by compaction so that a large index loads
+in a few vectorized passes: its ``slot`` field holds the number of entries *c*,
+``length`` the bytes of the body that follows (instead of a name; ``name_len``,
+``generation``, ``checksum`` and ``algorithm`` are 0), and the CRC covers the 36 bytes
+and the body. The body holds, column after column: ``slot`` (c x u32), ``generation``,
+``length``, ``checksum`` (c x u64 each), ``algorithm`` (c x u8), then the c names,
+UTF-8, joined by newlines (which object names never hold).
 
 A record is applied only if it is intact: magic, CRC, and fields that fit the arena. A
 damaged record costs only itself (reading resumes at the next intact record; a damaged
@@ -175,7 +177,7 @@ def _decode_record(
     """The intact record at ``off``: (kind, name, entry or columns, end offset), or None.
 
     Intact means: magic, CRC, and fields that make sense for this arena (a slot it has,
-    a length that fits a slot, a known record kind and checksum algorithm).
+    a length that fits in the slot's slab, a known record kind and checksum algorithm).
     """
     if off + _REC.size + _CRC.size > len(data):
         return None
@@ -202,9 +204,9 @@ def _decode_record(
         if not name or slot or gen or length or csum or algo:
             return None
         return kind, name, _NO_ENTRY, end + _CRC.size
-    if kind not in (_PUT, _DEL) or slot >= arena.nslots:
+    if kind not in (_PUT, _DEL) or slot >= arena.nslots or algo not in _ALGORITHM_IDS:
         return None
-    if length > arena.slot_size or algo not in _ALGORITHM_IDS:
+    if slot % arena.units * arena.unit + length > arena.slab_size:  # past its slab
         return None
     return kind, name, _Entry(slot, gen, length, csum, algo), end + _CRC.size
 
@@ -227,7 +229,9 @@ def _decode_columns(
         columns.append(np.frombuffer(data, dtype, count, off))
         off += count * width
     slots, gens, lengths, csums, algos = columns
-    if int(slots.max()) >= arena.nslots or int(lengths.max()) > arena.slot_size:
+    if int(slots.max()) >= arena.nslots:
+        return None
+    if int(((slots % arena.units) * arena.unit + lengths).max()) > arena.slab_size:
         return None
     if not np.isin(algos, _ALGORITHM_IDS).all():
         return None

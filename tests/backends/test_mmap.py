@@ -36,6 +36,23 @@ class TestMmapConformance(BackendConformance):
         )  # fmt: skip
 
 
+@pytest.fixture(scope="class")
+def shared_arena(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One arena path for all the checks of a class, as one CLI run uses."""
+    return tmp_path_factory.mktemp("mmap-shared") / "arena"
+
+
+class TestMmapConformanceDefaults(BackendConformance):
+    """The documented options only (path and capacity), as ``hicache-storage conformance``
+    runs them: one arena for the whole run, so the checks meet each other's page sizes
+    (a 4 MiB first page fixed every slot at 4 MiB, and 128-page batches of other sizes
+    found 0 pages present)."""
+
+    @pytest.fixture
+    def backend_spec(self, shared_arena: Path) -> BackendSpec:
+        return BackendSpec("mmap", {"path": str(shared_arena), "capacity": "512MiB"})
+
+
 class TestMmapConformanceDurable(BackendConformance):
     """fsync on, checksums written and verified."""
 
@@ -75,7 +92,7 @@ def test_geometry_is_fixed_at_creation(arena: Callable[..., MmapBackend], tmp_pa
     a = arena(capacity="64MiB", slot_size="1MiB")
     u = a.usage()
     assert u["slot_size"] == MiB
-    assert 55 <= u["slots"] <= 63
+    assert 55 <= u["slabs"] <= 63
     assert os.path.getsize(tmp_path / "arena") <= 64 * MiB
     a.set("k", b"v")
     a.close()
@@ -120,7 +137,8 @@ def test_another_process_sees_new_keys(arena: Callable[..., MmapBackend], tmp_pa
 
 def test_full_store_evicts_least_recently_used(arena: Callable[..., MmapBackend]) -> None:
     b = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
-    slots = b.usage()["slots"]
+    slots = b.slots_for(1000)  # 16 slots of 4 KiB in each slab of 64 KiB
+    assert slots == 16 * b.usage()["slabs"]
     keys = [f"k{i}" for i in range(slots)]
     assert b.batch_set(keys, [value(i) for i in range(slots)]) == [True] * slots
     time.sleep(0.01)
@@ -156,7 +174,7 @@ def test_a_torn_index_record_is_ignored(arena: Callable[..., MmapBackend], tmp_p
 def test_compaction_is_atomic_and_seen_by_other_instances(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    b = arena(capacity="4MiB", slot_size="16KiB", reuse_delay=0)
+    b = arena(capacity="1MiB", slot_size="4KiB", reuse_delay=0)
     watcher = arena()
     index = tmp_path / "arena.index"
     for i in range(1000):  # 1000 puts and ~750 evictions: past the compaction threshold
@@ -230,7 +248,8 @@ def test_a_writer_killed_mid_copy_leaves_nothing_visible(
         else:
             assert not b.exists(k)
     # The dead writer's slot is reclaimed: the arena still takes as many objects as it has slots.
-    for i in range(b.usage()["slots"] + 1):
+    # (Small objects: every slab is cut into their class, the dead writer's one too.)
+    for i in range(b.slots_for(1000) + 1):
         assert b.set(f"after{i}", b"x" * 1000)
 
 
@@ -241,8 +260,10 @@ def test_bad_arenas_and_options(tmp_path: Path) -> None:
         MmapBackend(StorageConfig(), path=str(bad))
     with pytest.raises(ConfigError):
         MmapBackend(StorageConfig(), path=str(tmp_path / "a"), capacity="1KiB", slot_size="1MiB")
-    with pytest.raises(ConfigError):
-        MmapBackend(StorageConfig(), path=str(tmp_path / "b"), verify_checksum=True)
+    with pytest.raises(ConfigError, match="verify_checksum"):
+        MmapBackend(
+            StorageConfig(), path=str(tmp_path / "b"), checksum="none", verify_checksum=True
+        )
 
 
 def test_zero_copy_from_a_tensor(arena: Callable[..., MmapBackend]) -> None:
@@ -390,11 +411,12 @@ def test_a_lost_slot_table_row_is_repaired_only_when_the_bytes_verify(
     nothing proves the bytes are the key's, so the key is dropped: a miss, never a guess."""
     b = arena(capacity="1MiB", slot_size="4KiB", fsync=True, checksum=algorithm)
     assert b._arena is not None
-    before = bytes(b._arena.map[4096 : 4096 + 64])  # row 0 as created
+    table = b._arena.table_off
+    before = bytes(b._arena.map[table : table + 64])  # row 0 as created
     assert b.set("K", b"\x77" * 4096)
     b.close()
     with open(tmp_path / "arena", "r+b") as f:  # the table page never reached the disk
-        f.seek(4096)
+        f.seek(table)
         f.write(before)
     again = arena(checksum=algorithm)
     got = again.get("K")
@@ -451,7 +473,7 @@ def test_an_error_while_reserving_leaks_no_slot(
     from hicache_storage.backends._mmap.index_log import IndexLog, RecordKind
 
     b = arena(capacity="64KiB", slot_size="4KiB", reuse_delay=0, io_threads=1)
-    n = b.usage()["slots"]
+    n = b.slots_for(1)
     for i in range(n - 1):
         b.set(f"old{i}", b"o")
     real = IndexLog.append
@@ -473,14 +495,20 @@ def test_an_error_while_reserving_leaks_no_slot(
 
 
 def test_the_on_disk_layout_is_the_one_the_docstrings_table() -> None:
-    """Superblock, slot-table row, log header and record: sizes, offsets and enum values
-    as tabled in arena.py and index_log.py (a change here is a new format version)."""
+    """Superblock, slab-table entry, slot-table row, log header and record: sizes, offsets
+    and enum values as tabled in arena.py and index_log.py (a change here is a new format
+    version), and the size classes."""
     import numpy as np
 
     from hicache_storage.backends._mmap import arena as A
     from hicache_storage.backends._mmap import index_log as L
 
-    assert A._SUPER.size + A._CRC.size == 60
+    assert A._SUPER.size + A._CRC.size == 76 and A._VERSION == 3
+    assert np.dtype(A._SLAB_DTYPE).itemsize == 4
+    assert [A.size_class(n) for n in range(1, 22)] == [
+        1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14, 14, 16, 16, 20, 20, 20, 20, 24]  # fmt: skip
+    assert A.slab_geometry(64 * 4096) == (4096, 64 * 4096)  # at most 64 units a slab
+    assert A.slab_geometry(64 * 4096 + 1) == (8192, 33 * 8192)  # 33 units of 8 KiB
     row = np.dtype(A._SLOT_DTYPE)
     assert row.itemsize == 64
     assert row.fields is not None
@@ -494,3 +522,223 @@ def test_the_on_disk_layout_is_the_one_the_docstrings_table() -> None:
     assert {k.name: int(k) for k in L.RecordKind} == {"PUT": 1, "DEL": 2, "BULK": 3, "CLEAR": 4}
     assert L._LOG_VERSION == 2 and L._READABLE == (1, 2)
     assert L._BULK_ROW == 29  # slot u32, generation/length/checksum u64 each, algorithm u8
+
+
+# ---------------------------------------------------------------- size classes (issue 27, 19)
+
+
+def test_objects_of_many_sizes_share_one_arena(arena: Callable[..., MmapBackend]) -> None:
+    """Slabs of 4 MiB (the default largest slot) cut into the classes the objects need:
+    small pages no longer take a 4 MiB slot each."""
+    b = arena(capacity="64MiB", prefault=False)
+    sizes = [0, 1, 100, 4096, 70_000, 300_000, MiB, 3 * MiB, 4 * MiB]
+    keys = [f"s{n}" for n in sizes]
+    values = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
+    assert b.batch_set(keys, values) == [True] * len(sizes)
+    small = [f"p{i}" for i in range(500)]
+    assert b.batch_set(small, [value(i, 5000) for i in range(500)]) == [True] * 500
+    assert b.get_stats().evictions == 0
+    assert b.usage()["slabs"] == 15  # room for 15 objects of 4 MiB, and all of these
+    other = arena()
+    for reader in (b, other):
+        assert reader.batch_exists(keys) == len(keys)
+        assert reader.batch_exists(small) == 500
+        for k, v in zip(keys, values, strict=True):
+            got = reader.get(k)
+            assert got is not None and bytes(got.numpy()) == v, k
+        for i in range(0, 500, 37):
+            got = reader.get(f"p{i}")
+            assert got is not None and bytes(got.numpy()) == value(i, 5000)
+    assert b.set("too-big", b"x" * (4 * MiB + 1)) is False
+    assert b.capabilities.max_object_bytes == 4 * MiB
+
+
+def test_eviction_across_classes_is_least_recently_used(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    """A full arena makes room for a class by evicting what was used least recently: the
+    class's own objects one by one, or a whole slab of another class whose newest object
+    is older."""
+    big = 256 * 1024  # one per slab
+    b = arena(capacity="8MiB", slot_size="256KiB", reuse_delay=0, low_free_slots=0, prefault=False)
+    n = 31  # slabs of 256 KiB in 8 MiB (checked below)
+    bigs = [f"b{i}" for i in range(n)]
+    assert b.batch_set(bigs, [value(i, big) for i in range(n)]) == [True] * n
+    time.sleep(0.01)
+    assert all(b.get(f"b{i}") is not None for i in range(5))  # b0..b4: recently used
+    time.sleep(0.01)
+    # 100 small pages (64 a slab): two slabs of the least recently used big ones go.
+    small = [f"s{i}" for i in range(100)]
+    assert b.batch_set(small, [value(i, 4000) for i in range(100)]) == [True] * 100
+    assert b.get_stats().evictions == 2  # (get_stats starts the counts again)
+    assert [b.exists(k) for k in bigs[:8]] == [True] * 5 + [False, False, True]
+    time.sleep(0.01)
+    # Three more big ones: the oldest big objects are older than any small page.
+    assert b.batch_set(["x0", "x1", "x2"], [value(200 + i, big) for i in range(3)]) == [True] * 3
+    assert [b.exists(k) for k in bigs[5:11]] == [False] * 5 + [True]
+    assert b.get_stats().evictions == 3
+    assert b.batch_exists(small) == 100
+    time.sleep(0.01)
+    # Every big object used again: now a slab of small pages is the least recently used.
+    assert all(b.get(k) is not None for k in [*bigs[:5], *bigs[10:], "x0", "x1", "x2"])
+    time.sleep(0.01)
+    assert b.batch_set(["y0"], [value(99, big)]) == [True]
+    assert b.get_stats().evictions == 64  # the small pages of one slab
+    assert sum(b.exists(k) for k in small) == 100 - 64
+    assert b.batch_exists([*bigs[:5], *bigs[10:], "x0", "x1", "x2", "y0"]) == 5 + 21 + 4
+    for k in small:
+        got = b.get(k)
+        assert got is None or bytes(got.numpy()) == value(int(k[1:]), 4000)
+    assert b.usage()["slabs"] == b.slots_for(big) == n
+
+
+def test_reopen_after_mixed_size_writes(arena: Callable[..., MmapBackend], tmp_path: Path) -> None:
+    """The slab table and the index survive the process: a new instance, and another
+    process, read every size back and write beside them without overwriting any."""
+    a = arena(capacity="16MiB", slot_size="1MiB", prefault=False)
+    sizes = [10 + 997 * i for i in range(40)] + [100_000, 500_000, MiB]
+    keys = [f"m{i}" for i in range(len(sizes))]
+    values = [value(i, n) for i, n in enumerate(sizes)]
+    assert a.batch_set(keys, values) == [True] * len(keys)
+    assert a._arena is not None
+    slabs = a._arena.slabs.copy()
+    a.close()
+    b = arena()
+    assert b._arena is not None
+    assert (b._arena.slabs == slabs).all()
+    assert b.batch_exists(keys) == len(keys)
+    r = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "arena"), "put", "child", "5000"],
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    assert r.stdout.strip() == "True"
+    more = [f"n{i}" for i in range(len(sizes))]
+    assert b.batch_set(more, [value(100 + i, n) for i, n in enumerate(sizes)]) == [True] * len(more)
+    assert b.get_stats().evictions == 0
+    c = arena()
+    for reader in (b, c):
+        for i, k in enumerate(keys):
+            got = reader.get(k)
+            assert got is not None and bytes(got.numpy()) == values[i], k
+            got = reader.get(more[i])
+            assert got is not None and bytes(got.numpy()) == value(100 + i, sizes[i])
+        got = reader.get("child")
+        assert got is not None and bytes(got.numpy()) == b"\x09" * 5000
+
+
+NEW_CLASS_WRITER = """
+import sys, time
+import hicache_storage.backends._mmap.backend as impl  # where _copy_in is looked up
+from hicache_storage import StorageConfig
+real = impl._copy_in
+calls = []
+def copy_in(arena, slot, views, ptrs):
+    calls.append(slot)
+    if len(calls) == 2:  # the first page is copied, the second never ends
+        print("copying", flush=True)
+        time.sleep(600)
+    real(arena, slot, views, ptrs)
+impl._copy_in = copy_in
+b = impl.MmapBackend(StorageConfig(), path=sys.argv[1], io_threads=1)
+b.batch_set([f"new{i}" for i in range(3)], [bytes([0xEE]) * 200_000] * 3)
+"""
+
+
+def test_a_writer_killed_mid_write_of_a_new_size_class(
+    arena: Callable[..., MmapBackend], tmp_path: Path
+) -> None:
+    """A writer that cut slabs into a class the arena had not seen dies in the middle of
+    its copies: none of its pages is visible, and its slabs are reclaimed (its reserved
+    slots, whose locks died with it, count as free; no slab stays pinned)."""
+    small = 4000
+    b = arena(capacity="4MiB", slot_size="256KiB", reuse_delay=0, low_free_slots=0, prefault=False)
+    old = [f"o{i}" for i in range(64)]
+    assert b.batch_set(old, [value(i, small) for i in range(64)]) == [True] * 64
+    assert b.usage()["slabs"] == 15 and b.slots_for(small) == 15 * 64
+    proc = subprocess.Popen([sys.executable, "-c", NEW_CLASS_WRITER, str(tmp_path / "arena")],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "copying"
+        assert b._arena is not None
+        cls = b._arena.units_for(200_000)
+        assert int((b._arena.slabs == cls).sum()) == 3  # cut by the writer, being written
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    for reader in (b, arena()):
+        assert not any(reader.exists(f"new{i}") for i in range(3))
+        assert all(reader.get(f"new{i}") is None for i in range(3))
+    # Fill the whole arena with small pages: the dead writer's slabs are cut again.
+    fill = [f"f{i}" for i in range(b.slots_for(small) - 64)]
+    assert b.batch_set(fill, [value(i, small) for i in range(len(fill))]) == [True] * len(fill)
+    assert b.get_stats().evictions == 0
+    assert b._arena is not None and (b._arena.slabs == b._arena.units_for(small)).all()
+    again = arena()
+    assert again.batch_exists(old + fill) == len(old + fill)
+    for i in range(0, len(fill), 41):
+        got = again.get(fill[i])
+        assert got is not None and bytes(got.numpy()) == value(i, small)
+
+
+def test_an_arena_of_the_earlier_format_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """Version 2 arenas (one slot size) are not read: a ConfigError that says what to delete."""
+    import struct
+    import zlib
+
+    path = tmp_path / "arena"
+    head = struct.pack("<8sIIQQQQQ", b"HCSMMAP1", 2, 0, 1 << 20, 3, 4096, 8192, 77)
+    path.write_bytes(head + struct.pack("<I", zlib.crc32(head)) + bytes(8192 + 3 * (1 << 20)))
+    os.chmod(path, 0o600)
+    with pytest.raises(ConfigError, match="format version 2") as info:
+        MmapBackend(StorageConfig(), path=str(path))
+    assert "delete" in str(info.value) and str(path) in str(info.value)
+    b = MmapBackend(StorageConfig(), path=str(tmp_path / "lazy"))  # opened on first use
+    (tmp_path / "lazy").write_bytes(path.read_bytes())
+    os.chmod(tmp_path / "lazy", 0o600)
+    try:
+        assert b.set("k", b"v") is False  # a failure shape, never garbage
+        assert b.get("k") is None
+    finally:
+        b.close()
+
+
+# ---------------------------------------------------------------- verified by default (27, 3)
+
+
+def test_bytes_flipped_in_a_slot_read_as_a_miss_with_the_default_options(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    b = arena(capacity="1MiB", slot_size="64KiB")
+    assert b.set("k", value(7, 5000))
+    entry = b._log.entry(b.object_path("k"))
+    assert entry is not None and b._arena is not None
+    b._arena.slot_view(entry.slot, entry.length)[1234] ^= 0x10  # bit rot in the slot's bytes
+    reader = arena()
+    assert reader.get("k") is None
+    assert reader.get_stats().corrupt_objects == 1
+    assert not reader.exists("k") and not b.exists("k")  # deleted: not a hit that never loads
+    assert b.set("k", value(8, 5000))  # and stored again
+    assert bytes(reader.get("k").numpy()) == value(8, 5000)
+
+
+def test_checksum_options_are_coherent(
+    arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    default = arena(capacity="1MiB", slot_size="64KiB")
+    assert default.options.checksum == "xxh3"
+    assert default.options.verify is True
+    off = arena(checksum="none")  # the explicit opt-out: nothing written, nothing checked
+    assert off.options.verify is False
+    unchecked = arena(verify_checksum=False)  # checksums kept for repairs, reads unchecked
+    assert (unchecked.options.checksum, unchecked.options.verify) == ("xxh3", False)
+    with pytest.raises(ConfigError, match="verify_checksum"):
+        arena(checksum="none", verify_checksum=True)
+    monkeypatch.setenv("HICACHE_STORAGE_MMAP_VERIFY_CHECKSUM", "true")
+    with pytest.raises(ConfigError, match="verify_checksum"):
+        arena(checksum="none")
+    assert off.set("k", value(1, 5000))
+    entry = off._log.entry(off.object_path("k"))
+    assert entry is not None and entry.algorithm == 0 and off._arena is not None
+    off._arena.slot_view(entry.slot, entry.length)[0] ^= 0x10
+    got = unchecked.get("k")  # no checksum to check: served, as documented
+    assert got is not None and bytes(got.numpy()) != value(1, 5000)

@@ -145,7 +145,7 @@ def test_clear_is_one_record_that_spares_other_namespaces(
     reopened = arena(config("a"), **opts)
     assert reopened.batch_exists(keys) == 0
     # The cleared slots are free again: refilling the namespace evicts nothing of b's.
-    slots = a.usage()["slots"]
+    slots = a.slots_for(256)
     assert 250 + 250 <= slots < 250 + 250 + 150
     # More than the never-used slots, less than what evicts ahead (5 % free).
     count = slots - 250 - slots // 10
@@ -174,7 +174,7 @@ def test_slots_of_a_clear_whose_writer_died_before_retiring_them_are_reused(
     a.close()
     fresh = arena(config("a"), **opts)
     assert fresh.batch_exists(keys) == 0
-    slots = fresh.usage()["slots"]
+    slots = fresh.slots_for(256)
     count = slots - 250 - slots // 10  # more than the never-used slots: orphans needed
     assert count > slots - 500
     fill(fresh, [f"n{i}" for i in range(count)], start=5000)
@@ -257,13 +257,15 @@ def test_a_batch_that_outruns_the_free_slot_hint_gets_distinct_slots(
     """The hint of free slots is refilled in the middle of a batch's reservation, when
     the batch's own slots are not marked yet: none may be handed out twice."""
     b = arena(capacity="256KiB", slot_size="4KiB", reuse_delay=0, prefault=False)
-    n = b.usage()["slots"]
+    n = b.slots_for(256)
     fill(b, [f"a{i}" for i in range(n // 2)])
-    b._free_hint = b._free_hint[-2:]  # as if other batches had used up all but two
-    keys = [f"b{i}" for i in range(n // 3)]
-    fill(b, keys, start=100)
     arena_ = b._arena
     assert arena_ is not None
+    with b._writer_lock():
+        b._claim_slabs(arena_, 1, n // 4)  # free slots of the class, all in the hint
+    b._free_hint[1] = b._free_hint[1][-2:]  # as if other batches had used up all but two
+    keys = [f"b{i}" for i in range(n // 3)]
+    fill(b, keys, start=100)
     slots = [b._log.index[b.object_path(k)] & 0xFFFFFFFF for k in keys]
     assert len(set(slots)) == len(keys)
     for i, k in enumerate(keys):
@@ -322,7 +324,7 @@ def test_a_failed_eviction_ahead_gives_back_the_slots_it_had_taken(
     arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     b = arena(capacity="1MiB", slot_size="4KiB", prefault=False)
-    n = b.usage()["slots"]
+    n = b.slots_for(100)
     fill(b, [f"k{i}" for i in range(n - 12)])
 
     def full_disk(self: L.IndexLog, records: object) -> None:
