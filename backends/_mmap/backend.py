@@ -528,11 +528,15 @@ class MmapBackend(HiCacheStorage):
 
     @staticmethod
     def _classes_cut(arena: _Arena) -> list[int]:
-        """The classes some slab is cut into."""
+        """The classes some slab is cut into.
+
+        A damaged entry larger than a slab is none: no slot of it is used, and the slab is
+        cut again like an empty one.
+        """
         import numpy as np
 
-        counts = np.bincount(arena.slabs, minlength=arena.units + 1)
-        return [int(u) for u in np.flatnonzero(counts[1:]) + 1]
+        counts = np.bincount(np.minimum(arena.slabs, arena.units + 1), minlength=arena.units + 2)
+        return [int(u) for u in np.flatnonzero(counts[1 : arena.units + 1]) + 1]
 
     def _live_slots(self) -> Any:
         """The slots holding live objects (the index as it is: caught up by the caller)."""

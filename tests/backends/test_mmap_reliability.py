@@ -550,6 +550,23 @@ def test_a_slab_table_that_disagrees_with_the_log_drops_the_keys_it_misplaces(
             assert got is None or got == value(i, 4000), f"{k} served another page's bytes"
 
 
+def test_slab_table_entries_no_class_has_are_cut_again(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    """Damaged slab-table entries (larger than a slab): their keys are dropped, the slabs
+    are cut again for new pages (no huge per-class table is built from the values)."""
+    w = arena(capacity="2MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    assert w.set("a", value(1, 5000))
+    assert w._arena is not None
+    w._arena.slabs[:] = 0xFFFFFFFF
+    w.close()
+    b = arena(reuse_delay=0, low_free_slots=0)
+    assert b.get("a") is None
+    keys = [f"k{i}" for i in range(40)]
+    assert b.batch_set(keys, [value(i, 5000) for i in range(40)]) == [True] * 40
+    assert [read(b, k) for k in keys] == [value(i, 5000) for i in range(40)]
+
+
 def test_zeroed_slots_are_never_served_as_hits(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
