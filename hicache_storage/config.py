@@ -279,6 +279,8 @@ def _coerce(value: Any, annotation: Any, name: str, hidden: bool = False) -> Any
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if isinstance(value, str) and str in inner and any(_kind(a) in _containers for a in inner):
+            return value  # a string where one is accepted: the options class reads it
         return _coerce(value, inner[0], name, hidden)
     if origin is typing.Literal:
         if value not in args:
@@ -332,15 +334,24 @@ def _coerce(value: Any, annotation: Any, name: str, hidden: bool = False) -> Any
         if "\x00" in text:
             raise ConfigError(f"option {name}={shown} must not contain a NUL byte")
         return text
-    kind = {dict: "object", list: "array"}.get(origin or annotation)
-    if kind is not None and isinstance(value, str):  # (from the environment: JSON text)
+    kind = _kind(annotation)
+    if kind in _containers and isinstance(value, str):  # (from the environment: JSON text)
         try:
             value = json.loads(value)
         except (ValueError, RecursionError):
             value = None
-        if not isinstance(value, origin or annotation):
-            raise ConfigError(f"option {name}={shown} must be a JSON {kind}")
+        if not isinstance(value, kind):
+            raise ConfigError(f"option {name}={shown} must be a JSON {_containers[kind]}")
     return value
+
+
+#: Option types given as JSON text in the environment, and what JSON calls them.
+_containers: dict[Any, str] = {dict: "object", list: "array"}
+
+
+def _kind(annotation: Any) -> Any:
+    """``dict`` for ``dict[str, Any]``, ``list`` for ``list[int]``, else ``annotation``."""
+    return typing.get_origin(annotation) or annotation
 
 
 def _shown(value: Any, hidden: bool) -> str:

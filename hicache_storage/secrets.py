@@ -180,7 +180,7 @@ def secret_values(options: Any, options_class: type | None = None) -> set[str]:
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            cls = options_class if value is options else None
+            cls = options_class if value is options else type(value)  # (its secret() fields)
             stack.extend((v, hidden or is_secret_option(str(k), cls)) for k, v in _items(value))
         elif hidden:
             text = value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value

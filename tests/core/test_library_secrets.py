@@ -202,6 +202,8 @@ def test_the_secrets_of_options_at_any_depth() -> None:
     for _ in range(5000):  # deeper than the interpreter's recursion limit
         deep = [deep]
     assert secret_values({"a": cycle, "b": deep}) == {PW, PW2}
+    nested = CanaryOptions(root="/data", auth_blob=AUTH)  # marked secret() by its class
+    assert secret_values({"inner": [nested]}) == {AUTH}
     assert secret_values(None) == set()
 
 
