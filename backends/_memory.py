@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
@@ -40,12 +40,11 @@ class MemoryOptions(BlobOptions):
     Attributes:
         store: name of the process-wide store to use; instances with the same name share
             their pages, other names are separate stores.
-        checksum: default ``"none"``: values are bytes objects this process made, with no
-            media to rot; lengths and names are still checked on every read.
+        checksum: payload checksum, ``"xxh3"`` (default: flipped bytes read as a miss) or
+            ``"none"`` (the explicit opt-out: lengths and names are still checked).
     """
 
     store: str = "default"
-    checksum: Literal["xxh3", "none"] = "none"
 
     def __post_init__(self) -> None:
         if not self.store:

@@ -17,7 +17,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
@@ -52,8 +52,8 @@ class ShmOptions(FileTreeOptions):
         min_free_space: free space always left on the tmpfs; default a tenth of it.
         group: share with this group (a name, or a gid as an int or a string of digits):
             files 0640, directories 2770 owned by the group; default private (0600 / 0700).
-        checksum: default ``"none"``: memory has no media errors, and torn objects are
-            already impossible (atomic publish) and detected by length (header).
+        checksum: payload checksum, ``"xxh3"`` (default: flipped bytes read as a miss) or
+            ``"none"`` (the explicit opt-out: only lengths and headers are checked).
         recycle: when full, evict by overwriting the least-recently-used page's tmpfs
             file with the new page (when no reader holds it) instead of freeing it and
             allocating a new one: about 1.5x faster writes, and faster reads of the result.
@@ -64,7 +64,6 @@ class ShmOptions(FileTreeOptions):
     # Any: a name or a gid (int); the option parser passes it through, checked below.
     group: Any = None
     recycle: bool = True
-    checksum: Literal["xxh3", "none"] = "none"
 
     @override
     def __post_init__(self) -> None:

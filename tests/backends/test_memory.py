@@ -45,12 +45,12 @@ class TestMemoryConformance(BackendConformance):
         return unreachable_store
 
 
-class TestMemoryConformanceChecksummed(BackendConformance):
-    """The same checks with payload checksums on, in a store of its own."""
+class TestMemoryConformanceNoChecksum(BackendConformance):
+    """The same checks with the payload checksum opted out, in a store of its own."""
 
     @pytest.fixture
     def backend_spec(self) -> BackendSpec:
-        return BackendSpec("memory", {"store": "checksummed", "checksum": "xxh3"})
+        return BackendSpec("memory", {"store": "unchecksummed", "checksum": "none"})
 
 
 def ns(tenant: str = "") -> KVCacheNamespace:
@@ -73,7 +73,7 @@ def test_found_by_name_with_its_capabilities() -> None:
     assert b.capabilities.delete is True
     assert b.capabilities.persistent is False and b.capabilities.shared is False
     assert isinstance(b.options, MemoryOptions) and b.options.store == "default"
-    assert b.options.checksum == "none"
+    assert b.options.checksum == "xxh3" and b.options.verify_checksum is True
 
 
 def test_instances_of_one_store_share_pages_and_other_stores_do_not(store_name: str) -> None:
@@ -109,7 +109,7 @@ def test_a_stored_page_is_a_copy_of_the_caller_memory(store_name: str) -> None:
 
 
 def test_values_carry_the_header_and_a_damaged_one_is_a_miss(store_name: str) -> None:
-    b = make(store_name, checksum="xxh3")
+    b = make(store_name)  # default options: the payload checksum is verified
     b.set("k", b"payload")
     path = b.object_name("k").path
     blob = b._pages[path]
@@ -119,6 +119,22 @@ def test_values_carry_the_header_and_a_damaged_one_is_a_miss(store_name: str) ->
     assert b.get_stats().corrupt_objects == 1
     assert b.exists("k") is False  # removed, so the next set can store a good page
     assert b.set("k", b"payload") is True and bytes(b.get("k").numpy()) == b"payload"
+
+
+def test_flipped_payload_bytes_are_a_miss_by_default_and_served_only_when_opted_out(
+    store_name: str,
+) -> None:
+    page = bytes(range(256)) * 16
+    for options, hit in (({}, False), ({"checksum": "none"}, True)):
+        b = make(store_name, **options)
+        assert b.set("k", page) is True
+        path = b.object_name("k").path
+        blob = bytearray(b._pages[path])
+        blob[HEADER_SIZE + 1000] ^= 0x5A  # one payload byte; header, length and name intact
+        b._pages[path] = bytes(blob)
+        got = b.get("k")
+        assert (got is not None) is hit, options
+        b.clear()
 
 
 def test_options_are_checked_and_read_from_the_environment(

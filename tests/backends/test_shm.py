@@ -50,8 +50,29 @@ def test_defaults_live_in_dev_shm_with_bounded_capacity() -> None:
         total = st.f_blocks * st.f_frsize
         assert b._tracker.max_bytes == total // 2
         assert b._tracker.min_free_bytes == total // 10
-        assert b.options.checksum == "none"
+        assert b.options.checksum == "xxh3" and b.options.verify_checksum is True
     finally:
+        b.clear()
+        b.close()
+
+
+def test_flipped_payload_bytes_are_a_miss_by_default_and_served_only_when_opted_out(
+    shm_dir: str,
+) -> None:
+    page = bytes(range(256)) * 64
+    for options, hit in (({}, False), ({"checksum": "none"}, True)):
+        b = ShmBackend(StorageConfig(), directory=shm_dir, **options)
+        assert b.set("k", page) is True
+        (path,) = tree_files(b.directory)
+        with open(path, "r+b") as f:  # one payload byte; the header (a trailer) is intact
+            f.seek(1000)
+            byte = f.read(1)[0]
+            f.seek(1000)
+            f.write(bytes([byte ^ 0x5A]))
+        got = b.get("k")
+        assert (got is not None) is hit, options
+        if not hit:
+            assert b.get_stats().corrupt_objects == 1 and not b.exists("k")  # removed
         b.clear()
         b.close()
 
