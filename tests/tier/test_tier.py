@@ -525,7 +525,8 @@ def test_a_prefetch_behind_a_hung_read_is_a_miss_at_once(
         assert match.logical_pages == 6  # the existence query still answers
         assert b.prefetch(match) is None  # the first read still hangs: a miss, no wait
         assert b.stats.prefetch_hung == 1 and hung.reads == 1
-        assert all(t.daemon for t in threading.enumerate() if t.name.startswith("hicache"))
+        tier = ("hicache-prefetch", "hicache-exists", "hicache-backup")
+        assert all(t.daemon for t in threading.enumerate() if t.name.startswith(tier))
         hung.let_go.set()
         assert op.wait(10)  # the store answers again: prefetches read again
         again = b.prefetch(match)
