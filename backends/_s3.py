@@ -421,7 +421,17 @@ class S3Backend(BlobStore[S3Options]):
                             return _Read(b"")  # (no byte 0: an empty object)
                         raise
                     try:
-                        return _Read(await resp["Body"].read(), resp.get("ETag"))
+                        # (at most limit + 1 bytes, even from a server that ignores Range)
+                        body = resp["Body"]
+                        if limit is None:
+                            return _Read(await body.read(), resp.get("ETag"))
+                        data = bytearray()
+                        while len(data) <= limit:  # (a read may return fewer bytes than asked)
+                            chunk = await body.read(limit + 1 - len(data))
+                            if not chunk:
+                                break
+                            data += chunk
+                        return _Read(bytes(data), resp.get("ETag"))
                     finally:
                         resp["Body"].close()
 

@@ -372,6 +372,37 @@ def test_a_huge_planted_object_is_never_read_whole(moto: MotoServer) -> None:
         proxy.close()
 
 
+def test_a_server_that_ignores_range_still_costs_only_the_page(moto: MotoServer) -> None:
+    """The whole 4 MiB objects are sent, but no more than a page (and one byte) of each
+    is read into memory: the objects are refused and removed all the same. (The proxy
+    streams the answers, so what tracemalloc sees at the peak is the client's.)"""
+    import tracemalloc
+
+    proxy = FaultProxy(moto.port)
+    b = backend(**options(moto, endpoint_url=proxy.endpoint))
+    keys = [f"whole{i}" for i in range(4)]
+    try:
+        for key in keys:
+            _plant(moto, b, key, _framed(b, key, bytes(4 << 20)))
+        targets = [torch.zeros(4096, dtype=torch.uint8) for _ in keys]
+        proxy.ignore_range = True
+        tracemalloc.start()
+        try:
+            assert b.batch_get(keys, targets) == [None] * 4
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, f"{peak} bytes at the peak for 4 pages of 4 KiB"
+        assert proxy.ranges_ignored >= 4  # the answers were whole objects
+        assert b.get_stats().corrupt_objects == 4
+        assert b.batch_exists(keys[:1]) == 0  # removed
+    finally:
+        proxy.ignore_range = False
+        b.clear()
+        b.close()
+        proxy.close()
+
+
 def test_a_missing_bucket_is_a_config_error(moto: MotoServer) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         backend(**options(moto, bucket="no-such-bucket"))

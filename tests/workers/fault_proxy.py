@@ -3,8 +3,8 @@
 It forwards every request to the upstream server (moto on 127.0.0.1) and returns its
 answer, except while a fault is set: ``slowdown`` answers ``503 SlowDown`` (S3's
 throttling reply) to the next N requests, ``stall`` holds every request without an
-answer until cleared. It counts the requests it saw, and the bytes of the answers'
-bodies it sent back.
+answer until cleared, ``ignore_range`` answers every read with the whole object. It
+counts the requests it saw, and the bytes of the answers' bodies it sent back.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class FaultProxy:
         self.stall_if: Callable[[str, str], bool] | None = None  # (method, path): hold this one
         self.delay = 0.0  # seconds added before every answer
         self.strip_condition = False  # 412 answers without their <Condition> element
+        self.ignore_range = False  # forward GETs without their Range (a server ignoring it)
+        self.ranges_ignored = 0  # GETs whose Range was dropped
         self._lock = threading.Lock()
         proxy = self
 
@@ -64,9 +66,17 @@ class FaultProxy:
                     return
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
                 try:
-                    headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                    dropped = {"connection"}
+                    if proxy.ignore_range and self.command == "GET" and "Range" in self.headers:
+                        dropped.add("range")
+                        with proxy._lock:
+                            proxy.ranges_ignored += 1
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
+                    if "range" in dropped and resp.status == 200:
+                        self._stream(resp)  # (the whole object, never held in memory)
+                        return
                     data = resp.read()
                 finally:
                     conn.close()
@@ -84,6 +94,21 @@ class FaultProxy:
                     self.wfile.write(data)
                     with proxy._lock:
                         proxy.bytes_out += len(data)
+
+            def _stream(self, resp: http.client.HTTPResponse) -> None:
+                """Send ``resp`` on in 64 KiB chunks until its end or the client leaves."""
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.end_headers()
+                try:
+                    while chunk := resp.read(64 << 10):
+                        self.wfile.write(chunk)
+                        with proxy._lock:
+                            proxy.bytes_out += len(chunk)
+                except OSError:  # the client closed the connection: it has read enough
+                    self.close_connection = True
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
