@@ -293,9 +293,13 @@ class LogScrubber(logging.Filter):
         clean = self.scrub(message)
         if clean != message:
             record.msg, record.args = clean, None
-        if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+        # (the traceback as formatters print it; another filter or a record factory may
+        # have formatted it already, with secrets of its own only: scrub it all the same)
+        text = record.exc_text
+        if not text and record.exc_info and record.exc_info[0] is not None:
             text = _FORMATTER.formatException(record.exc_info)
-            record.exc_text = self.scrub(text)  # what formatters print instead of exc_info
+        if text:
+            record.exc_text = self.scrub(text)
             if record.exc_text != text:
                 record.exc_info = None  # (a handler that formats it itself would leak)
         if record.stack_info:

@@ -256,3 +256,30 @@ def test_the_log_scrubber_counts_holders_and_scrubs_tracebacks(
         assert_clean(caplog.text)
     finally:
         log.removeFilter(scrubber)
+
+
+def test_a_traceback_formatted_by_an_earlier_filter_is_scrubbed_all_the_same(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A record factory or filter that runs first (the kit's, holding other secrets)
+    leaves the traceback formatted in ``exc_text``: the scrubber holding this secret cuts
+    it there (it skipped a formatted traceback and showed the password)."""
+    from hicache_storage.secrets import LogScrubber
+
+    first, second = LogScrubber(), LogScrubber()
+    first.add(["OTHER-SECRET-1234"])
+    second.add([PW])
+    log = logging.getLogger("test.library_secrets.two_scrubbers")
+    first.attach(log.name)
+    second.attach(log.name)
+    try:
+        with caplog.at_level(logging.INFO, logger=log.name):
+            try:
+                raise ConnectionError(f"AUTH {PW} refused")
+            except ConnectionError:
+                log.exception("login failed")
+        assert "AUTH <redacted> refused" in caplog.text
+        assert_clean(caplog.text)
+    finally:
+        log.removeFilter(first)
+        log.removeFilter(second)
