@@ -178,3 +178,39 @@ def test_layers_must_agree() -> None:
         PagedKVBlocks([a], 0)
     with pytest.raises(ConfigError, match="rows"):
         StagedKVBlocks([a], BS, rows=0)
+
+
+@pytest.mark.parametrize(("heads", "width"), [(2, 64), (8, 128)])  # 8 KiB, 64 KiB a layer
+def test_staged_copies_of_runs_and_scattered_blocks_land_in_place(
+    heads: int, width: int, tmp_path: Path
+) -> None:
+    """Blocks in runs and scattered ones, in one chunk: small layer blocks are copied
+    with one indexed copy per layer, large ones one copy per run; both land in place."""
+    from hicache_storage.integrations.kvblocks import _by_index, _runs
+
+    g = torch.Generator().manual_seed(7)
+    src = [torch.randn(NB, heads, BS, width, generator=g).to(torch.bfloat16) for _ in range(L)]
+    dst = [torch.zeros_like(t) for t in src]
+    ns = KVCacheNamespace(model_id="tiny", dtype="bfloat16", page_size=BS,
+                          object_layout=f"vllm-test-{heads}x{width}")  # fmt: skip
+
+    def mover(layers: list[torch.Tensor]) -> KVBlockMover:
+        backend = create_backend("file", StorageConfig(namespace=ns), root=str(tmp_path))
+        return KVBlockMover.attach(backend, kv_blocks(layers, BS, 6, staged=True))
+
+    saved, loaded = [3, 4, 5, 9, 1, 0], [7, 8, 2, 11, 10, 6]
+    assert _by_index(src[0], _runs(saved, range(6))) is (heads * width * BS * 2 < 64 << 10)
+    keys = [f"{i:064x}" for i in range(40, 46)]
+    assert mover(src).save(keys, saved) == [True] * 6
+    assert mover(dst).load(keys, loaded) == [True] * 6
+    for s, d in zip(saved, loaded, strict=True):
+        assert _page_bytes(dst, d) == _page_bytes(src, s)
+    untouched = [b for b in range(NB) if b not in loaded]
+    assert all(not bool(t[untouched].any()) for t in dst)
+    # A missing page in the middle: its row is skipped while the blocks around it run on.
+    again = [torch.zeros_like(t) for t in src]
+    gap = [*keys[:2], "e" * 64, *keys[3:]]
+    assert mover(again).load(gap, [2, 3, 9, 4, 5, 6]) == [True, True, False, True, True, True]
+    for k, d in zip([0, 1, 3, 4, 5], [2, 3, 4, 5, 6], strict=True):
+        assert _page_bytes(again, d) == _page_bytes(src, saved[k])
+    assert all(not bool(t[9].any()) for t in again)
