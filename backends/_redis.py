@@ -58,7 +58,7 @@ _INLINE_MAX = 6000
 #: More bytes than any Redis value holds (512 MiB at most).
 _LONGEST = 2**40
 #: Removes KEYS[1] if it holds what is not a string, or a string that is still bad:
-#: ``longer <n>`` (over n bytes), ``shorter <n>`` (under n bytes) or ``same <n> <sha1>``
+#: ``longer <n>`` (over n bytes), ``other <n>`` (not n bytes) or ``same <n> <sha1>``
 #: (the n-byte value seen, by its SHA-1; read only when the length matches). One step on
 #: the server, so a good page that another writer stored after the bad one was seen stays.
 #: (Bytes, as sent: Lua source, not a message.)
@@ -69,7 +69,7 @@ if kind == 'string' then
   local n, m = redis.call('STRLEN', KEYS[1]), tonumber(ARGV[2])
   local bad
   if ARGV[1] == 'longer' then bad = n > m
-  elseif ARGV[1] == 'shorter' then bad = n < m
+  elseif ARGV[1] == 'other' then bad = n ~= m
   else bad = n == m and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[3] end
   if not bad then return 0 end
 end
@@ -531,8 +531,9 @@ class RedisBackend(BlobStore[RedisOptions]):
         # (sent as the header, then views of the page buffers: see _PagePacker)
         values = [_Value(segments) for segments in blobs]
         answers = self._put(keys, values, clean=False)
-        # A key held by what cannot be a page (another type, a value shorter than any
-        # header) is cleaned and the page stored: one more round trip, for those only.
+        # A key held by what cannot be this page (another type, a value of another
+        # length: a page of this key is always as long) is cleaned and the page stored:
+        # one more round trip, for those only.
         again = [i for i, answer in enumerate(answers) if answer is None]
         if again:
             retried = self._put([keys[i] for i in again], [values[i] for i in again], clean=True)
@@ -548,18 +549,22 @@ class RedisBackend(BlobStore[RedisOptions]):
     ) -> list[bool | Present | Exception | None]:
         """``SET NX`` then ``STRLEN`` of each key, in one pipeline.
 
-        With ``clean``, what is not a page is removed first. Each answer: stored, present,
-        failed, or None (taken by what is not a page).
+        With ``clean``, what is not this page (another type, another length) is removed
+        first. Each answer: stored, present (a value as long as this one: another
+        writer's copy of the page), failed, or None (taken by what is not this page).
         """
         pipe = self._pipeline()
         for key, value in zip(keys, values, strict=True):
             if clean:
-                pipe.execute_command("EVAL", _REMOVE_BAD, 1, key, "shorter", HEADER_SIZE)
+                pipe.execute_command("EVAL", _REMOVE_BAD, 1, key, "other", value.nbytes)
             pipe.set(key, value, nx=True, px=self._px)
             pipe.strlen(key)
         replies = self._execute(pipe)
         step = 3 if clean else 2
-        return [_stored(*replies[i + step - 2 : i + step]) for i in range(0, len(replies), step)]
+        return [
+            _stored(*replies[i + step - 2 : i + step], values[i // step].nbytes)
+            for i in range(0, len(replies), step)
+        ]
 
     @override
     def _exists_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
@@ -680,11 +685,11 @@ def _long_enough(reply: object) -> bool | Exception:
     return BackendError(f"unexpected reply to STRLEN: {type(reply).__name__}")
 
 
-def _stored(reply: object, length: object) -> bool | Present | Exception | None:
-    """The answer of one ``SET NX`` and the ``STRLEN`` after it.
+def _stored(reply: object, length: object, nbytes: int) -> bool | Present | Exception | None:
+    """The answer of one ``SET NX`` of ``nbytes`` and the ``STRLEN`` after it.
 
-    Stored, already present (as a page could be), the item's error, or None (taken by
-    what is not a page).
+    Stored, already present (a value of the same length: another writer's copy of the
+    page), the item's error, or None (taken by what is not this page).
     """
     if reply is True:
         return True
@@ -692,8 +697,11 @@ def _stored(reply: object, length: object) -> bool | Present | Exception | None:
         return reply
     if reply is not None:
         return BackendError(f"unexpected reply to SET: {type(reply).__name__}")
-    present = _long_enough(length)
-    return present if isinstance(present, Exception) else PRESENT if present else None
+    if type(length) is int:
+        return PRESENT if length == nbytes else None
+    if isinstance(length, Exception):
+        return None if _wrong_type(length) else length
+    return BackendError(f"unexpected reply to STRLEN: {type(length).__name__}")
 
 
 def _count(reply: object) -> bool | Exception:

@@ -471,10 +471,11 @@ class S3Backend(BlobStore[S3Options]):
     async def _put_one(self, path: str, data: bytes, again: bool = False) -> bool | Present:
         stored = await self._put_once(path, data)
         if stored is PRESENT and not again:
-            # What exists() does not count (shorter than any header) must not make the
-            # key look stored: removed (that object only), and the page written.
+            # Only another writer's copy of this page (as long as it: a page of this key
+            # always is) makes the key stored; anything else there is removed (that
+            # object only, by its ETag) and the page written.
             found = await self._stat(path)
-            if found is not None and found[0] < HEADER_SIZE:
+            if found is not None and found[0] != len(data):
                 await self._remove(path, found[1])
                 return await self._put_one(path, data, again=True)
         return stored

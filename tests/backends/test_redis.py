@@ -177,7 +177,9 @@ def test_a_planted_value_that_is_not_a_page_never_holds_its_key(
 ) -> None:
     """A well-formed value of the wrong length is a miss and removed by the first read; a
     hash, an empty or a short value is never counted by exists and never makes set answer
-    True without storing the page; a hash met by a read is removed too."""
+    True without storing the page; a hash met by a read is removed too; a well-formed
+    value of the wrong length, shorter or longer, that no read has met never makes set
+    answer True either."""
     import redis
 
     cluster = where == "cluster"
@@ -186,19 +188,22 @@ def test_a_planted_value_that_is_not_a_page_never_holds_its_key(
     r = redis.RedisCluster.from_url(url) if cluster else raw(url)
     ours = torch.full((4096,), 7, dtype=torch.uint8)
     keys = [
-        f"{kind}{i}" for kind in ("short", "hash", "hashread", "empty", "tiny") for i in range(4)
+        f"{kind}{i}"
+        for kind in ("short", "hash", "hashread", "empty", "tiny", "unread", "unreadlong")
+        for i in range(4)
     ]
     try:
         for key in keys:
             where_ = b._prefix + b.object_path(key)
-            if key.startswith("short"):
-                r.set(where_, _framed(b, key, b"x" * 100))  # a valid value, not a page's size
+            if key.startswith(("short", "unread")):  # a valid value, not a page's size
+                size = 8192 if key.startswith("unreadlong") else 100
+                r.set(where_, _framed(b, key, b"x" * size))
             elif key.startswith("hash"):
                 r.hset(where_, "field", "value")
             else:
                 r.set(where_, b"" if key.startswith("empty") else b"x" * 10)
         short = [k for k in keys if k.startswith("short")]
-        others = [k for k in keys if not k.startswith(("short", "hashread"))]
+        others = [k for k in keys if not k.startswith(("short", "hashread", "unread"))]
         # wrong length: counted (a read must tell), read once (a miss), removed
         assert all(b.exists(k) for k in short)
         targets = [torch.zeros(4096, dtype=torch.uint8) for _ in short]

@@ -291,7 +291,8 @@ def test_a_planted_object_that_is_not_a_page_never_holds_its_key(
 ) -> None:
     """A well-formed object of the wrong length is a miss removed by the first read; an
     empty or short one is not counted by exists, and set stores the page over it (it
-    never answers True for a page it did not store)."""
+    never answers True for a page it did not store), as over a well-formed object of the
+    wrong length, shorter or longer, that no read has met."""
     opts = {
         "s3": options(moto),
         "memory": {"url": f"memory://planted-{uuid.uuid4().hex[:8]}"},
@@ -303,6 +304,7 @@ def test_a_planted_object_that_is_not_a_page_never_holds_its_key(
             _plant(moto, b, f"short{i}", _framed(b, f"short{i}", b"x" * 100))
             _plant(moto, b, f"empty{i}", b"")
             _plant(moto, b, f"tiny{i}", b"x" * 10)
+            _plant(moto, b, f"unread{i}", _framed(b, f"unread{i}", b"x" * (100 + 8000 * i)))
         short = [f"short{i}" for i in range(3)]
         others = [f"{kind}{i}" for kind in ("empty", "tiny") for i in range(3)]
         assert b.batch_exists(short) == 3  # (only a read can tell)
@@ -312,7 +314,7 @@ def test_a_planted_object_that_is_not_a_page_never_holds_its_key(
         assert b.get_stats().size_mismatches == 3
         assert b.batch_exists(short[:1]) == 0  # removed by the read
         assert not any(b.exists(k) for k in others)
-        keys = short + others
+        keys = short + others + [f"unread{i}" for i in range(3)]
         assert b.batch_set(keys, [page(7)] * len(keys)) == [True] * len(keys)
         assert b.get_stats().bytes_written == len(keys) * 4096  # each stored, none "present"
         for key in keys:
