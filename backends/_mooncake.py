@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from typing_extensions import override
 
-from hicache_storage.config import Size, StorageConfig, redact_text
+from hicache_storage.config import Size, StorageConfig, redact_text, redacting_repr
 from hicache_storage.errors import BackendError, BackendUnavailableError, ConfigError, ErrorMap
 from hicache_storage.protocol import Capabilities
 from hicache_storage.storekit.blobstore import PRESENT, BlobOptions, BlobStore, Present, Segments
@@ -74,6 +74,7 @@ _MiB = 2**20
 _RDMA_SYSFS = "/sys/class/infiniband"
 
 
+@redacting_repr
 @dataclass(frozen=True)
 class MooncakeOptions(BlobOptions):
     """Options of the ``mooncake`` backend (environment: ``HICACHE_STORAGE_MOONCAKE_<NAME>``).
@@ -303,7 +304,8 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         its bytes are still in flight: not readable yet, and never if that put fails. A
         key that does not read after its put is put again (which stores it if the other
         put was dropped) until it reads or ``put_wait`` seconds have passed; then its code
-        is ``_NOT_READY``.
+        is ``_NOT_READY``. A key the existence query fails for (a negative code) fails with
+        that code at once.
         """
         codes = list(put(list(range(len(keys)))))
         todo = [i for i, rc in enumerate(codes) if rc == 0]
@@ -311,7 +313,10 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         pause = 0.001
         while todo:
             found = self._call("batch_is_exist", [keys[i] for i in todo])
-            todo = [i for i, rc in zip(todo, found, strict=True) if rc != 1]
+            for i, rc in zip(todo, found, strict=True):
+                if rc < 0:  # the query itself failed (not "not yet"): its own code
+                    codes[i] = rc
+            todo = [i for i, rc in zip(todo, found, strict=True) if rc == 0]
             if todo and time.monotonic() >= deadline:
                 for i in todo:
                     codes[i] = _NOT_READY

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 from typing_extensions import override
 
-from hicache_storage.config import scrub, secret
+from hicache_storage.config import redacting_repr, scrub, secret
 from hicache_storage.errors import (
     BackendError,
     BackendTimeoutError,
@@ -77,6 +77,7 @@ return redis.call('UNLINK', KEYS[1])
 """
 
 
+@redacting_repr
 @dataclass(frozen=True)
 class RedisOptions(BlobOptions):
     """Options of the ``redis`` backend (environment: ``HICACHE_STORAGE_REDIS_<NAME>``).

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, cast
 
 from typing_extensions import override
 
-from hicache_storage.config import Size, redact_text, scrub
+from hicache_storage.config import Size, redact_text, redacting_repr, scrub
 from hicache_storage.config import secret as _secret
 from hicache_storage.errors import (
     BackendError,
@@ -81,6 +81,7 @@ _16_MIB = Size(16 * 2**20)
 _ATOMIC_PUT = frozenset({"memory", "gcs", "gs", "abfs", "az", "adl", "oss", "s3", "s3a"})
 
 
+@redacting_repr
 @dataclass(frozen=True)
 class S3Options(BlobOptions):
     """Options of the ``s3`` backend (environment: ``HICACHE_STORAGE_S3_<NAME>``).

@@ -50,6 +50,7 @@ __all__ = [
     "parse_size",
     "redact_options",
     "redact_text",
+    "redacting_repr",
     "scrub",
     "secret",
     "secret_values",
@@ -402,6 +403,16 @@ def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
         if not isinstance(exc, ConfigError):
             msg = f"{type(exc).__name__}: {msg}"
         raise ConfigError(f"invalid options for backend {backend!r}: {msg}") from None
+
+
+def redacting_repr(cls: type[T]) -> type[T]:
+    """Class decorator (above ``@dataclass``): the options' ``repr`` hides their secrets.
+
+    :func:`parse_options` gives every options class such a ``repr``; the decorator gives
+    it from the start, to instances built directly.
+    """
+    _redact_repr(cls)
+    return cls
 
 
 def _redact_repr(cls: type) -> None:

@@ -332,6 +332,42 @@ def test_rdma_without_an_rdma_device_is_a_config_error(
         backend(**options(master, protocol="rdma", device_name="mlx5_0, mlx5_1"))
 
 
+def test_a_failed_existence_check_after_a_put_fails_the_set_with_its_code(
+    master: MooncakeMaster,
+) -> None:
+    """The read-back check after a put fails (a negative code, here -600): the set
+    fails at once with that code, not taken for a put still in flight and put again until
+    put_wait. (The client stands in for the master's answer: the set's logic is tested.)"""
+    b = backend(**options(master, put_wait=30.0))
+    real = b._mc
+    calls: dict[str, int] = {"put": 0}
+
+    class Failing:
+        def __getattr__(self, name: str) -> Any:
+            attr = getattr(real, name)
+            if "put" in name:
+
+                def counted(*args: Any) -> Any:
+                    calls["put"] += 1
+                    return attr(*args)
+
+                return counted
+            return attr
+
+        def batch_is_exist(self, keys: list[str]) -> list[int]:
+            return [-600] * len(keys)
+
+    b._mc = Failing()
+    try:
+        assert b.set("k", torch.ones(4096, dtype=torch.uint8)) is False
+        assert calls["put"] == 1  # never put again
+        assert b.get_stats().op("set").errors == 1
+    finally:
+        b._mc = real
+        b.clear()
+        b.close()
+
+
 def test_a_put_stalled_in_flight_makes_a_set_answer_false_after_put_wait() -> None:
     """Another client's put of the key is stuck in flight (the storage node is stopped
     under it): a set of that key answers False once put_wait has passed, never True; once

@@ -283,3 +283,25 @@ def test_a_traceback_formatted_by_an_earlier_filter_is_scrubbed_all_the_same(
     finally:
         log.removeFilter(first)
         log.removeFilter(second)
+
+
+def test_options_built_directly_show_no_url_password() -> None:
+    """In a fresh interpreter (no options parsed yet), the network backends' options
+    built by hand hide their URL passwords in repr."""
+    import subprocess
+    import sys
+
+    code = (
+        "from hicache_storage.backends._redis import RedisOptions\n"
+        "from hicache_storage.backends._mooncake import MooncakeOptions\n"
+        "from hicache_storage.backends._s3 import S3Options\n"
+        f"print(RedisOptions(url='redis://:{PW}@h:1/0'))\n"
+        f"print(MooncakeOptions(master_server_address='etcd://u:{PW}@h:2379',\n"
+        f"                      metadata_server='http://u:{PW}@h:1/metadata'))\n"
+        f"print(S3Options(bucket='b', secret='{PW}'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert out.count("<redacted>") >= 4, out
+    assert_clean(out)
