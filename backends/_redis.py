@@ -563,7 +563,7 @@ class RedisBackend(BlobStore[RedisOptions]):
         replies = self._execute(pipe)
         step = 3 if clean else 2
         return [
-            _stored(*replies[i + step - 2 : i + step], values[i // step].nbytes)
+            _stored(replies[i + step - 2], replies[i + step - 1], values[i // step].nbytes)
             for i in range(0, len(replies), step)
         ]
 
