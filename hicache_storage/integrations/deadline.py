@@ -68,17 +68,20 @@ class Job(Generic[T]):
         with self._lock:
             yield not self._cut
 
-    def _run(self) -> None:
+    def _run(self, before_done: Callable[[], None] | None = None) -> None:
+        """Run the call; ``before_done`` runs after it and before a waiter wakes."""
         try:
             self.result = self._fn(self)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, if it waits
             self.error = exc
         finally:
+            if before_done is not None:
+                before_done()
             self._done.set()
 
     def _wait(self, timeout: float) -> bool:
         """True if the job finished within ``timeout``; else it is cut (see :meth:`commit`)."""
-        if self._done.wait(timeout):
+        if self._done.wait(min(timeout, threading.TIMEOUT_MAX)):
             return True
         with self._lock:
             self._cut = True
@@ -139,11 +142,13 @@ class Lane:
             job = self._jobs.get()
             if job is None:
                 return
-            try:
-                job._run()
-            finally:
-                with self._lock:
-                    self._busy = False
+            # (the lane is free before the caller wakes: a caller that got "done" and
+            # asks again at once is never told "busy")
+            job._run(before_done=self._free)
+
+    def _free(self) -> None:
+        with self._lock:
+            self._busy = False
 
     def close(self) -> None:
         """Stop the thread once its job (if any) returns; later jobs are refused."""

@@ -68,7 +68,6 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
 from hicache_storage.buffers import memoryview_at
 from hicache_storage.config import StorageConfig, parse_options
 from hicache_storage.errors import (
-    BackendTimeoutError,
     ConfigError,
     HostIndicesError,
     NamespaceMismatchError,
@@ -121,9 +120,10 @@ class AdapterOptions:
     engine_timeout: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.engine_timeout < 0:
+        if not 0 <= self.engine_timeout <= threading.TIMEOUT_MAX:
             raise ConfigError(
-                f"engine_timeout={self.engine_timeout} must be >= 0 seconds (0: no deadline)"
+                f"engine_timeout={self.engine_timeout} must be from 0 to "
+                f"{threading.TIMEOUT_MAX:g} seconds (0: no deadline)"
             )
 
 
@@ -324,12 +324,13 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             )
         self.backend_name = name
         self.extra_config = extra
-        self.options = parse_options(
-            AdapterOptions, "sglang-adapter", {k: extra[k] for k in ADAPTER_KEYS if k in extra}
-        )
+        # (a key given as null is unset: its default, as it was before options were checked)
+        given = {k: extra[k] for k in ADAPTER_KEYS if extra.get(k) is not None}
+        self.options = parse_options(AdapterOptions, "sglang-adapter", given)
         self.backend: HiCacheStorage | None = None
         self.mem_pool_host: Any = None
         self._lock = threading.Lock()
+        self._attaches = 0  # (attaches begun, and closes: only the latest installs its backend)
         self._exists_lane = Lane("hicache-sglang-exists")
         self._metrics = StorageMetrics()
         self._log = RateLimitedLog(logger)
@@ -465,32 +466,42 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             if hasattr(mem_pool_host, "page_buffers")
             else _PoolView(mem_pool_host, namespace.rank_replicated, namespace.dtype)
         )
-        late = threading.Event()
         if self._exists_lane.closed:  # attached again after close()
             self._exists_lane = Lane("hicache-sglang-exists")
+        with self._lock:
+            self._attaches += 1
+            attempt = self._attaches
 
-        def attach() -> HiCacheStorage:
+        def attach() -> bool:
+            """Build and register the backend; install it if this is still the attach."""
             backend = create_backend(self.backend_name, config)
             try:
                 backend.register_mem_pool_host(pool)
             except BaseException:
                 backend.close()
                 raise
-            if late.is_set():  # nobody takes it any more
+            with self._lock:  # (one decision, whichever side is late)
+                current = attempt == self._attaches
+                if current:
+                    old, self.backend, self.mem_pool_host = self.backend, backend, mem_pool_host
+            if not current:  # another attach or a close came since: nobody takes it
                 backend.close()
-            return backend
+                return False
+            if old is not None:
+                self._with_deadline(old.close, "close")
+            return True
 
-        done, backend = self._with_deadline(attach, "attach")
-        if not done or backend is None:
-            late.set()
-            raise BackendTimeoutError(
-                f"the {self.backend_name} backend did not attach within engine_timeout "
-                f"({self.options.engine_timeout:g} s); SGLang runs without storage"
+        done, _ = self._with_deadline(attach, "attach")
+        if not done:
+            # SGLang attaches on its scheduler thread, at start too, where any error stops
+            # the server: it runs on, with misses, and the backend is installed when (if)
+            # it attaches.
+            logger.warning(
+                "SGLangStorage: the %s backend did not attach within engine_timeout (%g s); "
+                "SGLang runs without storage (every query a miss) until it does",
+                self.backend_name,
+                self.options.engine_timeout,
             )
-        with self._lock:
-            old, self.backend, self.mem_pool_host = self.backend, backend, mem_pool_host
-        if old is not None:
-            self._with_deadline(old.close, "close")
 
     def _with_deadline(self, fn: Callable[[], T], what: str) -> tuple[bool, T | None]:
         """``call_with_deadline`` with ``engine_timeout`` (none: ``fn()`` on this thread)."""
@@ -758,6 +769,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """Close the backend; later calls fail cleanly."""
         with self._lock:
             backend, self.backend = self.backend, None
+            self._attaches += 1  # (an attach still running closes what it built)
         self._exists_lane.close()
         if backend is not None:
             self._with_deadline(backend.close, "close")

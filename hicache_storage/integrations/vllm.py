@@ -200,9 +200,10 @@ class ConnectorOptions:
                 f"staging_blocks={self.staging_blocks} must be a whole number of blocks "
                 "from 1 to 65536"
             )
-        if self.engine_timeout < 0:
+        if not 0 <= self.engine_timeout <= threading.TIMEOUT_MAX:
             raise ConfigError(
-                f"engine_timeout={self.engine_timeout} must be >= 0 seconds (0: no deadline)"
+                f"engine_timeout={self.engine_timeout} must be from 0 to "
+                f"{threading.TIMEOUT_MAX:g} seconds (0: no deadline)"
             )
         if self.staging is False and self.engine_timeout > 0:
             raise ConfigError(
@@ -214,9 +215,13 @@ class ConnectorOptions:
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:
         """The options in vLLM's extra config; :class:`ConfigError` says what is allowed."""
-        return parse_options(
-            cls, "vllm-connector", {k: extra[k] for k in ADAPTER_KEYS if k in extra}
-        )
+        # (a key given as null, or staging as "", is unset: its default)
+        given = {
+            k: extra[k]
+            for k in ADAPTER_KEYS
+            if extra.get(k) is not None and not (k == "staging" and extra[k] == "")
+        }
+        return parse_options(cls, "vllm-connector", given)
 
 
 # --------------------------------------------------------------------------- namespace
@@ -1162,21 +1167,37 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for lane in (self._lookup_lane, self._load_lane, self._save_lane):
             lane.close()
         timeout = self.options.engine_timeout
-        for b in backends:
+
+        def close(b: HiCacheStorage) -> None:
             try:
-                if timeout <= 0:
-                    b.close()
-                elif not call_with_deadline(b.close, timeout, "hicache-vllm-close")[0]:
-                    self._log(
-                        "close",
-                        "HiCacheKVConnector: closing the %s backend takes longer than %g s; "
-                        "left to finish on its own",
-                        self.backend_name,
-                        timeout,
-                    )
+                b.close()
             except Exception as exc:  # noqa: BLE001 - closing: log and go on
                 self._log(
                     "close",
                     "HiCacheKVConnector: closing a backend failed: %s",
                     scrub(str(exc), secret_values(self.extra_config)),
                 )
+
+        if timeout <= 0:
+            for b in backends:
+                close(b)
+            return
+        # One deadline for them all: the backends of every shard close side by side, each
+        # on a daemon thread (one that hangs is left to finish on its own).
+        threads = [
+            threading.Thread(target=close, args=(b,), name="hicache-vllm-close", daemon=True)
+            for b in backends
+        ]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            self._log(
+                "close",
+                "HiCacheKVConnector: closing the %s backend takes longer than %g s; "
+                "left to finish on its own",
+                self.backend_name,
+                timeout,
+            )

@@ -9,7 +9,9 @@ its revision) and :func:`weights_fingerprint`, a digest of the weights computed 
 start, without reading all of their bytes.
 
 **What the fingerprint covers.** For every weight file of the model directory
-(``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``, and their index files):
+(``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``, and their index files;
+only the safetensors files and their index where there are any, as an engine loads
+them; or the one file a ``.gguf`` model path names):
 its name relative to the directory, its size, and samples of its bytes. A safetensors
 file gives its whole header (every tensor's name, dtype, shape and offsets) and the
 first and last :data:`SAMPLE_BYTES` of every tensor's data; any other file gives
@@ -55,13 +57,21 @@ _MAX_HEADER = 100 << 20
 
 
 def _weight_files(directory: Path) -> list[Path]:
-    """The model's weight files under ``directory`` (one level of subfolders), sorted."""
+    """The model's weight files under ``directory`` (one level of subfolders), sorted.
+
+    Where there are safetensors files, only they and their index (what an engine loads
+    when they are there: ``training_args.bin`` or an ``original/*.pth`` beside them is
+    not the model).
+    """
     found = [
         p
         for pattern in ("*", "*/*")
         for p in directory.glob(pattern)
         if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) and not p.name.startswith(".")
     ]
+    safetensors = [p for p in found if p.name.endswith((".safetensors", ".safetensors.index.json"))]
+    if any(p.name.endswith(".safetensors") for p in safetensors):
+        found = safetensors
     return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
 
 
@@ -88,10 +98,14 @@ def _safetensors(f: int, size: int, h: hashlib._Hash) -> bool:
     for name in sorted(k for k in header if k != "__metadata__"):
         spec = header[name]
         offsets = spec.get("data_offsets") if isinstance(spec, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2):
-            continue
-        start, end = (data + int(x) for x in offsets)
-        end = min(end, size)
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(x) is int for x in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= size
+        ):
+            return False  # (not a header a loader would take: sampled as any file)
+        start, end = data + offsets[0], min(data + offsets[1], size)
         head = min(SAMPLE_BYTES, max(0, end - start))
         h.update(_read_at(f, start, head))
         h.update(_read_at(f, max(start + head, end - SAMPLE_BYTES), SAMPLE_BYTES))
@@ -108,21 +122,35 @@ def _samples(f: int, size: int, h: hashlib._Hash) -> None:
         h.update(_read_at(f, int(i * step), SAMPLE_BYTES))
 
 
-def weights_fingerprint(directory: str | os.PathLike[str]) -> str | None:
-    """A digest of the weights under ``directory`` (see the module docs); None: none found.
+def weights_fingerprint(location: str | os.PathLike[str]) -> str | None:
+    """A digest of the weights at ``location`` (see the module docs); None: none found.
 
-    Raises :class:`OSError` when a weight file cannot be read.
+    ``location`` is a model directory, or one weight file (a ``.gguf`` model). A weight
+    file that cannot be read is folded in by its name and size (the engine will say
+    whether it needed it).
     """
-    root = Path(directory)
-    files = _weight_files(root)
+    where = Path(location)
+    if where.is_file():
+        root, files = where.parent, [where]
+    else:
+        root, files = where, _weight_files(where)
     if not files:
         return None
     h = hashlib.sha256(b"hicache-weights-v1\0")
     for path in files:
-        f = os.open(path, os.O_RDONLY)
+        name = path.relative_to(root).as_posix()
+        try:
+            f = os.open(path, os.O_RDONLY)
+        except OSError:
+            try:
+                size = path.stat().st_size
+            except OSError:
+                size = -1
+            h.update(f"{name}\0{size}\0unreadable\0".encode())
+            continue
         try:
             size = os.fstat(f).st_size
-            h.update(f"{path.relative_to(root).as_posix()}\0{size}\0".encode())
+            h.update(f"{name}\0{size}\0".encode())
             if not (path.name.endswith(".safetensors") and _safetensors(f, size, h)):
                 _samples(f, size, h)
         finally:
@@ -145,13 +173,13 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
 def model_identity(model: str, revision: str | None = None) -> tuple[str, str]:
     """``(model_id, fingerprint)`` of the model an engine loads from ``model``.
 
-    A local directory is named by its resolved absolute path; anything else is a hub
-    id, named with its ``revision``. The fingerprint is that of the directory, or of the
-    hub model's snapshot in the local cache. A hub id whose files are not in the local
+    A local directory or file (a ``.gguf`` model) is named by its resolved absolute
+    path; anything else is a hub id, named with its ``revision``. The fingerprint is that
+    of the directory or file, or of the hub model's snapshot in the local cache. A hub id whose files are not in the local
     cache gets ``"unread:<revision>"``: only its name and revision tell it apart.
     """
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or path.is_file():
         resolved = str(path.resolve())
         return resolved, weights_fingerprint(resolved) or "no-weight-files"
     model_id = f"{model}@{revision}" if revision else model

@@ -219,3 +219,30 @@ def test_lanes_need_a_staged_pool(tmp_path: Path) -> None:
     lane = Lane("x")
     with pytest.raises(ConfigError, match="staged"):
         lane.run(lambda job: mover.load(KEYS, [0, 1, 2], job), 30.0)
+
+
+def test_a_lane_is_free_again_when_its_caller_wakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller told "done" that asks again at once is never told "busy". (The lane
+    marked itself free only after waking the caller; here the lane's thread is held
+    right after it wakes the caller, which asks again in that window.)"""
+    import threading
+
+    from hicache_storage.integrations import deadline
+
+    class SlowWake(threading.Event):
+        def set(self) -> None:
+            super().set()
+            threading.Event().wait(0.05)  # (the lane's thread, held after the wake-up)
+
+    class HeldJob(deadline.Job):
+        def __init__(self, fn: Any) -> None:
+            super().__init__(fn)
+            self._done = SlowWake()
+
+    monkeypatch.setattr(deadline, "Job", HeldJob)
+    lane = Lane("back-to-back")
+    try:
+        outcomes = [lane.run(lambda job: 1, 10.0)[0] for _ in range(5)]
+    finally:
+        lane.close()
+    assert outcomes == ["done"] * 5

@@ -94,17 +94,72 @@ def test_shards_names_and_other_formats_count(tmp_path: Path) -> None:
     (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
     renamed = weights_fingerprint(d)
     assert renamed != one
+    # Beside safetensors, other weight files are not the model (an engine loads the
+    # safetensors): not read.
+    (d / "training_args.bin").write_bytes(os.urandom(1000))
+    assert weights_fingerprint(d) == renamed
+    # A model of .bin files only: each one sampled.
+    b = tmp_path / "bin-model"
+    b.mkdir()
     big = os.urandom(FILE_SAMPLES * SAMPLE_BYTES * 4)
-    (d / "extra.bin").write_bytes(big)
-    with_bin = weights_fingerprint(d)
-    assert with_bin != renamed
+    (b / "pytorch_model.bin").write_bytes(big)
+    with_bin = weights_fingerprint(b)
     sampled = bytearray(big)
     sampled[0] ^= 1  # the first sample of a non-safetensors file
-    (d / "extra.bin").write_bytes(bytes(sampled))
-    assert weights_fingerprint(d) != with_bin
+    (b / "pytorch_model.bin").write_bytes(bytes(sampled))
+    assert weights_fingerprint(b) not in (None, with_bin)
     # A file that claims to be safetensors but is not is sampled, not trusted.
     (d / "broken.safetensors").write_bytes(b"\xff" * 100)
-    assert weights_fingerprint(d) not in (None, with_bin)
+    assert weights_fingerprint(d) not in (None, renamed)
+
+
+@pytest.mark.parametrize("offsets", [["x", 8], [0, 1e30], [4, 2], [-1, 4], [0, 10**30]])
+def test_a_safetensors_header_with_bad_offsets_is_sampled_not_a_crash(
+    tmp_path: Path, offsets: list[object]
+) -> None:
+    raw = json.dumps({"w": {"dtype": "U8", "shape": [8], "data_offsets": offsets}}).encode()
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    first = weights_fingerprint(tmp_path)
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\x01" + bytes(7))
+    assert first and weights_fingerprint(tmp_path) not in (None, first)  # (sampled)
+
+
+def test_a_weight_file_that_cannot_be_read_is_named_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM, not the fingerprint, says whether it needed that file. (This runs as root,
+    who reads any file: the refusal is the operating system's answer, stood in for.)"""
+    (tmp_path / "model.bin").write_bytes(os.urandom(100))
+    (tmp_path / "optimizer.pt").write_bytes(os.urandom(100))
+    readable = weights_fingerprint(tmp_path)
+    real_open = os.open
+
+    def refuse(path: object, *args: object) -> int:
+        if str(path).endswith("optimizer.pt"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", refuse)
+    fp = weights_fingerprint(tmp_path)
+    assert fp and fp != readable
+
+
+def test_a_gguf_file_model_is_resolved_and_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM takes model="./model.gguf": a file, named by its resolved path and read."""
+    for where, seed in (("one", 1), ("two", 2)):
+        (tmp_path / where).mkdir()
+        rng = __import__("random").Random(seed)
+        (tmp_path / where / "model.gguf").write_bytes(rng.randbytes(FILE_SAMPLES * SAMPLE_BYTES))
+    monkeypatch.chdir(tmp_path / "one")
+    first = model_identity("model.gguf")
+    monkeypatch.chdir(tmp_path / "two")
+    second = model_identity("./model.gguf")
+    assert first[0] == str((tmp_path / "one" / "model.gguf").resolve())
+    assert second[0] == str((tmp_path / "two" / "model.gguf").resolve())
+    assert first[1] != second[1] and not first[1].startswith("unread")
 
 
 def test_no_weight_files(tmp_path: Path) -> None:

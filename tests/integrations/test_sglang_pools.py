@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from sglang_pools import (
 )
 from typing_extensions import override
 
-from hicache_storage.errors import BackendTimeoutError, ConfigError, NamespaceMismatchError
+from hicache_storage.errors import ConfigError, NamespaceMismatchError
 from hicache_storage.integrations.sglang import SGLangStorage
 from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.wrapper import WrapperBackend
@@ -375,7 +376,8 @@ def test_sglangs_scheduler_and_hit_queries_never_wait_past_the_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A store that hangs: SGLang's hit query is a miss after the deadline, and at once
-    while it still hangs; a clear returns; an attach that hangs fails cleanly."""
+    while it still hangs; a clear returns; an attach that hangs returns, and the backend
+    is installed when it attaches (or closed, if the adapter was closed meanwhile)."""
     pool = mha_pool("page_first")
     b = build("file", tmp_path, engine_timeout=0.3)
     b.register_mem_pool_host(pool)
@@ -401,17 +403,50 @@ def test_sglangs_scheduler_and_hit_queries_never_wait_past_the_deadline(
     monkeypatch.setattr(
         adapter, "create_backend", lambda *a, **k: (forever.wait(), create_backend(*a, **k))[1]
     )
+    # An attach that hangs returns (SGLang, which attaches at start on its scheduler
+    # thread, runs on with misses), and the backend is installed once it attaches.
     b2 = build("file", tmp_path, engine_timeout=0.3)
-    with pytest.raises(BackendTimeoutError, match="engine_timeout"):
-        b2.register_mem_pool_host(mha_pool("page_first"))
+    b2.register_mem_pool_host(mha_pool("page_first"))
     assert b2.backend is None and b2.batch_exists(keys) == 0
     forever.set()
 
+    def attached() -> bool:
+        return b2.backend is not None
+
+    for _ in range(1000):
+        if attached():
+            break
+        time.sleep(0.01)
+    assert attached() and b2.batch_exists(keys) == 4  # the pages stored above
+    b2.close()
+    # Closed (or attached again) before the late attach ends: what it built is closed.
+    forever.clear()
+    built: list[HiCacheStorage] = []
+
+    def slow(*a: Any, **k: Any) -> HiCacheStorage:
+        forever.wait()
+        built.append(create_backend(*a, **k))
+        return built[-1]
+
+    monkeypatch.setattr(adapter, "create_backend", slow)
+    b3 = build("file", tmp_path, engine_timeout=0.3)
+    b3.register_mem_pool_host(mha_pool("page_first"))
+    b3.close()
+    forever.set()
+    for _ in range(1000):
+        if built and built[0].closed:
+            break
+        time.sleep(0.01)
+    assert built and built[0].closed and b3.backend is None
+
 
 def test_the_adapters_own_options_are_checked(tmp_path: Path) -> None:
-    for value in (-1, "soon", float("nan")):
+    for value in (-1, "soon", float("nan"), 1e10):  # (1e10: past what a wait can take)
         with pytest.raises(ConfigError, match="engine_timeout"):
             build("file", tmp_path, engine_timeout=value)
+    # null is unset, as it was before the options were checked
+    b = build("file", tmp_path, tenant=None, weights_fingerprint=None, engine_timeout=None)
+    assert (b.options.tenant, b.options.engine_timeout) == ("", 5.0)
 
 
 # --------------------------------------------------------------------------- v2 and stats

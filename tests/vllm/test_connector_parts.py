@@ -637,6 +637,7 @@ def test_connector_options_are_checked(config: Any) -> None:
         ({"engine_timeout": -1}, "engine_timeout"),
         ({"engine_timeout": "soon"}, "engine_timeout"),
         ({"engine_timeout": float("inf")}, "engine_timeout"),
+        ({"engine_timeout": 1e10}, "engine_timeout"),  # (past what a wait can take)
     ]
     for options, word in bad:
         saved = dict(extra)
@@ -653,7 +654,8 @@ def test_connector_options_are_checked(config: Any) -> None:
     worker.register_kv_caches(kv_tensors(1))
     assert type(worker._pool).__name__ == "PagedKVBlocks"
     worker.shutdown()
-    extra.update(staging=None, engine_timeout=2, staging_blocks=3)
+    # null is unset, as it was before the options were checked; so is staging "".
+    extra.update(staging="", engine_timeout=2, staging_blocks=3, tenant=None)
     worker = HiCacheKVConnector(config, WORKER, kv_config())
     worker.register_kv_caches(kv_tensors(1))
     assert type(worker._pool).__name__ == "StagedKVBlocks"
