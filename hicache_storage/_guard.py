@@ -56,6 +56,7 @@ from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hicache_storage.answers import as_bool
 from hicache_storage.errors import (
     BackendClosedError,
     ContractViolationError,
@@ -74,7 +75,6 @@ __all__ = [
     "ENGINE_OPS",
     "InstanceState",
     "active_calls",
-    "as_bool",
     "guard_class",
     "is_guarded",
     "overrides",
@@ -97,24 +97,6 @@ class _Op:
 
 def _check_any(result: Any, n: int) -> tuple[Any, str | None]:
     return result, None
-
-
-def as_bool(value: object) -> bool | None:
-    """``value`` as a yes/no answer, or None when it is not one.
-
-    Booleans (Python's, and numpy's: ``numpy.bool`` in numpy 2, ``numpy.bool_`` in 1) and
-    the integers 0 and 1 (numpy's too) are answers. Anything else (2, -1, a string, a
-    float, None) is not: taking it as True would report a page present or stored that is
-    not. Shared by the guard and :class:`~hicache_storage.storekit.blobstore.BlobStore`.
-    """
-    if isinstance(value, bool):
-        return value
-    kind = type(value)
-    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
-        return bool(value)
-    if isinstance(value, numbers.Integral) and value in (0, 1):
-        return bool(value)
-    return None
 
 
 def _check_bool(result: Any, n: int) -> tuple[Any, str | None]:

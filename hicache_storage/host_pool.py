@@ -161,11 +161,6 @@ class HostKVPool:
         """Number of contiguous segments of one page."""
         return len(self._offsets)
 
-    @property
-    def kv_dim_bytes(self) -> int:
-        """Bytes of one token across all layers, K and V (the reference's size_per_token)."""
-        return self.page_bytes // self.page_size
-
     # ------------------------------------------------------------------ allocator
 
     def available_size(self) -> int:

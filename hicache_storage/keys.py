@@ -42,6 +42,7 @@ __all__ = [
     "KVCacheNamespace",
     "ObjectName",
     "ObjectNamer",
+    "is_object_leaf",
     "normalize_dtype",
     "object_name",
     "page_hashes",
@@ -354,6 +355,17 @@ DEFAULT_NAMESPACE = KVCacheNamespace(model_id="default", dtype="bytes", page_siz
 
 
 # --------------------------------------------------------------------------- object names
+
+
+def is_object_leaf(leaf: str) -> bool:
+    """True if ``leaf`` is a key, or ``<key>~<shard>``, as object names end.
+
+    The file-tree stores count and evict only such names in their directories.
+    """
+    key, sep, shard = leaf.partition("~")
+    if not key or len(key) > KEY_MAX_LEN or _KEY_RE.fullmatch(key) is None or ".." in key:
+        return False
+    return not sep or _SHARD_RE.fullmatch(shard) is not None
 
 
 def validate_key(key: object) -> str:

@@ -565,10 +565,6 @@ class IndexLog:
             self._anchor = raw[off : off + _ANCHOR]
             self._bad_tail = (size, fst.st_mtime_ns) if off < len(data) else None
 
-    def apply(self, kind: RecordKind, name: str, entry: _Entry) -> None:
-        """Apply one record to the in-memory index."""
-        self._apply(int(kind), name, entry)
-
     def _apply(self, kind: int, name: str, entry: _Entry) -> None:
         if kind == _CLEAR:
             self.drop_prefix(name)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeAlias, Ty
 
 from typing_extensions import override
 
-from hicache_storage._guard import as_bool
+from hicache_storage.answers import as_bool
 from hicache_storage.buffers import (
     PageBuffer,
     copy_into,

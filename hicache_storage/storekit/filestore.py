@@ -50,7 +50,7 @@ from hicache_storage.errors import (
     UnsupportedFormatError,
     from_os_error,
 )
-from hicache_storage.keys import _KEY_RE, _SHARD_RE, KEY_MAX_LEN, ObjectName
+from hicache_storage.keys import ObjectName, is_object_leaf
 from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.storekit.atomic import (
@@ -216,10 +216,7 @@ def _is_object_name(fanout: str, leaf: str) -> bool:
     Anything else in a store's directories (another program's files) is never counted or
     evicted.
     """
-    key, sep, shard = leaf.partition("~")
-    if len(key) > KEY_MAX_LEN or _KEY_RE.fullmatch(key) is None or ".." in key:
-        return False
-    if sep and _SHARD_RE.fullmatch(shard) is None:
+    if not is_object_leaf(leaf):
         return False
     return hashlib.blake2b(leaf.encode("ascii"), digest_size=1).hexdigest() == fanout
 

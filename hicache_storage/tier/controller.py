@@ -202,10 +202,8 @@ def _agree(value: int) -> int:
 class PrefetchOp:
     """A prefetch of ``keys`` from storage into host pages, in batches on the I/O threads.
 
-    ``done_pages`` is the leading run of pages that arrived; :meth:`terminate` stops the
-    batches not started (those running finish). Once settled
-    (:meth:`TieredCache.finish_prefetch`), a batch still running frees its own host pages
-    when it ends.
+    Once settled (:meth:`TieredCache.finish_prefetch`), no batch starts any more, and a
+    batch still running frees its own host pages when it ends.
     """
 
     PENDING, RUNNING, DONE, CANCELLED = range(4)
@@ -262,23 +260,10 @@ class PrefetchOp:
         return all(st in done for st in self.state) and self._freeing == 0
 
     @property
-    def done_pages(self) -> int:
-        """Pages of the leading run that arrived."""
-        with self._cond:
-            n = 0
-            while n < len(self._ok) and self._ok[n]:
-                n += 1
-            return n
-
-    @property
     def finished(self) -> bool:
         """Every batch ran or was cancelled (and freed what it had to)."""
         with self._cond:
             return self._over()
-
-    def terminate(self) -> None:
-        """Start no more batches; the running ones finish."""
-        self._stop.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every batch ran or was cancelled; False on timeout."""
