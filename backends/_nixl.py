@@ -543,7 +543,7 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         flat: list[tuple[int, int]] = []
         files: list[tuple[int, int]] = []
         for item, item_spans in zip(items, spans, strict=True):
-            offset = 0 if isinstance(item, _WriteItem) else item.offset
+            offset = 0  # (the payload starts each file; its header is a trailer)
             for addr, nbytes in item_spans:
                 places.append((offset, nbytes, item.fd))
                 flat.append((addr, nbytes))

@@ -4,7 +4,7 @@ Shared by the ``file`` backend (any POSIX filesystem) and the ``shm`` backend (`
 which differ only in their options and defaults. Layout:
 ``<root>/<namespace digest>/<fanout>/<key>[~<shard>]``; every file is
 ``payload || header`` (the header as a trailer, see :mod:`hicache_storage.storekit.header`;
-objects of earlier releases, header first, are still read), published atomically
+an object with its header first is damage), published atomically
 (:mod:`hicache_storage.storekit.atomic`); capacity is tracked with
 :class:`~hicache_storage.storekit.capacity.CapacityTracker`. Every directory used and every file read
 passes the trust rule of :mod:`hicache_storage.storekit.pathsafety` (owned by this user or, in group
@@ -228,7 +228,7 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 class _ReadItem:
     """One object being read: its name and path, open file, target views and result."""
 
-    __slots__ = ("fd", "header", "name", "offset", "ok", "out", "path", "st", "views")
+    __slots__ = ("fd", "header", "name", "ok", "out", "path", "st", "views")
 
     def __init__(
         self,
@@ -242,7 +242,6 @@ class _ReadItem:
         self.name, self.path, self.fd, self.st, self.views = name, path, fd, st, views
         self.out = out  # what a successful read returns (True, or a new tensor)
         self.header: ObjectHeader | None = None
-        self.offset = 0  # where the payload starts (after the header in earlier objects)
         self.ok = True
 
 
@@ -949,8 +948,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
     def _read(self, name: ObjectName, views: list[memoryview] | None) -> Any:
         """Read an object into ``views`` (or a new tensor); None on miss, mismatch or corruption.
 
-        One ``preadv`` of the payload and its trailer; an object of the earlier layout
-        (header first) is read again that way.
+        One ``preadv`` of the payload and its trailer.
         """
         item = self._open_for_read(name, views)
         if item is None:
@@ -961,47 +959,17 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
             got = preadv_all(item.fd, [*item.views, memoryview(tail)], 0)
             if got != size:
                 raise CorruptObjectError(f"short read: {got} of {size} bytes")
-            try:
-                item.header = self._check_header(item, tail, trailer=True)
-            except UnsupportedFormatError:
-                raise
-            except CorruptObjectError as exc:
-                head = bytearray(HEADER_SIZE)
-                if preadv_all(item.fd, [memoryview(head), *item.views], 0) != size:
-                    raise
-                item.header = self._check_legacy(item, head, exc)
+            item.header = self._check_header(item, tail)
             self._finish_read(item)
         return item.out if item.ok else None
 
     def _locate_header(self, item: _ReadItem) -> None:
-        """Read and check ``item``'s header (a trailer, or first in an earlier object).
+        """Read and check ``item``'s header (the trailer): sets ``item.header``.
 
-        Sets ``item.header`` and ``item.offset`` (where the payload starts), for readers
-        that move the payload by other means than :meth:`_read`.
+        For readers that move the payload (at offset 0) by other means than :meth:`_read`.
         """
         size = item.st.st_size
-        tail = os.pread(item.fd, HEADER_SIZE, size - HEADER_SIZE)
-        try:
-            item.header = self._check_header(item, tail, trailer=True)
-        except UnsupportedFormatError:
-            raise
-        except CorruptObjectError as exc:
-            item.header = self._check_legacy(item, os.pread(item.fd, HEADER_SIZE, 0), exc)
-            item.offset = HEADER_SIZE
-
-    def _check_legacy(
-        self, item: _ReadItem, head: bytes | bytearray, trailer_error: CorruptObjectError
-    ) -> ObjectHeader:
-        """``head`` as the header of an object stored header first (earlier releases).
-
-        When it is not one either, the trailer's error stands (``trailer_error``).
-        """
-        try:
-            return self._check_header(item, head, trailer=False)
-        except UnsupportedFormatError:
-            raise
-        except CorruptObjectError:
-            raise trailer_error from None
+        item.header = self._check_header(item, os.pread(item.fd, HEADER_SIZE, size - HEADER_SIZE))
 
     def _open_for_read(self, name: ObjectName, views: list[memoryview] | None) -> _ReadItem | None:
         """Open ``name``'s object for a read into ``views``; None on a miss or a size mismatch.
@@ -1056,12 +1024,10 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         if close or not item.ok:
             os.close(item.fd)
 
-    def _check_header(
-        self, item: _ReadItem, head: bytes | bytearray, *, trailer: bool
-    ) -> ObjectHeader:
-        """The object's header, checked against its name and size (CorruptObjectError)."""
-        # (renamed or swapped: not this key's)
-        header = decode_header(head, item.name.path, trailer=trailer)
+    def _check_header(self, item: _ReadItem, head: bytes | bytearray) -> ObjectHeader:
+        """The object's trailer, checked against its name and size (CorruptObjectError)."""
+        # (renamed or swapped: not this key's; a header first is not this store's layout)
+        header = decode_header(head, item.name.path, trailer=True)
         payload = item.st.st_size - HEADER_SIZE
         if header.payload_len != payload:
             raise CorruptObjectError(
