@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import itertools
-import json
 import logging
 import os
 import re
@@ -86,9 +84,17 @@ from hicache_storage.storekit.pathsafety import (
     is_trusted,
     open_regular_stat,
 )
+from hicache_storage.storekit.scansnapshot import (
+    SCAN_QUIET_NS,
+    SNAPSHOT_PREFIX,
+    Snapshot,
+    encode_snapshot,
+    load_snapshot,
+    save_snapshot,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["FileTreeOptions", "FileTreeStore"]
 
@@ -159,54 +165,6 @@ def _holds_only_a_store(path: str) -> bool:
             return all(e.name.startswith(".") or _NAMESPACE_DIR.fullmatch(e.name) for e in entries)
     except OSError:
         return False
-
-
-#: Hidden files in the root where an instance leaves what it scanned (see _load_snapshot).
-_SNAPSHOT_PREFIX = ".hicache-scan."
-_SNAPSHOT_VERSION = 2
-_SNAPSHOT_MAX_BYTES = 1 << 30
-#: A directory changed less than this long before it was scanned is scanned again next
-#: time (timestamps are coarse: a change in the same tick would leave the mtime as seen).
-_SCAN_QUIET_NS = 1_000_000_000
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    """What the last instance left (see ``_load_snapshot``): every object, oldest use first.
-
-    ``names`` and ``sizes`` of the objects, and ``dir_of``: the index, in ``dirs``, of the
-    directory each is in.
-    """
-
-    dirs: list[str]
-    dir_of: list[int]
-    names: list[str]
-    sizes: list[int]
-
-    def entries(self, valid: set[str]) -> Iterable[tuple[str, int, int]]:
-        """``(name, bytes, rank)`` of the objects in the ``valid`` directories, oldest first.
-
-        The rank is the position in the last instance's LRU order: a small int, older than
-        any file's mtime, so the newest writes (in directories scanned again) stay newest.
-        """
-        rows = zip(self.names, self.sizes, range(len(self.names)), strict=True)
-        if len(valid) == len(self.dirs):
-            return rows
-        keep = [d in valid for d in self.dirs]
-        return itertools.compress(rows, map(keep.__getitem__, self.dir_of))
-
-
-def _only_ints(values: object, low: int, high: int | None = None) -> bool:
-    """True for a list of plain ints in ``[low, high)`` (C-speed checks, for long lists)."""
-    if type(values) is not list:
-        return False
-    if not values:
-        return True
-    return (
-        set(map(type, values)) == {int}
-        and min(values) >= low
-        and (high is None or max(values) < high)
-    )
 
 
 def _is_object_name(fanout: str, leaf: str) -> bool:
@@ -349,10 +307,10 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         # (their mtime then) and the objects it recorded in them.
         self._scan_dirs: dict[str, int] = {}
         self._scan_cache: dict[str, int] = {}
-        self._snapshot: _Snapshot | None = None
+        self._snapshot: Snapshot | None = None
         scope = "root" if self.capacity_per_root else f"{self.namespace.digest}.{self.config.shard}"
         self._snapshot_scope = scope
-        self._snapshot_path = os.path.join(self.root, f"{_SNAPSHOT_PREFIX}{scope}.json")
+        self._snapshot_path = os.path.join(self.root, f"{SNAPSHOT_PREFIX}{scope}.json")
         try:
             max_size, min_free = self._limits(opts)
             # With a cap or a floor the start-up scan sweeps dead writers' temporaries,
@@ -532,7 +490,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                         from_snapshot.add(rel_dir)
                         self._scan_dirs[rel_dir] = seen.st_mtime_ns
                         continue
-                    quiet = seen.st_mtime_ns < time.time_ns() - _SCAN_QUIET_NS
+                    quiet = seen.st_mtime_ns < time.time_ns() - SCAN_QUIET_NS
                     with os.scandir(os.path.join(self.root, ns, fan)) as files:
                         for f in files:
                             name = f.name
@@ -603,69 +561,22 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
     def _load_snapshot(self) -> None:
         """Seed the scan cache from the snapshot the last instance left (if any, and good).
 
-        The snapshot only saves scanning: a directory is taken from it when its mtime
-        is the one recorded, so anything made or removed since (by any process, before
-        or after a crash) is scanned again. A snapshot that is not this user's regular
-        file, not private, or not well formed is ignored.
-
-        Format (JSON, checked with C-speed passes: a million objects load in about a
-        second): ``version``, ``root``, ``dirs`` (``[relative directory, its mtime in ns
-        when last scanned]`` pairs), then one entry per object, least recently used first,
-        in three parallel fields: ``dir_of`` (the index of its directory in ``dirs``),
-        ``leaves`` (the file names, newline-joined) and ``sizes`` (their bytes).
+        See :mod:`hicache_storage.storekit.scansnapshot`.
         """
         try:
-            fd, st = open_regular_stat(self._snapshot_path, os.O_RDONLY)
-        except (OSError, NotRegularFileError):
-            return
-        try:
-            if not is_trusted(st, self.group_id) or st.st_size > _SNAPSHOT_MAX_BYTES:
-                return
-            raw = os.read(fd, st.st_size + 1)
-        finally:
-            os.close(fd)
-        try:
-            data = json.loads(raw)
-            if (
-                data.get("version") != _SNAPSHOT_VERSION
-                or data.get("root") != self.root
-                or data.get("scope") != self._snapshot_scope  # not one copied from a shard
-            ):
-                return
-            dirs: dict[str, int] = {}
-            for rel_dir, mtime_ns in data["dirs"]:
-                ns, _, fan = str(rel_dir).partition("/")
-                if (
-                    type(mtime_ns) is not int
-                    or _NAMESPACE_DIR.fullmatch(ns) is None
-                    or _FANOUT_DIR.fullmatch(fan) is None
-                    or rel_dir in dirs
-                ):
-                    raise ValueError(f"directory {rel_dir!r}")
-                dirs[rel_dir] = mtime_ns
-            leaves, dir_of, sizes = data["leaves"], data["dir_of"], data["sizes"]
-            # A name stays inside a directory of the store (eviction unlinks it): no
-            # leaf is empty, holds a separator or starts with a dot.
-            if type(leaves) is not str or any(bad in leaves for bad in ("/", "\0", "\n\n", "\n.")):
-                raise ValueError("leaves")
-            if leaves.startswith((".", "\n")) or leaves.endswith("\n"):
-                raise ValueError("leaves")
-            split = leaves.split("\n") if leaves else []
-            if not _only_ints(dir_of, 0, len(dirs)) or not _only_ints(sizes, 0):
-                raise ValueError("dir_of or sizes")
-            if not len(split) == len(dir_of) == len(sizes):
-                raise ValueError("the entries do not match")
-            if not self.capacity_per_root and not self._all_owned(leaves, len(split)):
-                raise ValueError("objects of another shard")
-            prefixes = [d + "/" for d in dirs]
-            names = list(map(str.__add__, map(prefixes.__getitem__, dir_of), split))
-            if len(set(names)) != len(names):
-                raise ValueError("an object listed twice")
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, MemoryError):
+            snapshot = load_snapshot(
+                self._snapshot_path,
+                root=self.root,
+                scope=self._snapshot_scope,
+                group_id=self.group_id,
+                owned=None if self.capacity_per_root else self._all_owned,
+            )
+        except ValueError:
             self._log("snapshot", "ignoring a malformed scan snapshot %s", self._snapshot_path)
             return
-        self._scan_cache = dirs
-        self._snapshot = _Snapshot(list(dirs), dir_of, names, sizes)
+        if snapshot is not None:
+            self._scan_cache = dict(snapshot.dirs)
+            self._snapshot = snapshot
 
     def _all_owned(self, leaves: str, count: int) -> bool:
         """:meth:`_owns` for ``count`` newline-joined file names, in whole-string passes."""
@@ -689,46 +600,18 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
             or len(self._tracker) < self.snapshot_min_objects
         ):
             return
-        quiet = dict(self._scan_dirs)  # a re-scan in another thread may change it
-        index = {d: i for i, d in enumerate(quiet)}
-        dir_of: list[int] = []
-        leaves: list[str] = []
-        sizes: list[int] = []
-        for name, nbytes in self._tracker.items_oldest_first():
-            rel_dir, _, leaf = name.rpartition("/")
-            i = index.get(rel_dir)
-            if i is not None:
-                dir_of.append(i)
-                leaves.append(leaf)
-                sizes.append(nbytes)
-        data = {
-            "version": _SNAPSHOT_VERSION,
-            "root": self.root,
-            "scope": self._snapshot_scope,
-            "dirs": list(quiet.items()),
-            "dir_of": dir_of,
-            "leaves": "\n".join(leaves),
-            "sizes": sizes,
-        }
-        payload = json.dumps(data, separators=(",", ":")).encode()
-        if len(payload) > _SNAPSHOT_MAX_BYTES:
-            # The next instance would not read it: leave none (and remove an old one).
-            with contextlib.suppress(OSError):
-                os.unlink(self._snapshot_path)
-            return
-        tmp = ""
+        payload = encode_snapshot(
+            root=self.root,
+            scope=self._snapshot_scope,
+            quiet=dict(self._scan_dirs),  # (a re-scan in another thread may change it)
+            objects=self._tracker.items_oldest_first(),
+        )
         try:
-            tmp, fd = open_temp(self.root, mode=self.file_mode, gid=self.group_id)
-            try:
-                writev_all(fd, [payload])
-            finally:
-                os.close(fd)
-            os.replace(tmp, self._snapshot_path)  # replaces the last one, in one step
+            save_snapshot(
+                self._snapshot_path, self.root, payload, mode=self.file_mode, group_id=self.group_id
+            )
         except OSError as exc:
             self._log("snapshot", "cannot save the scan snapshot %s: %s", self._snapshot_path, exc)
-            if tmp:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
 
     @staticmethod
     def _stale_temporary(
