@@ -41,7 +41,6 @@ from hicache_storage.buffers import (
 from hicache_storage.config import Size, StorageConfig, parse_options
 from hicache_storage.errors import (
     BackendError,
-    BackendTimeoutError,
     CapacityError,
     ConfigError,
     CorruptObjectError,
@@ -92,6 +91,7 @@ from hicache_storage.storekit.scansnapshot import (
     load_snapshot,
     save_snapshot,
 )
+from hicache_storage.storekit.spacelock import SpaceLock
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -105,48 +105,9 @@ T = TypeVar("T")
 _TRASH_PREFIX = ".trash."
 _NAMESPACE_DIR = re.compile(r"ns\d+-[0-9a-f]+")
 _FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
-#: The lock file (in the root) that serializes free-space checks between processes.
-SPACE_LOCK = ".hicache-space.lock"
 #: A read refreshes a file's mtime (its recency after a restart or a re-scan) only when the
 #: mtime is older than this many seconds: one inode update per page per second at most.
 RECENCY_STEP = 1.0
-#: How long a write waits for another process's free-space check before giving up. The
-#: lock is held for a statvfs, a reservation and an fallocate (a re-scan at most), so a
-#: longer wait means a stuck holder (a stopped process, a debugger).
-SPACE_LOCK_TIMEOUT = 2.0
-#: After a write gave up waiting for the free-space lock, writes of this instance try it
-#: only briefly (:data:`SPACE_LOCK_RETRY` seconds) for this many seconds: a stuck holder
-#: fails the pages of a batch at once instead of costing every page the full timeout.
-SPACE_LOCK_COOLDOWN = 10.0
-SPACE_LOCK_RETRY = 0.05
-#: A wait that timed out while the lock changed hands (``/proc/locks``: other writers take
-#: and release it, so it is contended, not stuck) goes on, up to this many seconds in all.
-SPACE_LOCK_BUSY_LIMIT = 30.0
-
-
-def _flock_holders(st: os.stat_result) -> frozenset[int] | None:
-    """Pids holding a ``flock`` on the file of ``st``, or None when that cannot be told.
-
-    They are read from ``/proc/locks``.
-    """
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        with open("/proc/locks") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    pids = set()
-    for line in lines:
-        fields = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 27370 fe:00:2147144 0 EOF"; waiters carry "->".
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == dev:
-            try:
-                pids.add(int(fields[4]))
-            except ValueError:
-                return None
-    return frozenset(pids)
-
-
 #: Writers check the free-space floor under the cross-process lock (and allocate their
 #: file before releasing it) once the free space is within this many objects (of the size
 #: being written) of the floor; above that, concurrent writers cannot reach the floor
@@ -298,8 +259,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         self._dirs_lock = threading.Lock()
         self._reclaims: list[threading.Thread] = []  # clear()'s deletions in progress
         self._starting = False  # the start-up scan is running
-        self._space_mutex = threading.Lock()
-        self._space_lock_stuck_until = 0.0  # monotonic; see SPACE_LOCK_COOLDOWN
+        self._space_lock = SpaceLock(self.root, self.file_mode, self.group_id)
         self._ensure_tree()  # ConfigError: refuse to start on an unsafe or unusable root
         self._io = IOPool(opts.io_threads, f"hicache-{self.name}")
         # Fan-out directories as last scanned (quiet ones): their mtime then. And, until
@@ -675,72 +635,6 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         need = tracker._rounded(nbytes)
         slack = FLOOR_SLACK_OBJECTS * need
         return self._free_space() - tracker._pending() - need < tracker.min_free_bytes + slack
-
-    @contextlib.contextmanager
-    def _space_lock(self) -> Iterator[None]:
-        """Hold the root's free-space lock (threads and processes).
-
-        A ``flock`` on :data:`SPACE_LOCK` in the root, opened anew each time (so a root
-        that was removed and recreated is locked through its new file), polled without
-        blocking so that a stuck process can delay writes but never hang them: after
-        :data:`SPACE_LOCK_TIMEOUT` seconds the write fails, and for the next
-        :data:`SPACE_LOCK_COOLDOWN` seconds writes wait only :data:`SPACE_LOCK_RETRY`
-        seconds (so a batch of N pages fails in about one timeout, not N). A root that is
-        gone raises ``FileNotFoundError`` (the caller recreates its directories).
-        """
-        path = os.path.join(self.root, SPACE_LOCK)
-        with self._space_mutex:
-            try:
-                fd, st = open_regular_stat(path, os.O_RDONLY | os.O_CREAT, self.file_mode)
-            except FileNotFoundError:
-                raise  # the root was removed: the caller forgets its directories, retries
-            except OSError as exc:
-                raise from_os_error(exc, f"open {path}") from exc
-            try:
-                if st.st_uid == os.geteuid() and (
-                    stat.S_IMODE(st.st_mode) != self.file_mode
-                    or (self.group_id is not None and st.st_gid != self.group_id)
-                ):
-                    if self.group_id is not None:
-                        os.fchown(fd, -1, self.group_id)
-                    os.fchmod(fd, self.file_mode)  # the umask masked it; members need it
-                now = time.monotonic()
-                stuck = now < self._space_lock_stuck_until
-                wait = SPACE_LOCK_RETRY if stuck else SPACE_LOCK_TIMEOUT
-                deadline = now + wait
-                limit = now + SPACE_LOCK_BUSY_LIMIT
-                holders = _flock_holders(st) if not stuck else None
-                changed = False  # the lock changed hands since the deadline was set
-                sampled = now
-                pause = 0.0002
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        now = time.monotonic()
-                        if holders is not None and now - sampled > 0.02:
-                            sampled = now  # who holds it, sampled every 20 ms at most
-                            current = _flock_holders(st)
-                            if current is not None and current != holders:
-                                holders, changed = current, True
-                        if now > deadline and changed and now < limit:
-                            # Contended rather than stuck: the lock changed hands while
-                            # this write waited (a stuck holder keeps it). Wait on.
-                            deadline, changed = now + wait, False
-                        if now > deadline:
-                            if not stuck:
-                                self._space_lock_stuck_until = now + SPACE_LOCK_COOLDOWN
-                            raise BackendTimeoutError(
-                                f"the free-space lock {path} was held for over {wait:g} s"
-                                + (" (held by a stuck process: not waiting)" if stuck else "")
-                            ) from None
-                        time.sleep(pause)
-                        pause = min(pause * 2, 0.002)  # short: pollers must not lose every race
-                self._space_lock_stuck_until = 0.0
-                yield
-            finally:
-                os.close(fd)  # releases the lock
 
     # ------------------------------------------------------------------ reads
 
@@ -1119,7 +1013,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
             locked = self._serialize and self._near_floor(nbytes)
             allocate = nbytes if locked else 0
             try:
-                with self._space_lock() if locked else contextlib.nullcontext():
+                with self._space_lock.hold() if locked else contextlib.nullcontext():
                     reservation = self._reserve(name, nbytes)
                     try:
                         tmp, fd = open_temp(

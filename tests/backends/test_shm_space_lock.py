@@ -16,7 +16,7 @@ import pytest
 
 from hicache_storage import KVCacheNamespace, StorageConfig
 from hicache_storage.backends import ShmBackend
-from hicache_storage.storekit.filestore import SPACE_LOCK, SPACE_LOCK_TIMEOUT
+from hicache_storage.storekit.spacelock import SPACE_LOCK, SPACE_LOCK_TIMEOUT
 
 NS = KVCacheNamespace(model_id="lock", dtype="bytes", page_size=1)
 PAGES = 32
