@@ -31,32 +31,27 @@ import importlib
 import itertools
 import logging
 import os
-import resource
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from typing_extensions import override
 
-from hicache_storage.buffers import is_tensor, source_views, target_views, total_nbytes
+from hicache_storage.buffers import is_tensor
 from hicache_storage.errors import BackendClosedError, BackendError, ConfigError, from_os_error
 from hicache_storage.protocol import Capabilities
-from hicache_storage.storekit.atomic import finish_temp
-from hicache_storage.storekit.filestore import FileTreeOptions, FileTreeStore
+from hicache_storage.ratelimit import RateLimitedLog
+from hicache_storage.storekit.filestore import FileTreeOptions, FileTreeStore, PayloadMove
 from hicache_storage.storekit.header import HEADER_SIZE
 from hicache_storage.storekit.pathsafety import user_dir
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Sequence
 
-    from hicache_storage.buffers import PageBuffer, ReadTarget, WriteValue
     from hicache_storage.config import StorageConfig
-    from hicache_storage.keys import ObjectName
     from hicache_storage.protocol import HostPool
-    from hicache_storage.storekit.capacity import Reservation
-    from hicache_storage.storekit.filestore import _ReadItem
 
 __all__ = ["NixlBackend", "NixlOptions"]
 
@@ -155,25 +150,6 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
-class _WriteItem:
-    """A page on its way to the store: its open temporary and its reservation."""
-
-    __slots__ = ("fd", "header", "name", "nbytes", "path", "reservation", "tmp")
-
-    def __init__(
-        self,
-        name: ObjectName,
-        path: str,
-        reservation: Reservation,
-        tmp: str,
-        fd: int,
-        nbytes: int,
-        header: bytes,
-    ) -> None:
-        self.name, self.path, self.reservation = name, path, reservation
-        self.tmp, self.fd, self.nbytes, self.header = tmp, fd, nbytes, header
-
-
 class NixlBackend(FileTreeStore[NixlOptions]):
     """Pages as files of the ``file`` format, moved by one NIXL transfer per batch."""
 
@@ -184,6 +160,7 @@ class NixlBackend(FileTreeStore[NixlOptions]):
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config, **options)
         self._api = None
+        self._nixl_log = RateLimitedLog(logger)
         self._lock = threading.Lock()
         self._agent_obj: Any = None
         self._agent_pid = -1
@@ -197,8 +174,6 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         # Agents a failed transfer left (see _retire): kept, never used again.
         self._retired: list[Any] = []
         self._users: dict[int, int] = {}  # transfers in progress per agent (by id)
-        # Calls moving pages at once: each holds up to _batch_pages files open.
-        self._parts = threading.BoundedSemaphore(4)
         # Descriptors in flight on the agent, and the most a transfer may carry: NIXL's
         # POSIX plugin queues every I/O of every transfer in one pool of ios_pool_size
         # entries, and a transfer that finds it full fails after queueing part of itself.
@@ -206,11 +181,6 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         self._room = threading.Condition()
         self._in_flight = 0
         self._queue = _DEFAULT_QUEUE
-        # Files open at once per call: at most an eighth of the descriptor limit (and at
-        # most four calls at once: half of it).
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        limit = soft // 8 if soft != resource.RLIM_INFINITY else self.options.batch_pages
-        self._batch_pages = max(1, min(self.options.batch_pages, limit))
         try:
             self._api = _nixl_api()
             self._agent()  # ConfigError now for a plugin that does not load
@@ -418,286 +388,71 @@ class NixlBackend(FileTreeStore[NixlOptions]):
                 self._agent_obj = None
                 self._pool_regs = []
                 self._retired.append(agent)
-                self._log("retired", "a NIXL post failed: the backend starts a new agent")
+                self._nixl_log("retired", "a NIXL post failed: the backend starts a new agent")
 
     def _release(self, agent: Any, handle: Any) -> None:
         try:
             agent.release_xfer_handle(handle)
         except Exception as exc:  # noqa: BLE001 - the pages already failed or succeeded
-            self._log("release", "NIXL could not release a transfer handle: %r", exc)
+            self._nixl_log("release", "NIXL could not release a transfer handle: %r", exc)
 
-    # ------------------------------------------------------------------ writes
-
-    @override
-    def set(self, key: str, value: WriteValue) -> bool:
-        return self._write_each("set", [key], [source_views(value)])[0]
+    # ------------------------------------------------------------------ moving payloads
 
     @override
-    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        spans = [[(s.ptr, s.nbytes) for s in p.segments if s.nbytes] for p in pages]
-        return self._write_each("batch_set_pages", keys, [p.views for p in pages], spans)
+    def _payload_batch(self, opts: NixlOptions) -> int:
+        return opts.batch_pages
 
     @override
-    def _write_each(
-        self,
-        op: str,
-        keys: list[str],
-        views: list[list[memoryview]],
-        spans: list[list[tuple[int, int]]] | None = None,
-    ) -> list[bool]:
-        """Write every item (a key twice in the batch is written once, with its first value).
-
-        ``spans``: the items' ``(address, bytes)`` ranges, when the caller knows them.
-        """
-        if spans is None:
-            spans = [_spans(v) for v in views]
-        first: dict[str, int] = {}
-        for i, key in enumerate(keys):
-            first.setdefault(key, i)
-        unique = list(first.values())
-        names = [self.object_name(keys[i]) for i in unique]
-        step = self._batch_pages
-        done: list[bool] = []
-        for at in range(0, len(unique), step):
-            part = unique[at : at + step]
-            with self._parts:  # (bounds the files open at once)
-                done += self._write_part(
-                    op, names[at : at + step], [views[i] for i in part], [spans[i] for i in part]
-                )
-        if len(unique) == len(keys):
-            return done
-        by_key = {keys[i]: ok for i, ok in zip(unique, done, strict=True)}
-        return [by_key[k] for k in keys]
-
-    def _write_part(
-        self,
-        op: str,
-        names: list[ObjectName],
-        views: list[list[memoryview]],
-        spans: list[list[tuple[int, int]]],
-    ) -> list[bool]:
-        """Write one part of a batch: temporaries, one transfer, then publication."""
-        n = len(names)
-        items: list[_WriteItem | None] = [None] * n
-
-        def prepare(i: int) -> bool:
-            name = names[i]
-            path = self._path(name)
-            if self._already_stored(name, path):
-                return True
-            header, nbytes = self._new_header(name, views[i])
-            try:
-                reservation, tmp, fd, _ = self._open_new(name, path, nbytes)
-            except OSError as exc:
-                raise from_os_error(exc, f"write {path}") from exc
-            # The header is a trailer, written once the payload is complete (below).
-            items[i] = _WriteItem(name, path, reservation, tmp, fd, nbytes, header)
-            return True
-
-        big = self._io.worth_threads(sum(map(total_nbytes, views)), n)
-        mapper = self._io.map if big else None
-        try:
-            ok = self._map_pages(op, n, prepare, mapper)
-            todo = [i for i in range(n) if items[i] is not None]
-            if not todo:
-                return ok
-            try:
-                self._move_pages("WRITE", [items[i] for i in todo], [spans[i] for i in todo])  # type: ignore[misc]
-            except BackendError as exc:
-                for i in todo:
-                    ok[i] = False
-                self._log_failure(op, exc)
-                self._add_item_errors(len(todo))
-                return ok  # (the temporaries are removed below)
-
-            def publish(j: int) -> bool:
-                item, items[todo[j]] = items[todo[j]], None
-                assert item is not None
-                try:  # (finish_temp closes the file and removes the temporary, always)
-                    published = finish_temp(
-                        item.tmp, item.fd, item.path, item.nbytes, fsync=self.options.fsync
-                    )
-                    self._settle(item.name, item.path, item.reservation, published, item.nbytes)
-                except OSError as exc:
-                    raise from_os_error(exc, f"write {item.path}") from exc
-                finally:
-                    item.reservation.release()
-                return True
-
-            for i, done in zip(todo, self._map_pages(op, len(todo), publish, mapper), strict=True):
-                ok[i] = done
-            return ok
-        finally:
-            for item in items:  # not published: a failed transfer, close(), an error
-                if item is not None:
-                    self._abandon(item)
-
-    def _move_pages(
-        self,
-        op: str,
-        items: Sequence[_WriteItem | _ReadItem],
-        spans: Sequence[list[tuple[int, int]]],
+    def move_payloads(
+        self, direction: Literal["read", "write"], moves: Sequence[PayloadMove]
     ) -> None:
-        """One transfer of the payloads of ``items`` (after their headers) to or from ``spans``."""
+        """One NIXL transfer (parts of the plugin's queue at most) for every payload.
+
+        A write then checks that each payload is whole and writes its trailer; a read
+        reads each trailer.
+        """
         places: list[tuple[int, int, int]] = []
         flat: list[tuple[int, int]] = []
         files: list[tuple[int, int]] = []
-        for item, item_spans in zip(items, spans, strict=True):
+        write = direction == "write"
+        for move in moves:
             offset = 0  # (the payload starts each file; its header is a trailer)
-            for addr, nbytes in item_spans:
-                places.append((offset, nbytes, item.fd))
+            for addr, nbytes in move.spans if move.spans is not None else _spans(move.views):
+                places.append((offset, nbytes, move.fd))
                 flat.append((addr, nbytes))
                 offset += nbytes
-            size = item.nbytes - HEADER_SIZE if isinstance(item, _WriteItem) else item.st.st_size
-            files.append((item.fd, size))
+            files.append((move.fd, move.payload if write else move.payload + HEADER_SIZE))
         if places:
-            self._transfer(op, flat, places, files)
-        if op == "WRITE":
-            for item in items:
-                assert isinstance(item, _WriteItem)
-                self._seal(item)
+            self._transfer("WRITE" if write else "READ", flat, places, files)
+        for move in moves:
+            if write:
+                self._seal(move)
+            else:  # (a short trailer fails its object's header check)
+                try:
+                    os.preadv(move.fd, [move.trailer], move.payload)
+                except OSError as exc:
+                    raise from_os_error(exc, f"read {move.path}") from exc
 
-    def _seal(self, item: _WriteItem) -> None:
+    @staticmethod
+    def _seal(item: PayloadMove) -> None:
         """Check that the transfer wrote the whole payload, then write the trailer.
 
         The payload must fill the file up to the trailer, with no hole (``SEEK_HOLE``,
         where the filesystem tells): a plugin that reported success for a short write
         fails the page here instead of publishing zeros.
         """
-        payload = item.nbytes - HEADER_SIZE
+        payload = item.payload
         try:
             size = os.fstat(item.fd).st_size
             hole = os.lseek(item.fd, 0, os.SEEK_HOLE) if payload else 0
             if size != payload or (payload and hole < payload):
                 raise BackendError(
-                    f"NIXL wrote {size} of {payload} bytes to {item.tmp} (first hole at {hole})"
+                    f"NIXL wrote {size} of {payload} bytes to {item.path} (first hole at {hole})"
                 )
-            if os.pwrite(item.fd, item.header, payload) != HEADER_SIZE:
-                raise BackendError(f"write {item.tmp}: short header write")
+            if os.pwrite(item.fd, item.trailer, payload) != HEADER_SIZE:
+                raise BackendError(f"write {item.path}: short header write")
         except OSError as exc:
-            raise BackendError(f"write {item.tmp}: {exc}") from exc
-
-    def _abandon(self, item: _WriteItem) -> None:
-        """A write that will not be published: close and remove its temporary, free its room."""
-        try:
-            os.close(item.fd)
-        except OSError:
-            pass
-        with contextlib.suppress(OSError):
-            os.unlink(item.tmp)
-        item.reservation.release()
-
-    # ------------------------------------------------------------------ reads
-
-    @override
-    def get(self, key: str, target: ReadTarget | None = None) -> Any:
-        views = None if target is None else target_views(target)
-        out = self._read_each("get", [key], [views])[0]
-        if out is None:
-            return None
-        return out if target is None else target
-
-    @override
-    def batch_get(self, keys: list[str], targets: Sequence[ReadTarget] | None = None) -> list[Any]:
-        views = [None] * len(keys) if targets is None else [target_views(t) for t in targets]
-        got = self._read_each("batch_get", keys, views)
-        if targets is None:
-            return got
-        return [None if g is None else t for g, t in zip(got, targets, strict=True)]
-
-    @override
-    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        spans = [[(s.ptr, s.nbytes) for s in p.segments if s.nbytes] for p in pages]
-        got = self._read_each("batch_get_pages", keys, [p.views for p in pages], spans)
-        return [g is not None for g in got]
-
-    def _read_each(
-        self,
-        op: str,
-        keys: list[str],
-        views: Sequence[list[memoryview] | None],
-        spans: list[list[tuple[int, int]]] | None = None,
-    ) -> list[Any]:
-        """Read every key into its views (None: into a new tensor); None for each miss.
-
-        ``spans``: the views' ``(address, bytes)`` ranges, when the caller knows them.
-        """
-        names = [self.object_name(k) for k in keys]
-        step = self._batch_pages
-        out: list[Any] = []
-        for at in range(0, len(keys), step):
-            part = None if spans is None else spans[at : at + step]
-            with self._parts:  # (bounds the files open at once)
-                out += self._read_part(op, names[at : at + step], views[at : at + step], part)
-        return out
-
-    def _read_part(
-        self,
-        op: str,
-        names: list[ObjectName],
-        views: Sequence[list[memoryview] | None],
-        spans: list[list[tuple[int, int]]] | None,
-    ) -> list[Any]:
-        """Read one part of a batch: open and check each object, one transfer, verify."""
-        n = len(names)
-        items: list[_ReadItem | None] = [None] * n
-
-        def open_one(i: int) -> bool:
-            item = self._open_for_read(names[i], views[i])
-            if item is None:
-                return False
-            with self._reading(item, close=False):
-                self._locate_header(item)
-            if item.ok:
-                items[i] = item
-            return item.ok
-
-        out: list[Any] = [None] * n
-        with self._closing(items):
-            # Opens run in this thread: a few microseconds each, less than a hand-off.
-            self._map_pages(op, n, open_one)
-            live = [i for i in range(n) if items[i] is not None]
-            opened = [item for item in items if item is not None]
-            if not opened:
-                return out
-            try:
-                self._move_pages(
-                    "READ",
-                    opened,
-                    [_spans(it.views) for it in opened]
-                    if spans is None
-                    else [spans[i] for i in live],
-                )
-            except BackendError as exc:
-                self._log_failure(op, exc)
-                self._add_item_errors(len(opened))
-                return out
-
-            def finish(j: int) -> bool:
-                item, items[live[j]] = opened[j], None  # closed by _reading from here on
-                with self._reading(item):
-                    self._finish_read(item)
-                if item.ok:
-                    out[live[j]] = item.out
-                return item.ok
-
-            # The checksums of large pages are worth the I/O threads (xxhash lets go of
-            # the GIL); small ones are not.
-            nbytes = sum(item.st.st_size for item in opened)
-            threads = self.options.verify_checksum and nbytes >= _THREADED_VERIFY * len(opened)
-            self._map_pages(op, len(live), finish, self._io.map if threads else None)
-            return out
-
-    @contextlib.contextmanager
-    def _closing(self, items: list[_ReadItem | None]) -> Iterator[None]:
-        """Close the files of the items still in ``items`` on the way out."""
-        try:
-            yield
-        finally:
-            for item in items:
-                if item is not None:
-                    with contextlib.suppress(OSError):
-                        os.close(item.fd)
+            raise BackendError(f"write {item.path}: {exc}") from exc
 
     # ------------------------------------------------------------------ lifecycle
 

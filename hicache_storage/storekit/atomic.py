@@ -116,7 +116,7 @@ def _advance(pending: list[memoryview], n: int) -> None:
             n = 0
 
 
-def writev_all(fd: int, views: Sequence[memoryview | bytes]) -> int:
+def writev_all(fd: int, views: Sequence[memoryview | bytes | bytearray]) -> int:
     """Write every byte of ``views`` with ``writev``, resuming after short writes."""
     pending = [memoryview(v).cast("B") if not isinstance(v, memoryview) else v for v in views]
     pending = [v for v in pending if v.nbytes]

@@ -471,14 +471,14 @@ def test_close_during_a_write_leaves_no_temporary(
     make: Callable[..., NixlBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     b = make()
-    real = b._move_pages
+    real = b.move_payloads
     before = _fds()
 
     def then_close(*args: Any) -> None:
         real(*args)
         b.close()  # the I/O threads stop: publication cannot run
 
-    monkeypatch.setattr(b, "_move_pages", then_close)
+    monkeypatch.setattr(b, "move_payloads", then_close)
     done = b.batch_set([f"k{i}" for i in range(8)], values(8, 200_000, seed=9))
     assert done == [False] * 8
     assert [p for p in tree_files(b.root) if ".tmp." in p] == []
@@ -499,7 +499,7 @@ def test_files_open_at_once_follow_the_descriptor_limit(tmp_path: Path) -> None:
         b = NixlBackend(root={str(tmp_path)!r})
         vals = [torch.full((4096,), i % 256, dtype=torch.uint8) for i in range(300)]
         keys = [f"k{{i}}" for i in range(300)]
-        print("set", sum(b.batch_set(keys, vals)), "part", b._batch_pages)
+        print("set", sum(b.batch_set(keys, vals)), "part", b.payload_batch)
         got = b.batch_get(keys)
         print("get", sum(g is not None and torch.equal(g, v) for g, v in zip(got, vals)))
         b.close()
