@@ -32,8 +32,8 @@ import torch
 
 from hicache_storage import StorageConfig, page_hashes
 from hicache_storage.backends import FileBackend
+from hicache_storage.benchkit import BenchShape, fill_random, namespace_for, verify_pages
 from hicache_storage.buffers import PageBuffer
-from hicache_storage.cli.bench import BenchShape, fill_random, namespace_for, verify_pages
 
 
 def raw_set_one(directory: str, key: str, page: PageBuffer) -> None:

@@ -50,7 +50,7 @@ import torch
 
 from hicache_storage import HiCacheStorage, StorageConfig, page_hashes
 from hicache_storage.backends import FileBackend, MmapBackend, ShmBackend
-from hicache_storage.cli.bench import BenchShape, fill_random, namespace_for, verify_pages
+from hicache_storage.benchkit import BenchShape, fill_random, namespace_for, verify_pages
 from hicache_storage.storekit.header import HEADER_SIZE
 
 

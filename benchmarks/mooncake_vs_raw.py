@@ -38,7 +38,7 @@ from v1_pages import V1Pages
 
 from hicache_storage import StorageConfig
 from hicache_storage.backends import MooncakeBackend
-from hicache_storage.cli.bench import BenchShape, namespace_for
+from hicache_storage.benchkit import BenchShape, namespace_for
 
 
 def run_shape(master: str, shape: BenchShape, rounds: int) -> dict[str, Any]:

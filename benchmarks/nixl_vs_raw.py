@@ -41,7 +41,7 @@ from v1_pages import V1Pages
 from hicache_storage import StorageConfig
 from hicache_storage.backends import FileBackend, NixlBackend
 from hicache_storage.backends._nixl import _nixl_api
-from hicache_storage.cli.bench import BenchShape, namespace_for, verify_pages
+from hicache_storage.benchkit import BenchShape, namespace_for, verify_pages
 
 
 def raw_transfer(

@@ -40,7 +40,7 @@ from v1_pages import V1Pages
 
 from hicache_storage import StorageConfig, page_hashes
 from hicache_storage.backends import S3Backend
-from hicache_storage.cli.bench import BenchShape, namespace_for
+from hicache_storage.benchkit import BenchShape, namespace_for
 
 BUCKET = "hicache-bench"
 

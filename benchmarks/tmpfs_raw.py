@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from hicache_storage.cli.bench import BenchShape
+from hicache_storage.benchkit import BenchShape
 
 PAGES, THREADS = 256, 2
 

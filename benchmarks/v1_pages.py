@@ -12,7 +12,7 @@ import torch
 from hot_paths import timed  # one timer for the benchmarks: gc off while it runs
 
 from hicache_storage import page_hashes
-from hicache_storage.cli.bench import BenchShape, fill_random, verify_pages
+from hicache_storage.benchkit import BenchShape, fill_random, verify_pages
 
 
 class V1Pages:

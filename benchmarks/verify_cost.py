@@ -45,7 +45,7 @@ from hot_paths import timed  # one timer for the benchmarks: gc off while it run
 from v1_pages import V1Pages
 
 from hicache_storage import HiCacheStorage, StorageConfig, page_hashes
-from hicache_storage.cli.bench import BenchShape, namespace_for, verify_pages
+from hicache_storage.benchkit import BenchShape, namespace_for, verify_pages
 
 BACKENDS = ("file", "shm", "mmap", "memory", "redis", "s3", "mooncake", "nixl")
 SHAPES = {"64 KiB": BenchShape(pages=1000, batch=128, layer_num=1),

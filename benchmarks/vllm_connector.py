@@ -201,7 +201,7 @@ def scheduler_latency(parts: dict[str, Any], reps: int) -> dict[str, float]:
     hit = [timed(lambda p=p, i=i: sched.get_num_new_matched_tokens(req(i, p), 0))
            for i, p in enumerate(prompts)]  # fmt: skip
     keys_all = [sched.keys_for(req(i, p)) for i, p in enumerate(prompts)]
-    backend = sched._lookup_backends[0]
+    backend = sched.connector_scheduler.lookup_backends[0]
     exists = [timed(lambda k=k: backend.batch_exists(k)) for k in keys_all]
     got = sched.get_num_new_matched_tokens(req(0, prompts[0]), 0)
     assert got == (64 * BLOCK, False), got

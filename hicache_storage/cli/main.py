@@ -123,7 +123,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from hicache_storage.cli.bench import BenchShape, run_bench
+    from hicache_storage.benchkit import BenchShape
+    from hicache_storage.cli.bench import run_bench
 
     options = _load_options(args)
     shape = BenchShape(
@@ -313,7 +314,7 @@ def _positive_int(text: str) -> int:
 
 
 def _dtype(text: str) -> str:
-    from hicache_storage.cli.bench import dtype_name
+    from hicache_storage.benchkit import dtype_name
     from hicache_storage.errors import ConfigError
 
     try:

@@ -209,7 +209,7 @@ def test_phase_rates_count_only_pages_that_succeeded() -> None:
 
 
 def test_bench_shape_refuses_what_argparse_would(tmp_path: Path) -> None:
-    from hicache_storage.cli.bench import BenchShape
+    from hicache_storage.benchkit import BenchShape
     from hicache_storage.errors import ConfigError
 
     for bad in ({"batch": 0}, {"batch": -3}, {"pages": 0}, {"page_size": 0}, {"dtype": "floot"},
