@@ -3,7 +3,11 @@
 * :mod:`hicache_storage.integrations.sglang` -- ``SGLangStorage``, a subclass of SGLang's
   own ``HiCacheStorage``, loaded by SGLang's ``dynamic`` storage backend.
 * :mod:`hicache_storage.integrations.vllm` -- ``HiCacheKVConnector``, a vLLM KV connector
-  v1, loaded through ``kv_connector_module_path``.
+  v1, loaded through ``kv_connector_module_path`` (a package: a facade over the
+  scheduler side and the worker side, as vLLM's own connectors are laid out).
+* :mod:`hicache_storage.integrations.adapterkit` -- what both adapters share: the
+  ``backend_name`` check, the failsafe hook decorator, scrubbed failure texts (no engine
+  import).
 * :mod:`hicache_storage.integrations.kvblocks` -- a paged engine's KV tensors as a pool
   of whole-block pages (no engine import), which the vLLM connector moves.
 * :mod:`hicache_storage.integrations.deadline` -- calls into a store that an engine

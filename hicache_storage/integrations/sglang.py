@@ -47,13 +47,12 @@ Importing this module needs SGLang; ``import hicache_storage`` never imports it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _SGLangHiCacheStorage
@@ -73,11 +72,11 @@ from hicache_storage.errors import (
     NamespaceMismatchError,
 )
 from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
+from hicache_storage.integrations.adapterkit import backend_name_of, failsafe, failure_text
 from hicache_storage.integrations.deadline import Lane, call_with_deadline
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
 from hicache_storage.ratelimit import RateLimitedLog
-from hicache_storage.registry import available_backends, create_backend, load_backend_class
-from hicache_storage.secrets import scrub, secret_values
+from hicache_storage.registry import create_backend
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -94,7 +93,6 @@ _FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 logger = logging.getLogger(__name__)
 
-F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
@@ -174,35 +172,6 @@ def _metrics_class() -> type:
     except Exception:  # noqa: BLE001 - any import failure: the same shape, ours
         return StorageMetrics
     return Real  # type: ignore[no-any-return]
-
-
-def _failsafe(failure: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[[F], F]:
-    """Make an adapter method return ``failure(self, args)`` instead of raising.
-
-    The backend already turns store failures into failure results; what is left are the
-    SDK's argument errors (a key SGLang made that the SDK refuses, a tensor that is not
-    contiguous, lists of the wrong length). They are logged, and SGLang's prefetch and
-    backup threads get a failed call, never an exception.
-    """
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def guarded(self: SGLangStorage, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(self, *args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - SGLang's threads must not see it
-                self._log(
-                    "raise:" + fn.__name__,
-                    "SGLangStorage.%s failed (%s: %s); returning its failure result",
-                    fn.__name__,
-                    type(exc).__name__,
-                    scrub(str(exc), secret_values(self.extra_config)),
-                )
-                return failure(self, args)
-
-        return cast("F", guarded)
-
-    return wrap
 
 
 def _n(args: tuple[Any, ...]) -> int:
@@ -316,13 +285,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         # SGLang's dynamic factory passes its own **kwargs here (empty from the controller):
         # the options are in storage_config.extra_config; explicit ones win.
         extra = {**(storage_config.extra_config or {}), **(extra_config or {})}
-        name = extra.get("backend_name")
-        if not name or not isinstance(name, str):
-            raise ConfigError(
-                "the extra config needs backend_name: the hicache-storage backend to use "
-                f"(installed: {sorted(available_backends())})"
-            )
-        self.backend_name = name
+        self.backend_name = backend_name_of(extra, "the extra config")
         self.extra_config = extra
         # (a key given as null is unset: its default, as it was before options were checked)
         given = {k: extra[k] for k in ADAPTER_KEYS if extra.get(k) is not None}
@@ -334,7 +297,15 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         self._exists_lane = Lane("hicache-sglang-exists")
         self._metrics = StorageMetrics()
         self._log = RateLimitedLog(logger)
-        load_backend_class(name)  # an unknown name, NAME@DIST or module:Class fails here
+
+    def _hook_failed(self, hook: str, exc: Exception) -> None:
+        """A hook raised (see :func:`~hicache_storage.integrations.adapterkit.failsafe`)."""
+        self._log(
+            "raise:" + hook,
+            "SGLangStorage.%s failed (%s); returning its failure result",
+            hook,
+            failure_text(exc, self.extra_config),
+        )
 
     # ------------------------------------------------------------------ attach
 
@@ -559,7 +530,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ legacy calls
 
-    @_failsafe(lambda self, args: None)
+    @failsafe(lambda self, args: None)
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         """The page of ``key`` (into ``target_location`` when given), or None."""
         backend = self._backend("get")
@@ -573,7 +544,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             return None
         return target_location if target is not None and target_location is not None else got
 
-    @_failsafe(lambda self, args: [None] * _n(args))
+    @failsafe(lambda self, args: [None] * _n(args))
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[Any]:
@@ -583,7 +554,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         sizes = target_sizes if target_sizes is not None else [None] * len(keys)
         return [self.get(k, t, s) for k, t, s in zip(keys, target_locations, sizes, strict=True)]
 
-    @_failsafe(lambda self, args: False)
+    @failsafe(lambda self, args: False)
     def set(
         self,
         key: str,
@@ -601,7 +572,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
                 return False
         return bool(backend.set(key, value))
 
-    @_failsafe(lambda self, args: False)
+    @failsafe(lambda self, args: False)
     def batch_set(
         self,
         keys: list[str],
@@ -623,12 +594,12 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         self._note("backup", sum(results), 0, time.perf_counter() - t0)
         return all(results) and len(results) == n
 
-    @_failsafe(lambda self, args: False)
+    @failsafe(lambda self, args: False)
     def exists(self, key: str) -> bool:
         """True if ``key`` is stored (False past the deadline)."""
         return self.batch_exists([key]) == 1
 
-    @_failsafe(lambda self, args: 0)
+    @failsafe(lambda self, args: 0)
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """The number of leading keys stored (0 past the deadline, or while a query hangs)."""
         backend = self._backend("batch_exists")
@@ -651,14 +622,14 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ zero-copy v1
 
-    @_failsafe(lambda self, args: [False] * _n(args))
+    @failsafe(lambda self, args: [False] * _n(args))
     def batch_get_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
         """Read ``keys`` into the host pool at ``host_indices``; one bool per page."""
         return self._v1("batch_get_v1", "prefetch", keys, host_indices)
 
-    @_failsafe(lambda self, args: [False] * _n(args))
+    @failsafe(lambda self, args: [False] * _n(args))
     def batch_set_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
@@ -697,7 +668,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
     def _is_kv(transfer: Any) -> bool:
         return str(getattr(transfer.name, "value", transfer.name)) == "kv"
 
-    @_failsafe(lambda self, args: _PoolTransferResult(0, {}, []))
+    @failsafe(lambda self, args: _PoolTransferResult(0, {}, []))
     def batch_exists_v2(
         self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
     ) -> Any:
@@ -727,12 +698,12 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         self._v2_unsupported(op.replace("_v1", "_v2"), others)
         return out
 
-    @_failsafe(lambda self, args: _v2_failure(args))
+    @failsafe(lambda self, args: _v2_failure(args))
     def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Read each transfer's pages: the KV pool's through v1, other pools fail."""
         return self._v2_io("batch_get_v1", transfers)
 
-    @_failsafe(lambda self, args: _v2_failure(args))
+    @failsafe(lambda self, args: _v2_failure(args))
     def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
         """Store each transfer's pages: the KV pool's through v1, other pools fail."""
         return self._v2_io("batch_set_v1", transfers)

@@ -32,15 +32,31 @@ from vllm.v1.kv_cache_interface import (
 from vllm_engine import BLOCK, kv_transfer_config
 
 from hicache_storage.errors import ConfigError, UnknownBackendError
-from hicache_storage.integrations import vllm as hv
 from hicache_storage.integrations.vllm import (
     HiCacheConnectorMetadata,
     HiCacheKVConnector,
     HiCacheKVConnectorStats,
     request_seed,
 )
+from hicache_storage.integrations.vllm import side as hv_side
+from hicache_storage.integrations.vllm.scheduler import SchedulerSide
+from hicache_storage.integrations.vllm.worker import WorkerSide
 
 NB = 64  # blocks in the test KV cache
+
+
+def wside(c: HiCacheKVConnector) -> WorkerSide:
+    """The worker side of a worker's connector."""
+    assert c.connector_worker is not None
+    return c.connector_worker
+
+
+def sside(c: HiCacheKVConnector) -> SchedulerSide:
+    """The scheduler side of a scheduler's connector."""
+    assert c.connector_scheduler is not None
+    return c.connector_scheduler
+
+
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
 SCHED, WORKER = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
@@ -274,17 +290,17 @@ def test_tensor_parallel_shards_must_all_hold_a_block(config: Any) -> None:
     try:
         spec = dataclasses.replace(SPEC, num_kv_heads=1)
         sched = HiCacheKVConnector(config, SCHED, kv_config(spec))
-        assert len(sched._lookup_backends) == 2
+        assert len(sside(sched).lookup_backends) == 2
         assert sched.namespace.total_kv_heads == 2 and sched.namespace.kv_heads_per_shard == 1
         keys = sched.keys_for(request("a", PROMPT))
         assert keys is not None
-        sched._lookup_backends[0].batch_set(keys[:2], [b"x" * 16] * 2)
-        sched._lookup_backends[1].batch_set(keys[:1], [b"y" * 16])
+        sside(sched).lookup_backends[0].batch_set(keys[:2], [b"x" * 16] * 2)
+        sside(sched).lookup_backends[1].batch_set(keys[:1], [b"y" * 16])
         assert sched.get_num_new_matched_tokens(request("a", PROMPT), 0) == (BLOCK, False)
         # MLA: one copy for every rank (rank-replicated), one lookup.
         mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
         sched = HiCacheKVConnector(config, SCHED, kv_config(mla))
-        assert sched.namespace.rank_replicated and len(sched._lookup_backends) == 1
+        assert sched.namespace.rank_replicated and len(sside(sched).lookup_backends) == 1
     finally:
         pc.tensor_parallel_size = 1
 
@@ -411,7 +427,7 @@ def test_nothing_computed_over_a_failed_load_is_stored(config: Any, tmp_path: Pa
     # they are stored, and a new request loads all four, equal to what was computed.
     m = run_step(sched, worker, step(cached=[("b", None, 32, False)], scheduled={"b": 118}))
     assert [s.block_ids for s in m.saves] == [[11, 12, 13]]
-    assert worker.totals["save_blocks"] == 5 and worker._tainted == set()
+    assert worker.totals["save_blocks"] == 5 and wside(worker).tainted == set()
     computed = [block(kv, b) for b in blocks[:4]]
     r2 = request("c", long_prompt)
     assert sched.get_num_new_matched_tokens(r2, 0) == (4 * BLOCK, False)
@@ -422,7 +438,7 @@ def test_nothing_computed_over_a_failed_load_is_stored(config: Any, tmp_path: Pa
 
 def test_a_block_shared_after_a_failed_load_taints_the_sharer(config: Any) -> None:
     sched, worker, _ = pair(config, seed=10)
-    worker._tainted.add(5)  # block 5 failed to load for another request
+    wside(worker).tainted.add(5)  # block 5 failed to load for another request
     # A request whose first block is block 5 through vLLM's prefix cache: not stored.
     r = request("a", PROMPT)
     assert sched.get_num_new_matched_tokens(r, BLOCK) == (0, False)
@@ -430,9 +446,9 @@ def test_a_block_shared_after_a_failed_load_taints_the_sharer(config: Any) -> No
     m = run_step(sched, worker, step([new_req("a", [5, 6, 7, 8], 32)], scheduled={"a": 68}))
     assert [s.block_ids for s in m.saves] == [[5, 6, 7]]  # the store lacks all three
     assert worker.totals["save_blocks"] == 0 and worker.totals["save_skipped_blocks"] == 3
-    assert worker._tainted == {5, 6, 7}  # computed over block 5
+    assert wside(worker).tainted == {5, 6, 7}  # computed over block 5
     # Block 5 loaded whole later: clean again.
-    worker._tainted = {5}
+    wside(worker).tainted = {5}
     worker.bind_connector_metadata(HiCacheConnectorMetadata())
     worker.clear_connector_metadata()
 
@@ -446,7 +462,7 @@ def test_tp_load_failures_are_shared_or_fail_every_block(config: Any) -> None:
     r = request("b", PROMPT)
     sched.get_num_new_matched_tokens(r, 0)
     sched.update_state_after_alloc(r, None, 3 * BLOCK)
-    worker._tp_size = 2
+    wside(worker).tp_size = 2
     run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 96)], scheduled={"b": 4}))
     assert worker.get_block_ids_with_load_errors() == {5, 6, 7}
 
@@ -468,7 +484,9 @@ def test_model_config_changes_that_change_the_kv_change_the_namespace(
 
 
 def _attached(c: HiCacheKVConnector) -> bool:
-    return bool(c._lookup_backends) or c.mover is not None
+    return (
+        bool(c.connector_scheduler and c.connector_scheduler.lookup_backends) or c.mover is not None
+    )
 
 
 def test_an_unreachable_store_at_start_costs_misses_until_it_is_back(
@@ -476,8 +494,8 @@ def test_an_unreachable_store_at_start_costs_misses_until_it_is_back(
 ) -> None:
     from redis_server import running
 
-    monkeypatch.setattr(hv, "RETRY_FIRST_SECONDS", 0.05)
-    monkeypatch.setattr(hv, "RETRY_MAX_SECONDS", 0.2)
+    monkeypatch.setattr(hv_side, "RETRY_FIRST_SECONDS", 0.05)
+    monkeypatch.setattr(hv_side, "RETRY_MAX_SECONDS", 0.2)
 
     with running(tmp_path / "redis") as server:
         server.stop()
@@ -531,22 +549,22 @@ def test_blocks_computed_over_a_shared_failed_block_stay_tainted(config: Any) ->
     keys_b = sched.keys_for(b)
     assert keys_b is not None
     assert [worker.backend.exists(k) for k in keys_b[2:7]] == [False] * 5
-    assert 11 not in worker._tainted  # A computed it again
-    assert {40, 41, 42, 43, 44} <= worker._tainted
+    assert 11 not in wside(worker).tainted  # A computed it again
+    assert {40, 41, 42, 43, 44} <= wside(worker).tainted
 
 
 def test_a_block_handed_out_afresh_loses_its_old_taint(config: Any) -> None:
     """A request failed (vLLM's fail policy) after a failed load: its blocks come back to
     other requests, which compute them anew; later turns that reuse them are stored."""
     sched, worker, _ = pair(config, seed=14)
-    worker._tainted.update({11, 12, 13})  # what a failed request left behind
+    wside(worker).tainted.update({11, 12, 13})  # what a failed request left behind
     d = request("d", list(range(600, 640)))
     sched.get_num_new_matched_tokens(d, 0)
     sched.update_state_after_alloc(d, None, 0)
     m = run_step(sched, worker, step([new_req("d", [20, 11], 0)], scheduled={"d": 40}))
-    assert m.fresh_blocks == [20, 11] and 11 not in worker._tainted
+    assert m.fresh_blocks == [20, 11] and 11 not in wside(worker).tainted
     m = run_step(sched, worker, step(cached=[("d", [12], 40, False)], scheduled={"d": 1}))
-    assert m.fresh_blocks == [12] and worker._tainted == {13}
+    assert m.fresh_blocks == [12] and wside(worker).tainted == {13}
     # The next turn shares blocks 20 and 11 through vLLM's prefix cache: stored.
     e = request("e", list(range(600, 640)) + list(range(700, 764)))
     sched.get_num_new_matched_tokens(e, 2 * BLOCK)
@@ -605,9 +623,9 @@ def test_a_hung_store_costs_each_vllm_call_one_deadline_at_most(config: Any, hun
     assert time.monotonic() - t0 < 60  # (a bound for a hang, not a timing claim)
     hung.RELEASE.set()
     deadline = time.monotonic() + 30
-    while worker._load_lane.busy and time.monotonic() < deadline:
+    while wside(worker)._load_lane.busy and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not worker._load_lane.busy
+    assert not wside(worker)._load_lane.busy
     assert all(
         same(block(kv, b), want) for b, want in zip((5, 6, 7), recomputed, strict=True)
     )  # the late bytes never landed
@@ -652,14 +670,14 @@ def test_connector_options_are_checked(config: Any) -> None:
     extra.update(staging="false", engine_timeout=0)
     worker = HiCacheKVConnector(config, WORKER, kv_config())
     worker.register_kv_caches(kv_tensors(1))
-    assert type(worker._pool).__name__ == "PagedKVBlocks"
+    assert type(wside(worker).pool).__name__ == "PagedKVBlocks"
     worker.shutdown()
     # null is unset, as it was before the options were checked; so is staging "".
     extra.update(staging="", engine_timeout=2, staging_blocks=3, tenant=None)
     worker = HiCacheKVConnector(config, WORKER, kv_config())
     worker.register_kv_caches(kv_tensors(1))
-    assert type(worker._pool).__name__ == "StagedKVBlocks"
-    assert (worker._pool.rows, worker._pool.lanes) == (3, 2)
+    assert type(wside(worker).pool).__name__ == "StagedKVBlocks"
+    assert (wside(worker).pool.rows, wside(worker).pool.lanes) == (3, 2)
     worker.shutdown()
 
 

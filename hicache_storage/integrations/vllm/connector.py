@@ -1,0 +1,219 @@
+"""The class vLLM loads: :class:`HiCacheKVConnector`, a thin facade over the two sides.
+
+vLLM builds one connector per role: in the scheduler process it is the scheduler side
+(:class:`~hicache_storage.integrations.vllm.scheduler.SchedulerSide`), in each worker
+the worker side (:class:`~hicache_storage.integrations.vllm.worker.WorkerSide`). This
+class checks the config, builds what both sides see (:class:`Settings`) and hands every
+hook of vLLM's connector API to its side.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+
+from hicache_storage.errors import ConfigError
+from hicache_storage.integrations.adapterkit import backend_name_of
+from hicache_storage.integrations.vllm.metadata import (
+    HiCacheConnectorMetadata,
+    HiCacheKVConnectorStats,
+)
+from hicache_storage.integrations.vllm.namespace import namespace_for, the_group
+from hicache_storage.integrations.vllm.options import ConnectorOptions
+from hicache_storage.integrations.vllm.scheduler import SchedulerSide
+from hicache_storage.integrations.vllm.side import ConnectorSide, Settings
+from hicache_storage.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+    from hicache_storage.integrations.kvblocks import KVBlockMover
+    from hicache_storage.keys import KVCacheNamespace
+    from hicache_storage.protocol import HiCacheStorage
+
+__all__ = ["LIVE", "HiCacheKVConnector"]
+
+logger = logging.getLogger("hicache_storage.integrations.vllm")
+
+#: Every live connector of this process (tests and tools read their totals).
+LIVE: weakref.WeakSet[HiCacheKVConnector] = weakref.WeakSet()
+
+
+class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's KV connector v1 over any hicache-storage backend (see the package docs)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        name = backend_name_of(extra, "kv_connector_extra_config")
+        options = ConnectorOptions.from_extra(extra)
+        if kv_cache_config is None:
+            raise ConfigError("HiCacheKVConnector needs vLLM's KV cache config (vLLM >= 0.32)")
+        self.settings = Settings(
+            backend_name=name,
+            extra_config=extra,
+            options=options,
+            namespace=namespace_for(vllm_config, kv_cache_config, extra),
+            tp_size=int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1),
+            load_on=bool(getattr(ktc, "is_kv_consumer", True)),
+            save_on=bool(getattr(ktc, "is_kv_producer", True)),
+        )
+        self.connector_scheduler: SchedulerSide | None = None
+        self.connector_worker: WorkerSide | None = None
+        self._side: ConnectorSide
+        if role == KVConnectorRole.SCHEDULER:
+            self._side = self.connector_scheduler = SchedulerSide(self.settings)
+            self.connector_scheduler.connect_or_retry()
+            policy = getattr(ktc, "kv_load_failure_policy", "fail")
+            if policy != "recompute" and self.settings.load_on:
+                logger.warning(
+                    "HiCacheKVConnector: kv_load_failure_policy is %r: a block the store "
+                    "fails to deliver (lost, damaged, unreachable) fails its request. Set "
+                    "it to 'recompute' to have vLLM recompute such blocks instead.",
+                    policy,
+                )
+        else:
+            group = the_group(kv_cache_config)
+            self._side = self.connector_worker = WorkerSide(
+                self.settings, list(group.layer_names), int(kv_cache_config.num_blocks)
+            )
+        LIVE.add(self)
+
+    # ------------------------------------------------------------------ what tools read
+
+    @property
+    def backend_name(self) -> str:
+        """The backend's name (``backend_name``)."""
+        return self.settings.backend_name
+
+    @property
+    def extra_config(self) -> dict[str, Any]:
+        """``kv_connector_extra_config`` as given."""
+        return self.settings.extra_config
+
+    @property
+    def options(self) -> ConnectorOptions:
+        """The connector's own options."""
+        return self.settings.options
+
+    @property
+    def namespace(self) -> KVCacheNamespace:
+        """The namespace of this deployment's blocks."""
+        return self.settings.namespace
+
+    @property
+    def block_size(self) -> int:
+        """VLLM's block size, in tokens (a page)."""
+        return self.settings.namespace.page_size
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Counters since the connector started (never reset)."""
+        return self._side.totals
+
+    @property
+    def backend(self) -> HiCacheStorage | None:
+        """The worker's backend (None on the scheduler, or until attached)."""
+        return self.connector_worker.backend if self.connector_worker is not None else None
+
+    @property
+    def mover(self) -> KVBlockMover | None:
+        """The worker's block mover (None on the scheduler, or until attached)."""
+        return self.connector_worker.mover if self.connector_worker is not None else None
+
+    def keys_for(self, request: Any) -> list[str] | None:
+        """The keys of the full blocks of ``request``'s prompt; None: not cacheable."""
+        return SchedulerSide.keys_for(self._side, request)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _scheduler(self) -> SchedulerSide:
+        if self.connector_scheduler is None:
+            raise RuntimeError("a scheduler hook called on a worker's HiCacheKVConnector")
+        return self.connector_scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """See :meth:`SchedulerSide.get_num_new_matched_tokens`."""
+        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """See :meth:`SchedulerSide.update_state_after_alloc`."""
+        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> HiCacheConnectorMetadata:
+        """See :meth:`SchedulerSide.build_connector_meta`."""
+        return self._scheduler().build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """See :meth:`SchedulerSide.request_finished`."""
+        return self._scheduler().request_finished(request, block_ids)
+
+    # ------------------------------------------------------------------ worker side
+
+    def _worker(self) -> WorkerSide:
+        if self.connector_worker is None:
+            raise RuntimeError("a worker hook called on the scheduler's HiCacheKVConnector")
+        return self.connector_worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """See :meth:`WorkerSide.register_kv_caches`."""
+        self._worker().register_kv_caches(kv_caches)
+
+    def _meta(self) -> HiCacheConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, HiCacheConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """See :meth:`WorkerSide.start_load_kv`."""
+        meta = self._meta()
+        if meta is not None:
+            self._worker().start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: :meth:`start_load_kv` loads every layer before returning."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: a stored block holds every layer, stored in :meth:`wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        """See :meth:`WorkerSide.wait_for_save`."""
+        meta = self._meta()
+        if meta is not None:
+            self._worker().wait_for_save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """See :meth:`WorkerSide.get_block_ids_with_load_errors`."""
+        return self._worker().get_block_ids_with_load_errors()
+
+    # ------------------------------------------------------------------ both sides
+
+    def get_kv_connector_stats(self) -> HiCacheKVConnectorStats | None:
+        """The counters since the last call (then reset), or None when none moved."""
+        stats = HiCacheKVConnectorStats(data=self._side.take_interval())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> HiCacheKVConnectorStats:
+        """VLLM rebuilds the workers' stats from their dicts with this."""
+        return HiCacheKVConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        """Close the backends (and stop trying to reach an unreachable one)."""
+        self._side.shutdown()

@@ -1,0 +1,110 @@
+"""What the scheduler side tells the workers each step, and the counters both report.
+
+The only things the two sides (different processes) share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+__all__ = [
+    "COUNTERS",
+    "HiCacheConnectorMetadata",
+    "HiCacheKVConnectorStats",
+    "LoadSpec",
+    "SaveSpec",
+]
+
+#: The connector's counters (sums over an interval, and since start in ``totals``).
+COUNTERS = (
+    "connect_errors",
+    "lookups",
+    "lookup_blocks",
+    "lookup_hit_blocks",
+    "lookup_errors",
+    "lookup_seconds",
+    "load_blocks",
+    "load_failed_blocks",
+    "load_bytes",
+    "load_seconds",
+    "save_blocks",
+    "save_failed_blocks",
+    "save_bytes",
+    "save_seconds",
+    "save_skipped_blocks",
+    "lookup_timeouts",
+    "load_timeouts",
+    "save_timeouts",
+    "hook_errors",
+)
+
+
+@dataclass
+class LoadSpec:
+    """Blocks of one request to read from the store before the forward pass."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Newly computed full blocks of one request to store after the forward pass.
+
+    ``prefix_block_ids`` are the request's blocks from its first up to the last one
+    stored here; those from ``computed_from`` on were computed by this request, the
+    ones before it came from vLLM's prefix cache or from the store. The worker stores
+    nothing computed over a block that failed to load (see
+    :meth:`~hicache_storage.integrations.vllm.worker.WorkerSide.wait_for_save`).
+    """
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+    prefix_block_ids: list[int] = field(default_factory=list)
+    computed_from: int = 0
+
+
+@dataclass
+class HiCacheConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the scheduler side tells the workers for one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    #: Blocks handed to a request afresh in this step (their old taint is void).
+    fresh_blocks: list[int] = field(default_factory=list)
+    fresh_done: bool = False
+
+
+@dataclass
+class HiCacheKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """The connector's counters over an interval (sums; see :data:`COUNTERS`)."""
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> HiCacheKVConnectorStats:
+        """Add ``other``'s counters to these (workers and scheduler sum)."""
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval's totals, with bandwidths in GB/s."""
+        d = self.data
+        out: dict[str, int | float] = {k: d[k] for k in COUNTERS if d.get(k)}
+        for what in ("load", "save"):
+            secs = d.get(f"{what}_seconds", 0.0)
+            if secs > 0:
+                out[f"{what}_gbps"] = round(d.get(f"{what}_bytes", 0) / secs / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        """True when no counter moved."""
+        return not any(self.data.values())

@@ -1,0 +1,73 @@
+"""The vLLM connector's own options (the keys of :data:`ADAPTER_KEYS`)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from hicache_storage.config import parse_options
+from hicache_storage.errors import ConfigError
+from hicache_storage.integrations import VLLM_ADAPTER_KEYS
+
+__all__ = ["ADAPTER_KEYS", "ConnectorOptions"]
+
+#: The keys the connector reads itself (see :mod:`hicache_storage.integrations`).
+ADAPTER_KEYS = VLLM_ADAPTER_KEYS
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The connector's own keys of ``kv_connector_extra_config`` (see :data:`ADAPTER_KEYS`).
+
+    Each may also come from ``HICACHE_STORAGE_VLLM_CONNECTOR_<NAME>``.
+
+    Attributes:
+        model_id: the model's name in the namespace, for deployments whose paths differ
+            (default: the resolved model path, or hub id and revision).
+        tenant: kept apart from every other tenant's pages.
+        weights_fingerprint: added to the fingerprint the connector takes of the weights.
+        staging: ``True`` forces the host staging buffer, ``False`` forbids it (then
+            ``engine_timeout`` must be 0), unset: staged when vLLM's KV is not in CPU
+            memory, or when ``engine_timeout`` is on.
+        staging_blocks: blocks per staging lane (loads and stores each have one).
+        engine_timeout: seconds a vLLM thread waits for the store in one call (a lookup,
+            a step's loads, a step's stores); 0 waits as long as the store takes.
+    """
+
+    model_id: str | None = None
+    tenant: str = ""
+    weights_fingerprint: str = ""
+    staging: bool | None = None
+    staging_blocks: int = 16
+    engine_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        """Check the options; :class:`ConfigError` says what is allowed."""
+        if not 1 <= self.staging_blocks <= 1 << 16:
+            raise ConfigError(
+                f"staging_blocks={self.staging_blocks} must be a whole number of blocks "
+                "from 1 to 65536"
+            )
+        if not 0 <= self.engine_timeout <= threading.TIMEOUT_MAX:
+            raise ConfigError(
+                f"engine_timeout={self.engine_timeout} must be from 0 to "
+                f"{threading.TIMEOUT_MAX:g} seconds (0: no deadline)"
+            )
+        if self.staging is False and self.engine_timeout > 0:
+            raise ConfigError(
+                "staging=false needs engine_timeout=0: a call cut at its deadline must "
+                "not touch vLLM's KV afterwards, so calls with a deadline go through the "
+                "staging buffer"
+            )
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:
+        """The options in vLLM's extra config; :class:`ConfigError` says what is allowed."""
+        # (a key given as null, or staging as "", is unset: its default)
+        given = {
+            k: extra[k]
+            for k in ADAPTER_KEYS
+            if extra.get(k) is not None and not (k == "staging" and extra[k] == "")
+        }
+        return parse_options(cls, "vllm-connector", given)

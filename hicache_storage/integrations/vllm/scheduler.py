@@ -1,0 +1,275 @@
+"""The scheduler side of the vLLM connector: lookups, and each step's plan for the workers.
+
+It runs in vLLM's scheduler process. For every request it asks the store for the leading
+run of the prompt's blocks (:meth:`SchedulerSide.get_num_new_matched_tokens`), notes the
+blocks vLLM allocated for them, and each step tells the workers which blocks to load and
+which newly computed full blocks to store (:meth:`SchedulerSide.build_connector_meta`).
+It holds one backend per distinct shard, only to ask what is stored.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
+
+from hicache_storage.integrations.adapterkit import failsafe
+from hicache_storage.integrations.deadline import Lane
+from hicache_storage.integrations.vllm.metadata import HiCacheConnectorMetadata, LoadSpec, SaveSpec
+from hicache_storage.integrations.vllm.namespace import request_seed
+from hicache_storage.integrations.vllm.side import ConnectorSide, Settings
+from hicache_storage.keys import page_hashes
+from hicache_storage.registry import create_backend
+
+if TYPE_CHECKING:
+    from hicache_storage.integrations.deadline import Job
+    from hicache_storage.protocol import HiCacheStorage
+
+__all__ = ["SchedulerSide"]
+
+
+@dataclass
+class _Req:
+    """Scheduler-side state of one request."""
+
+    keys: list[str]  # one per full prompt block
+    prompt_len: int
+    stored: int  # leading blocks known to be in the store (or sent to be stored)
+    local_blocks: int = 0  # vLLM's own prefix hit, in blocks, at the lookup
+    load: tuple[int, int] | None = None  # blocks [start, end) to load
+    block_ids: list[int] = field(default_factory=list)
+    computed_from: int = 0  # first block this request computes (after hits and loads)
+    done: int | None = None  # tokens computed once the last planned step has run
+
+
+class SchedulerSide(ConnectorSide):
+    """Lookups and plans (see the module docs)."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._reqs: dict[str, _Req] = {}
+        #: One backend per distinct shard: a block is a hit only if every rank's is stored.
+        self.lookup_backends: list[HiCacheStorage] = []
+        self._lookup_lane = Lane("hicache-vllm-lookup")
+
+    # ------------------------------------------------------------------ ConnectorSide
+
+    @override
+    def ready(self) -> bool:
+        """True once attached (see :meth:`ConnectorSide.ready`)."""
+        return bool(self.lookup_backends)
+
+    @override
+    def _build(self) -> None:
+        out: list[HiCacheStorage] = []
+        seen: set[str | None] = set()
+        try:
+            for rank in range(self.settings.tp_size):
+                config = self.settings.storage_config(rank)
+                if config.shard in seen:
+                    continue
+                seen.add(config.shard)
+                out.append(create_backend(self.settings.backend_name, config))
+        except BaseException:
+            for b in out:
+                b.close()
+            raise
+        if self._closed.is_set():
+            for b in out:
+                b.close()
+            return
+        self.lookup_backends = out
+
+    @override
+    def _take_backends(self) -> list[HiCacheStorage]:
+        out, self.lookup_backends = self.lookup_backends, []
+        return out
+
+    @override
+    def _lanes(self) -> list[Lane]:
+        return [self._lookup_lane]
+
+    # ------------------------------------------------------------------ vLLM's hooks
+
+    def keys_for(self, request: Any) -> list[str] | None:
+        """The keys of the full blocks of ``request``'s prompt; None: not cacheable."""
+        usable, seed = request_seed(request)
+        tokens = list(getattr(request, "prompt_token_ids", None) or [])
+        if not usable or not tokens:
+            return None
+        return page_hashes(tokens, self.block_size, namespace_seed=seed)
+
+    @failsafe(lambda self, args: (0, False))
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that the store holds, block aligned.
+
+        The store's leading run of the prompt's blocks, at most ``len(prompt) - 1``
+        tokens; 0 when the run does not go beyond vLLM's own hit. Synchronous loads.
+        """
+        req_id = request.request_id
+        state = self._reqs.get(req_id)
+        if state is None or state.prompt_len != len(request.prompt_token_ids or ()):
+            keys = self.keys_for(request)
+            if keys is None:
+                self._reqs.pop(req_id, None)
+                return 0, False
+            state = _Req(keys=keys, prompt_len=len(request.prompt_token_ids), stored=0)
+            self._reqs[req_id] = state
+        state.load = None
+        state.done = None
+        local = int(num_computed_tokens) // self.block_size
+        state.local_blocks = local
+        state.computed_from = local
+        # The store's leading run over every full block (what need not be stored again),
+        # of which at most len(prompt) - 1 tokens are a hit: vLLM computes the last one.
+        limit = (state.prompt_len - 1) // self.block_size
+        stored = 0
+        if self.settings.load_on and state.keys and self.ready():
+            t0 = time.perf_counter()
+            backends, keys = list(self.lookup_backends), state.keys
+
+            def lookup(job: Job[Any] | None) -> int:
+                run = len(keys)
+                for backend in backends:
+                    run = min(run, int(backend.batch_exists(keys[:run])))
+                    if run == 0 or (job is not None and job.cut):
+                        break
+                return run
+
+            ok, found = self.on_lane(self._lookup_lane, lookup, "lookup")
+            stored = int(found or 0) if ok else 0
+            self.count(
+                lookups=1,
+                lookup_blocks=limit,
+                lookup_hit_blocks=min(stored, limit),
+                lookup_seconds=time.perf_counter() - t0,
+            )
+        state.stored = stored
+        hit = min(stored, limit)
+        if hit <= local:
+            return 0, False
+        return (hit - local) * self.block_size, False
+
+    @failsafe(lambda self, args: None)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Note the blocks to load for ``request`` (``num_external_tokens`` of them)."""
+        state = self._reqs.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            if state is not None:
+                state.load = None
+            return
+        start = state.local_blocks
+        end = start + int(num_external_tokens) // self.block_size
+        end = min(end, state.stored, (state.prompt_len - 1) // self.block_size)
+        state.load = (start, end)
+        state.computed_from = end
+
+    @failsafe(lambda self, args: HiCacheConnectorMetadata())
+    def build_connector_meta(self, scheduler_output: Any) -> HiCacheConnectorMetadata:
+        """The step's loads (blocks promised to vLLM) and saves (full blocks computed now)."""
+        meta = HiCacheConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            # Blocks past what the request already has computed are its own, afresh.
+            meta.fresh_blocks.extend(new.block_ids[0][new.num_computed_tokens // self.block_size :])
+            state = self._reqs.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan_safely(meta, new.req_id, state, new.num_computed_tokens, scheduled)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                fresh = list(new_ids[0])
+                if req_id in cached.resumed_req_ids:
+                    fresh = fresh[cached.num_computed_tokens[i] // self.block_size :]
+                meta.fresh_blocks.extend(fresh)
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                state.done = None
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan_safely(meta, req_id, state, cached.num_computed_tokens[i], scheduled)
+        return meta
+
+    def _plan_safely(
+        self,
+        meta: HiCacheConnectorMetadata,
+        req_id: str,
+        state: _Req,
+        num_computed: int,
+        scheduled: dict[str, int],
+    ) -> None:
+        """:meth:`_plan` for one request; a failure costs its stores, never its loads.
+
+        vLLM already counts a promised load as computed: if planning fails, the load is
+        still sent (its blocks load, or are reported as failed), and the request is
+        forgotten (nothing more stored for it).
+        """
+        try:
+            self._plan(meta, req_id, state, num_computed, scheduled)
+        except Exception as exc:  # noqa: BLE001 - one request's plan, not vLLM's step
+            self.count(hook_errors=1)
+            self._log("plan", "HiCacheKVConnector: planning %s failed (%s)", req_id, exc)
+            self._send_load(meta, req_id, state)
+            self._reqs.pop(req_id, None)
+
+    @staticmethod
+    def _send_load(meta: HiCacheConnectorMetadata, req_id: str, state: _Req) -> None:
+        """Put ``state``'s pending load (blocks vLLM counts as computed) in ``meta``."""
+        if state.load is not None:
+            a, b = state.load
+            state.load = None
+            meta.loads.append(LoadSpec(req_id, state.keys[a:b], state.block_ids[a:b]))
+
+    def _plan(
+        self,
+        meta: HiCacheConnectorMetadata,
+        req_id: str,
+        state: _Req,
+        num_computed: int,
+        scheduled: dict[str, int],
+    ) -> None:
+        self._send_load(meta, req_id, state)
+        num_computed = int(num_computed)
+        if state.done is not None and num_computed < state.done:
+            # vLLM went back (a block failed to load, here or on another request sharing
+            # it): what it computes again is this request's own, and is stored again.
+            back = num_computed // self.block_size
+            state.stored = min(state.stored, back)
+            state.computed_from = min(state.computed_from, back)
+        state.done = num_computed + int(scheduled.get(req_id, 0))
+        if not self.settings.save_on:
+            return
+        full = min(
+            min(state.done, state.prompt_len) // self.block_size,
+            len(state.keys),
+            len(state.block_ids),
+        )
+        if full > state.stored:
+            a = state.stored
+            meta.saves.append(
+                SaveSpec(
+                    req_id,
+                    state.keys[a:full],
+                    state.block_ids[a:full],
+                    prefix_block_ids=state.block_ids[:full],
+                    computed_from=state.computed_from,
+                )
+            )
+            state.stored = full
+
+    @failsafe(lambda self, args: (False, None))
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget ``request``; its blocks can be freed now (stores are synchronous)."""
+        self._reqs.pop(request.request_id, None)
+        return False, None
