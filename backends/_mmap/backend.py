@@ -15,7 +15,6 @@ import errno
 import fcntl
 import os
 import secrets
-import stat
 import struct
 import threading
 import time
@@ -55,7 +54,7 @@ from hicache_storage.protocol import Capabilities, HiCacheStorage
 from hicache_storage.storekit.atomic import is_temporary, writer_is_dead
 from hicache_storage.storekit.header import algorithm_id, checksum
 from hicache_storage.storekit.iopool import IOPool
-from hicache_storage.storekit.pathsafety import ensure_dir, user_dir
+from hicache_storage.storekit.pathsafety import ensure_dir, ensure_file_dir, user_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -137,31 +136,6 @@ class MmapOptions:
 _FLOCK = struct.Struct("hhqqi4x")
 
 
-def _check_directory(directory: str) -> None:
-    """Create the arena's directory if it is missing (0700), or vet the existing one.
-
-    An existing directory must be a real directory owned by the user or root that no other
-    user can replace files in: not writable by group or others, unless sticky like ``/tmp``.
-    """
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        st = os.lstat(directory)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot create the mmap arena directory {directory}: {exc}") from exc
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{directory} is not a directory (a symlink?): choose another path")
-    if st.st_uid not in (os.geteuid(), 0):
-        raise ConfigError(
-            f"{directory} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): "
-            "put the arena in a directory of your own"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        raise ConfigError(
-            f"{directory} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}), "
-            f"who could replace the arena's files: chmod go-w {directory}, or choose another path"
-        )
-
-
 def _pool_page_bytes(pool: Any) -> int:
     """Bytes of one page of a host pool, or 0 if that cannot be told.
 
@@ -232,7 +206,7 @@ class MmapBackend(HiCacheStorage):
         if default:
             ensure_dir(directory, 0o700)
         else:
-            _check_directory(directory)
+            ensure_file_dir(directory)
         self._remove_stale_creations(directory)
         self._refine_capabilities()
         if self.options.slot_size is not None or os.path.exists(self.path):

@@ -13,6 +13,9 @@ This module holds the rules, once for every backend:
   group either). Otherwise :class:`UnsafePathError` (a
   :class:`~hicache_storage.errors.ConfigError`) names the path, what is wrong and the fix.
 * :func:`check_file`: the same trust rule for an existing regular file.
+* :func:`ensure_file_dir`: a directory where a store keeps a few files of its own beside
+  other users' (``/dev/shm``, ``/tmp``): this user's or root's, nobody else able to
+  replace its files (sticky, or not writable by group and others).
 * :func:`open_regular`: open without following a symlink and without blocking on a FIFO,
   and refuse anything that is not a regular file (:class:`NotRegularFileError`).
 * :func:`check_path`: a configured path is a non-empty string without NUL bytes.
@@ -395,6 +398,41 @@ def ensure_dir(
     if check_ancestors:
         _check_ancestors(path)
     return created
+
+
+def ensure_file_dir(directory: str) -> None:
+    """Make ``directory`` a place for this user's own files beside other users', or raise.
+
+    For a store that keeps a few files of its own (an arena and its logs) in a directory
+    it may share with others, such as ``/dev/shm`` or ``/tmp``. A missing directory is
+    created (mode 0700, parents too). An existing one must be a real directory (not a
+    symlink) owned by this user or root in which nobody else can replace files: not
+    writable by group or others, unless sticky (as ``/tmp`` is). The files themselves are
+    checked with :func:`check_file` when opened. :class:`UnsafePathError` names what is
+    wrong and the fix; :class:`ConfigError` when the directory cannot be created.
+    """
+    directory = check_path(directory)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        st = os.lstat(directory)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot create the directory {directory}: {exc}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refuse(directory, "it is not a directory (a symlink?)", "choose another directory")
+    euid = os.geteuid()
+    if st.st_uid not in (euid, 0):
+        raise _refuse(
+            directory,
+            f"it belongs to uid {st.st_uid}, not to you (uid {euid}) or root",
+            "choose a directory of your own",
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise _refuse(
+            directory,
+            f"its mode {_mode_str(st.st_mode)} lets other users replace the files in it "
+            "(it is writable by other users and not sticky)",
+            f"`chmod go-w {directory}`, or choose another directory",
+        )
 
 
 def ensure_parent(path: str, gid: int | None = None) -> None:

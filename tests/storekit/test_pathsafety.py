@@ -324,3 +324,32 @@ def test_group_mode_trusts_only_current_members(
     # A group unknown to the database: membership cannot be checked.
     os.chown(f, 4243, 4299)
     assert pathsafety.is_trusted(os.lstat(f), 4299)
+
+
+def test_a_directory_for_a_stores_own_files_is_checked_like_its_neighbours(
+    tmp_path: Path,
+) -> None:
+    """ensure_file_dir (the mmap arena's directory): created 0700 when missing; a sticky
+    world-writable directory (as /tmp) is fine; a symlink, a file, or a directory others
+    may replace files in is refused with the fix."""
+    from hicache_storage.storekit.pathsafety import ensure_file_dir
+
+    new = tmp_path / "a" / "b"
+    ensure_file_dir(str(new))
+    assert new.is_dir() and stat.S_IMODE(new.stat().st_mode) == 0o700
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    ensure_file_dir(str(sticky))
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(UnsafePathError, match="chmod go-w"):
+        ensure_file_dir(str(open_dir))
+    link = tmp_path / "link"
+    link.symlink_to(new)
+    with pytest.raises(UnsafePathError, match="not a directory"):
+        ensure_file_dir(str(link))
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(ConfigError):
+        ensure_file_dir(str(tmp_path / "file"))
