@@ -308,6 +308,29 @@ class Lease:
     released: bool = False
 
 
+@dataclass
+class _Fill:
+    """What :meth:`TieredCache.acquire` fills for a prompt: chosen under the lock.
+
+    ``loads``: ``(i, device page, host page)`` of pages loaded from the host; ``computed``: pages
+    computed into the entry's own device page; ``private``: pages computed into a page of
+    this request's own (another request reads the entry's), also in ``scratch``.
+    """
+
+    entries: list[PageEntry]
+    reuse: int
+    on_device: int
+    lease_pages: list[int] = field(default_factory=list)
+    scratch: list[int] = field(default_factory=list)
+    loads: list[tuple[int, int, int]] = field(default_factory=list)
+    computed: list[tuple[int, int]] = field(default_factory=list)
+    private: list[tuple[int, int]] = field(default_factory=list)
+
+    def filling(self) -> list[int]:
+        """The prompt's pages being filled in their entries' own device pages."""
+        return [i for i, _, _ in self.loads] + [i for i, _ in self.computed]
+
+
 class TieredCache:
     """A KV cache over a device pool, a host pool and any storage backend.
 
@@ -567,105 +590,125 @@ class TieredCache:
                 f"{self.device.num_pages} pages"
             )
         wait = self.config.acquire_timeout if timeout is None else timeout
-        deadline = time.monotonic() + wait
         with self._lock:
             try:
-                while True:
-                    # Pages another request is filling are waited for, never taken
-                    # half-filled.
-                    if not self._ready.wait_for(
-                        lambda: self._all_ready(keys), max(0.0, deadline - time.monotonic())
-                    ):
-                        raise BackendError(f"pages of the prompt stayed busy for {wait} s")
-                    match = self.index.match(keys)
-                    reuse = match.host_pages
-                    if reuse_limit is not None:
-                        reuse = min(reuse, reuse_limit)
-                    entries = [self.index.get(k) for k in keys]
-                    # Past the reused prefix, a device page another request holds is not
-                    # computed over: this request computes into a page of its own.
-                    shared = {
-                        i for i in range(reuse, len(keys))
-                        if entries[i].device is not None and entries[i].pins > 0
-                    }  # fmt: skip
-                    need = sum(e.device is None for e in entries) + len(shared)
-                    for e in entries:
-                        e.pins += 1
-                    pages = self._device_pages(need)
-                    if pages is not None:
-                        break
-                    self._unpin(entries)  # others hold the pool: wait for a release
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not self._ready.wait(left):
-                        raise BackendError(
-                            f"the device pool stayed full for {wait} s (a prompt of "
-                            f"{len(keys)} pages waits for pages other requests hold)"
-                        )
+                fill = self._pin_prompt(keys, reuse_limit, wait)
             finally:
                 if prefetched is not None:
                     self._let_go(prefetched)
-            it = iter(pages)
-            lease_pages: list[int] = []
-            scratch: list[int] = []
-            loads: list[int] = []
-            computed: list[int] = []  # (into the entry's own page, marked not ready)
-            private: list[tuple[int, int]] = []  # (i, a page of this request's own)
-            for i, e in enumerate(entries):
-                if i in shared:
-                    page = next(it)
-                    scratch.append(page)
-                    private.append((i, page))
-                    lease_pages.append(page)
-                    continue
-                if i >= reuse or e.device is None:
-                    if e.device is None:
-                        self.index.set_device(e, next(it))
-                    (loads if i < reuse else computed).append(i)
-                    e.ready = False
-                lease_pages.append(e.device)  # type: ignore[arg-type]
-            for e in reversed(entries):  # the head most recent: eviction takes tails first
-                self.index.touch(e)
-            for e in entries[:reuse]:
-                e.hits += 1
-            on_device = min(match.device_pages, reuse)
-            self._count(
-                lookup_tokens=len(keys) * self.page_size,
-                device_hit_tokens=on_device * self.page_size,
-                host_hit_tokens=(reuse - on_device) * self.page_size,
-                computed_tokens=(len(keys) - reuse) * self.page_size,
-            )
+        progress = self._fill(fill, compute)
+        with self._lock:
+            for i in fill.filling():
+                fill.entries[i].ready = True
+            self._ready.notify_all()
+            for i, _ in fill.computed:
+                fill.entries[i].hits = 1
+            self._write_policy(fill.entries)
+        return Lease(
+            keys, fill.lease_pages, fill.reuse, progress, fill.on_device, scratch=fill.scratch
+        )
+
+    def _pin_prompt(self, keys: list[str], reuse_limit: int | None, wait: float) -> _Fill:
+        """Pin the prompt's pages and give each a device page: what :meth:`acquire` fills.
+
+        Under the lock. Waits (up to ``wait`` seconds) for pages another request is
+        filling and for device pages; :class:`BackendError` after that.
+        """
+        deadline = time.monotonic() + wait
+        while True:
+            # Pages another request is filling are waited for, never taken half-filled.
+            if not self._ready.wait_for(
+                lambda: self._all_ready(keys), max(0.0, deadline - time.monotonic())
+            ):
+                raise BackendError(f"pages of the prompt stayed busy for {wait} s")
+            match = self.index.match(keys)
+            reuse = match.host_pages
+            if reuse_limit is not None:
+                reuse = min(reuse, reuse_limit)
+            entries = [self.index.get(k) for k in keys]
+            # Past the reused prefix, a device page another request holds is not computed
+            # over: this request computes into a page of its own.
+            shared = {
+                i for i in range(reuse, len(keys))
+                if entries[i].device is not None and entries[i].pins > 0
+            }  # fmt: skip
+            need = sum(e.device is None for e in entries) + len(shared)
+            for e in entries:
+                e.pins += 1
+            pages = self._device_pages(need)
+            if pages is not None:
+                break
+            self._unpin(entries)  # others hold the pool: wait for a release
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._ready.wait(left):
+                raise BackendError(
+                    f"the device pool stayed full for {wait} s (a prompt of "
+                    f"{len(keys)} pages waits for pages other requests hold)"
+                )
+        fill = _Fill(entries, reuse, min(match.device_pages, reuse))
+        it = iter(pages)
+        for i, e in enumerate(entries):
+            if i in shared:
+                page = next(it)
+                fill.scratch.append(page)
+                fill.private.append((i, page))
+                fill.lease_pages.append(page)
+                continue
+            device = e.device
+            if i >= reuse or device is None:
+                if device is None:
+                    device = next(it)
+                    self.index.set_device(e, device)
+                if i < reuse:
+                    assert e.host is not None  # (reused: held on the host, and pinned)
+                    fill.loads.append((i, device, e.host))
+                else:
+                    fill.computed.append((i, device))
+                e.ready = False
+            fill.lease_pages.append(device)
+        for e in reversed(entries):  # the head most recent: eviction takes tails first
+            self.index.touch(e)
+        for e in entries[:reuse]:
+            e.hits += 1
+        self._count(
+            lookup_tokens=len(keys) * self.page_size,
+            device_hit_tokens=fill.on_device * self.page_size,
+            host_hit_tokens=(reuse - fill.on_device) * self.page_size,
+            computed_tokens=(len(keys) - reuse) * self.page_size,
+        )
+        return fill
+
+    def _fill(self, fill: _Fill, compute: Callable[[int, int], None]) -> LayerProgress | None:
+        """Load and compute the pages :meth:`_pin_prompt` chose (outside the lock).
+
+        If a load or ``compute`` raises, every page being filled is dropped (never left
+        looking filled), the pins are released, and the exception propagates.
+        """
+        entries = fill.entries
         progress = None
         try:
-            if loads:
+            if fill.loads:
                 progress = self.device.load(
-                    [entries[i].device for i in loads],  # type: ignore[misc]
-                    [entries[i].host for i in loads],  # type: ignore[misc]
+                    [page for _, page, _ in fill.loads], [host for _, _, host in fill.loads]
                 )
-                self._count(bytes_loaded=len(loads) * self.host.page_bytes)
-            for i in computed:
-                compute(i, entries[i].device)  # type: ignore[arg-type]
-            for i, page in private:
+                self._count(bytes_loaded=len(fill.loads) * self.host.page_bytes)
+            for i, page in fill.computed:
+                compute(i, page)
+            for i, page in fill.private:
                 compute(i, page)
         except BaseException:
             with self._lock:
-                for i in [*loads, *computed]:  # never left looking filled
+                for i in fill.filling():
                     e = entries[i]
                     own = e.device
                     self.index.set_device(e, None)
                     if own is not None:
                         self.device.free([own])
                     e.ready = True
-                self.device.free(scratch)
+                self.device.free(fill.scratch)
                 self._unpin(entries)
             raise
-        with self._lock:
-            for i in [*loads, *computed]:
-                entries[i].ready = True
-            self._ready.notify_all()
-            for i in computed:
-                entries[i].hits = 1
-            self._write_policy(entries)
-        return Lease(keys, lease_pages, reuse, progress, on_device, scratch=scratch)
+        return progress
 
     def release_prefetch(self, op: PrefetchOp) -> None:
         """Let go of the pages :meth:`finish_prefetch` held for a request.
