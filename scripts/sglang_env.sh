@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv-sglang, the second virtual environment the integration tests
-# (tests/integrations/) run in: the real SGLang package (sglang==0.5.23), the CPU torch
+# (tests/integrations/sglang/) run in: the real SGLang package (sglang==0.5.23), the CPU torch
 # wheel, the packages SGLang's HiCache storage layer and host pools need to import, this package
 # (editable) and pytest. Idempotent: a stamp file records what was installed, and a second
 # run with nothing changed returns at once.
@@ -47,7 +47,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   # to the adapter, import transformers and SGLang's model configs and quantization
   # modules; these are what those imports need. torchvision is not among them on
   # purpose: PyPI's wheels are CUDA builds that do not load with the CPU torch (and break
-  # transformers' import); tests/integrations/conftest.py stands in for it instead.
+  # transformers' import); tests/integrations/sglang/conftest.py stands in for it instead.
   quiet "${pip_q[@]}" transformers tokenizers compressed-tensors sentencepiece dill \
     apache-tvm-ffi gguf
   # This package, editable, and its runtime requirements without torch's resolution.

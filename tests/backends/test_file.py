@@ -32,8 +32,6 @@ sys.path.insert(0, str(WORKERS))
 
 from kvcontent import KEY_UNIVERSE, content, namespace, page_pool
 
-pytestmark = pytest.mark.file
-
 Factory = Callable[..., FileBackend]
 
 

@@ -28,8 +28,6 @@ from redis_server import free_port
 
 require_private_network()
 
-pytestmark = pytest.mark.mooncake
-
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[tuple[MooncakeMaster, MooncakeHolder]]:

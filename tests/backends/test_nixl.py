@@ -29,8 +29,6 @@ from hicache_storage.keys import page_hashes
 from hicache_storage.layouts import LAYOUTS
 from hicache_storage.storekit.header import HEADER_SIZE
 
-pytestmark = pytest.mark.nixl
-
 NS = KVCacheNamespace(model_id="m", dtype="uint8", page_size=4, tenant="nixl")
 
 

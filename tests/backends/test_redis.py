@@ -33,8 +33,6 @@ from redis_server import (
     running_cluster,
 )
 
-pytestmark = pytest.mark.redis
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:

@@ -26,8 +26,6 @@ from fault_proxy import FaultProxy
 from moto_server import MotoServer, running_moto
 from redis_server import free_port
 
-pytestmark = pytest.mark.s3
-
 BUCKET = "hicache-test"
 
 

@@ -29,8 +29,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 
 from moto_server import MotoServer, running_moto
 
-pytestmark = pytest.mark.s3
-
 BUCKET = "hicache-secrets"
 
 

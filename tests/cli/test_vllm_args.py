@@ -1,6 +1,6 @@
 """``hicache-storage vllm-args``: the vLLM ``kv_transfer_config`` that runs a backend.
 
-(The engine tests in tests/vllm/ build every engine from this command's function, so
+(The engine tests in tests/integrations/vllm/ build every engine from this command's function, so
 the configuration it prints is the one proven inside vLLM.)
 """
 

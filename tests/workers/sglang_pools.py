@@ -8,7 +8,7 @@ SGLang's code: the host ``kv_buffer`` in each layout, the allocator, ``get_data_
 (its zero-copy path).
 
 Import this only where SGLang's host-pool chain can load (``.venv-sglang``, with the
-torchvision stand-in installed: tests/integrations/conftest.py does both).
+torchvision stand-in installed: tests/integrations/sglang/conftest.py does both).
 """
 
 from __future__ import annotations
@@ -132,16 +132,18 @@ def backend_options(name: str, tmp_path: Path) -> dict[str, Any]:
     """Options of each backend, in ``tmp_path``, for the adapter's extra config."""
     if name == "redis":
         if not REDIS_URL:
-            raise RuntimeError("no redis-server: tests/integrations/conftest.py starts one")
+            raise RuntimeError("no redis-server: tests/integrations/sglang/conftest.py starts one")
         return {"url": REDIS_URL[0], "prefix": f"sglang-{tmp_path.name}:"}
     if name == "mooncake":
         if not MOONCAKE_MASTER:
-            raise RuntimeError("no Mooncake store: tests/integrations/conftest.py starts one")
+            raise RuntimeError(
+                "no Mooncake store: tests/integrations/sglang/conftest.py starts one"
+            )
         return {"master_server_address": MOONCAKE_MASTER[0], "global_segment_size": 0,
                 "local_buffer_size": "32MiB", "prefix": f"sglang-{tmp_path.name}/"}  # fmt: skip
     if name == "s3":
         if not S3_OPTIONS:
-            raise RuntimeError("no S3 server: tests/integrations/conftest.py starts one")
+            raise RuntimeError("no S3 server: tests/integrations/sglang/conftest.py starts one")
         return {**S3_OPTIONS, "prefix": f"sglang-{tmp_path.name}"}
     options: dict[str, dict[str, Any]] = {
         "file": {"root": str(tmp_path / "file")},

@@ -22,7 +22,7 @@ from hicache_storage import HostKVPool
 from hicache_storage.errors import ConfigError
 from hicache_storage.integrations.sglang import SGLangStorage
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "conformance_kit" / "teeth"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "conformance_kit" / "teeth"))
 
 PW = "CANARY-sgl-pw-4e1d"
 URL_PW = "CANARY-sgl-url-9b07"

@@ -23,7 +23,7 @@ from vllm_engine import BLOCK, kv_transfer_config
 from hicache_storage.errors import ConfigError
 from hicache_storage.integrations.vllm import HiCacheKVConnector
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "conformance_kit" / "teeth"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "conformance_kit" / "teeth"))
 
 PW = "CANARY-vllm-pw-2f8a"
 URL_PW = "CANARY-vllm-url-d51c"

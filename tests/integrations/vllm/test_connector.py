@@ -19,7 +19,7 @@ import pytest
 import vllm_faults
 from vllm_engine import BLOCK, engine, generate, totals
 
-WORKERS = Path(__file__).parents[1] / "workers"
+WORKERS = Path(__file__).parents[2] / "workers"
 
 # Prompts (token ids; blocks of 32). A: 70 tokens, 2 full blocks and 6 more. B: A's
 # first block, then other tokens. C: exactly 2 blocks (a hit may cover only the first:

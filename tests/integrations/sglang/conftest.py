@@ -18,16 +18,16 @@ try:
     import sglang
 except ImportError as exc:
     raise pytest.UsageError(
-        f"tests/integrations needs the real SGLang package, and {sys.executable} cannot "
+        f"tests/integrations/sglang needs the real SGLang package, and {sys.executable} cannot "
         f"import it ({exc}). Build its venv with `bash scripts/sglang_env.sh`, then run "
-        "`.venv-sglang/bin/python -m pytest tests/integrations`."
+        "`.venv-sglang/bin/python -m pytest tests/integrations/sglang`."
     ) from exc
 
 del sglang
 
 # SGLang's host-pool classes import torchvision, which cannot be installed here; the
 # stand-in's docstring says why and what it is.
-sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "workers"))
 import torchvision_stand_in
 
 torchvision_stand_in.install()

@@ -15,16 +15,16 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "workers"))
 import vllm_engine  # (sets vLLM's environment before vLLM is imported)
 
 try:
     import vllm
 except ImportError as exc:
     raise pytest.UsageError(
-        f"tests/vllm needs the real vLLM package, and {sys.executable} cannot import it "
+        f"tests/integrations/vllm needs the real vLLM package, and {sys.executable} cannot import it "
         f"({exc}). Build its venv with `bash scripts/vllm_env.sh`, then run "
-        "`unshare -n bash -c 'ip link set lo up && .venv-vllm/bin/python -m pytest tests/vllm'`."
+        "`unshare -n bash -c 'ip link set lo up && .venv-vllm/bin/python -m pytest tests/integrations/vllm'`."
     ) from exc
 
 del vllm
