@@ -91,6 +91,16 @@ class MemoryBackend(BlobStore[MemoryOptions]):
             return [self._pages.pop(n.path, None) is not None for n in names]
 
     @override
+    def usage(self) -> dict[str, int]:
+        """The protocol's figures for this namespace's values (headers included); no limit."""
+        with self._lock:
+            return {
+                "objects": len(self._pages),
+                "used_bytes": sum(map(len, self._pages.values())),
+                "limit_bytes": 0,
+            }
+
+    @override
     def _clear_namespace(self) -> None:
         with self._lock:
             self._pages.clear()  # this namespace's pages: every name in it has the prefix

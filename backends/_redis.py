@@ -94,7 +94,7 @@ class RedisOptions(BlobOptions):
             evicted by the server's ``maxmemory`` policy.
         socket_timeout: seconds a command may take before the call fails.
         connect_timeout: seconds to connect before the call fails.
-        max_connections: connections in the pool (the engine calls from a few threads);
+        max_concurrency: connections in the pool (the engine calls from a few threads);
             standalone servers only (a cluster client keeps a pool per node, unbounded).
         clear_batch: keys per ``SCAN`` step and per ``UNLINK`` of ``clear()``.
         cluster: the URL names one node of a Redis Cluster: batches are split by the
@@ -119,7 +119,7 @@ class RedisOptions(BlobOptions):
     ttl: float = 0.0
     socket_timeout: float = 5.0
     connect_timeout: float = 2.0
-    max_connections: int = 16
+    max_concurrency: int = 16
     clear_batch: int = 1000
     cluster: bool = False
     checksum: Literal["xxh3", "none"] = "xxh3"
@@ -138,8 +138,8 @@ class RedisOptions(BlobOptions):
             raise ConfigError("ttl must be 0 (no expiry) or at least 0.001 seconds")
         if self.socket_timeout <= 0 or self.connect_timeout <= 0:
             raise ConfigError("socket_timeout and connect_timeout must be > 0")
-        if self.max_connections < 1 or self.clear_batch < 1:
-            raise ConfigError("max_connections and clear_batch must be >= 1")
+        if self.max_concurrency < 1 or self.clear_batch < 1:
+            raise ConfigError("max_concurrency and clear_batch must be >= 1")
         if self.db is not None and self.db < 0:
             raise ConfigError("db must be >= 0")
 
@@ -294,7 +294,7 @@ class RedisBackend(BlobStore[RedisOptions]):
 
         opts = self.options
         pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
-            max_connections=opts.max_connections,
+            max_connections=opts.max_concurrency,
             timeout=opts.socket_timeout,
             socket_timeout=opts.socket_timeout,
             socket_connect_timeout=opts.connect_timeout,

@@ -33,7 +33,7 @@ __all__ = ["ShmBackend", "ShmOptions"]
 
 logger = logging.getLogger(__name__)
 
-#: Filesystems that keep files in memory: what ``directory`` is meant to be on.
+#: Filesystems that keep files in memory: what ``root`` is meant to be on.
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 _warned_not_in_memory: set[str] = set()
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
@@ -44,10 +44,10 @@ class ShmOptions(FileTreeOptions):
     """Options of the ``shm`` backend (environment: ``HICACHE_STORAGE_SHM_<NAME>``).
 
     Attributes:
-        directory: a directory on a tmpfs. Default ``/dev/shm/hicache-storage-<uid>``
+        root: the store's directory, on a tmpfs. Default ``/dev/shm/hicache-storage-<uid>``
             (private), or with ``group``, ``/dev/shm/hicache-storage-g<gid>`` (so every
             member finds the same store).
-        max_size: cap on the bytes of the whole directory (every namespace); default half
+        max_size: cap on the bytes of the whole root (every namespace); default half
             of the tmpfs.
         min_free_space: free space always left on the tmpfs; default a tenth of it.
         group: share with this group (a name, or a gid as an int or a string of digits):
@@ -60,7 +60,7 @@ class ShmOptions(FileTreeOptions):
         (and the other options of :class:`~hicache_storage.storekit.filestore.FileTreeOptions`.)
     """
 
-    directory: str | None = None
+    root: str | None = None
     # Any: a name or a gid (int); the option parser passes it through, checked below.
     group: Any = None
     recycle: bool = True
@@ -68,8 +68,8 @@ class ShmOptions(FileTreeOptions):
     @override
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.directory is not None and not self.directory:
-            raise ConfigError("directory must not be empty")
+        if self.root is not None and not self.root:
+            raise ConfigError("root must not be empty")
         if self.group is not None:
             _group_id(self.group)
 
@@ -120,7 +120,6 @@ class ShmBackend(FileTreeStore[ShmOptions]):
     name = "shm"
     capabilities = Capabilities(zero_copy=True, delete=True, persistent=True, shared=True)
     options_class = ShmOptions
-    location_option = "directory"
     recycles_files = True  # readers lock and re-check (see FileTreeStore._open_published)
     capacity_per_root = True  # one LRU and one cap for every namespace: no writer starves
     serialize_free_space = True  # the floor holds with any number of writer processes
@@ -130,7 +129,7 @@ class ShmBackend(FileTreeStore[ShmOptions]):
         self._warn_unless_in_memory()
 
     def _warn_unless_in_memory(self) -> None:
-        """Warn, once per directory and process, when ``directory`` is not on a tmpfs.
+        """Warn, once per directory and process, when ``root`` is not on a tmpfs.
 
         The store works there too, but its pages then go to a disk, and the defaults (half of
         the filesystem, a tenth kept free) were meant for memory.
@@ -149,9 +148,8 @@ class ShmBackend(FileTreeStore[ShmOptions]):
 
     @override
     def _location(self, opts: ShmOptions) -> str:
-        directory = opts.directory
-        if directory is not None:
-            return directory
+        if opts.root is not None:
+            return opts.root
         if self.group_id is not None:
             return f"/dev/shm/hicache-storage-g{self.group_id}"
         return user_dir("/dev/shm", "hicache-storage")

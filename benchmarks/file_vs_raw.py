@@ -5,7 +5,7 @@ page's segments to a temporary file then ``os.rename``; reads are ``open`` + ``r
 of each segment; a serial loop, and the same on 4 threads. Our side: ``batch_set_v1`` /
 ``batch_get_v1`` of the same pages through a :class:`FileBackend` (header, xxh3 checksum
 written and verified on every read, first-writer-wins publish), with its default thread
-pool and with ``io_threads=1``. Ratios are against the serial raw loop.
+pool and with ``max_concurrency=1``. Ratios are against the serial raw loop.
 
 Every read is verified byte for byte against the source pages (outside the timed part,
 for both sides). Rounds alternate the order of the contenders; the median is reported.
@@ -119,7 +119,7 @@ def main() -> int:
     def run_ours(threads: int, checksum: str = "xxh3") -> tuple[float, float]:
         ns = namespace_for(shape, "bench-" + secrets.token_hex(4))
         b = FileBackend(
-            StorageConfig(namespace=ns), root=base, io_threads=threads, checksum=checksum
+            StorageConfig(namespace=ns), root=base, max_concurrency=threads, checksum=checksum
         )
         b.register_mem_pool_host(pool)
         keys = page_hashes(torch.randint(0, 2**31 - 1, (shape.pages * ps,)).tolist(), ps)
@@ -142,10 +142,10 @@ def main() -> int:
 
     contenders: dict[str, Callable[[], tuple[float, float]]] = {
         "raw, serial (writev+rename/readinto)": lambda: run_raw(1),
-        "file v1, io_threads=4 (default)": lambda: run_ours(4),
-        "file v1, io_threads=1": lambda: run_ours(1),
+        "file v1, max_concurrency=4 (default)": lambda: run_ours(4),
+        "file v1, max_concurrency=1": lambda: run_ours(1),
         "raw, 4 threads": lambda: run_raw(4),
-        "file v1, io_threads=4, checksum=none": lambda: run_ours(4, "none"),
+        "file v1, max_concurrency=4, checksum=none": lambda: run_ours(4, "none"),
     }
     names = list(contenders)
     for r in range(args.rounds):

@@ -62,10 +62,10 @@ def backends(base: str) -> dict[str, Callable[[], HiCacheStorage]]:
 
     return {
         "mmap": lambda: MmapBackend(
-            cfg(), path=arena(), capacity="256MiB", slot_size="8KiB", prefault=False
+            cfg(), path=arena(), max_size="256MiB", slot_size="8KiB", prefault=False
         ),
         "memory": lambda: MemoryBackend(cfg(), store="hot-" + secrets.token_hex(4)),
-        "shm": lambda: ShmBackend(cfg(), directory=shm_dir()),
+        "shm": lambda: ShmBackend(cfg(), root=shm_dir()),
         "file": lambda: FileBackend(cfg(), root=os.path.join(base, "file-" + secrets.token_hex(3))),
     }
 

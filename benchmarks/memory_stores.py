@@ -189,28 +189,28 @@ def main() -> int:
         "memcpy, bulk": memcpy_bulk,
         "raw writev/preadv, new tmpfs files": raw_tmpfs,
         "shm v1, cold (new pages)": through(
-            lambda c: ShmBackend(c, directory=shm_dir, io_threads=4)
+            lambda c: ShmBackend(c, root=shm_dir, max_concurrency=4)
         ),
         "shm v1, full (recycling)": through(
-            lambda c: ShmBackend(c, directory=shm_dir, io_threads=4, max_size=full_cap),
+            lambda c: ShmBackend(c, root=shm_dir, max_concurrency=4, max_size=full_cap),
             full=True,
         ),
         "shm v1, full, recycle=false": through(
             lambda c: ShmBackend(
-                c, directory=shm_dir, io_threads=4, max_size=full_cap, recycle=False
+                c, root=shm_dir, max_concurrency=4, max_size=full_cap, recycle=False
             ),
             full=True,
         ),
         "mmap v1": through(
             lambda c: MmapBackend(
-                c, path=arena, capacity=2 * nbytes + 2**24, slot_size=page_bytes, reuse_delay=0
+                c, path=arena, max_size=2 * nbytes + 2**24, slot_size=page_bytes, reuse_delay=0
             )
         ),
         "file v1 (/tmp)": through(lambda c: FileBackend(c, root=os.path.join(tmp, "file"))),
     }
     # Create and prefault the arena before timing anything.
     MmapBackend(
-        StorageConfig(), path=arena, capacity=2 * nbytes + 2**24, slot_size=page_bytes
+        StorageConfig(), path=arena, max_size=2 * nbytes + 2**24, slot_size=page_bytes
     ).close()
     results: dict[str, dict[str, list[float]]] = {n: {"set": [], "get": []} for n in contenders}
     bad = 0

@@ -49,7 +49,7 @@ def run_shape(url: str, shape: BenchShape, rounds: int) -> dict[str, Any]:
     pool, src, ps = pages.pool, pages.src, shape.page_size
     client = redis.Redis.from_url(url)
     b = RedisBackend(StorageConfig(namespace=namespace_for(shape, "bench")), url=url,
-                     prefix="bench:", max_connections=4)  # fmt: skip
+                     prefix="bench:", max_concurrency=4)  # fmt: skip
     b.register_mem_pool_host(pool)
     out: dict[str, list[float]] = {"ours set": [], "ours get": [], "raw set": [], "raw get": []}
     bad = 0

@@ -58,11 +58,11 @@ def make(name: str, where: str, n_max: int, nbytes: int, tenant: str) -> HiCache
     if name == "file":
         return FileBackend(cfg, root=os.path.join(where, "file"), max_size=big)
     if name == "shm":
-        return ShmBackend(cfg, directory=os.path.join(SHM_BASE[0], "shm-" + tenant), max_size=big)
+        return ShmBackend(cfg, root=os.path.join(SHM_BASE[0], "shm-" + tenant), max_size=big)
     if name == "mmap":
         slots = f"{(n_max + 4 * BATCH) * 4096 * 5 // 4 >> 20}MiB"
         return MmapBackend(cfg, path=os.path.join(SHM_BASE[0], "arena-" + tenant),
-                           capacity=slots, slot_size="4KiB", prefault=False)  # fmt: skip
+                           max_size=slots, slot_size="4KiB", prefault=False)  # fmt: skip
     return MemoryBackend(cfg, store="scale-" + tenant)
 
 

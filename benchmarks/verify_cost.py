@@ -91,14 +91,14 @@ class Stores:
         if name == "shm":
             shm = tempfile.mkdtemp(prefix="hicache-verify-", dir="/dev/shm")
             self.stack.callback(shutil.rmtree, shm, True)
-            return b.ShmBackend(config, directory=shm, **opts)
+            return b.ShmBackend(config, root=shm, **opts)
         if name == "mmap":
-            return b.MmapBackend(config, path=where, capacity=nbytes * 3 // 2 + (64 << 20), **opts)
+            return b.MmapBackend(config, path=where, max_size=nbytes * 3 // 2 + (64 << 20), **opts)
         if name == "memory":
             return b.MemoryBackend(config, store=f"verify-{tag}", **opts)
         if name == "redis":
             url = self.server(name).url
-            return b.RedisBackend(config, url=url, prefix="verify:", max_connections=4, **opts)
+            return b.RedisBackend(config, url=url, prefix="verify:", max_concurrency=4, **opts)
         if name == "s3":
             srv = self.server(name)
             return b.S3Backend(config, bucket="hicache-verify", prefix="verify",

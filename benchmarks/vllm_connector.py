@@ -223,7 +223,7 @@ def main() -> None:
         for shape in SHAPES:
             base = Path(tempfile.mkdtemp(prefix="vllm-bench-", dir=args.dir))
             options = {"file": {"root": str(base / "kv")},
-                       "shm": {"directory": f"/dev/shm/hicache-vllm-bench-{os.getpid()}"},
+                       "shm": {"root": f"/dev/shm/hicache-vllm-bench-{os.getpid()}"},
                        "memory": {"store": "bench"}}[backend]  # fmt: skip
             parts = build(backend, options, shape, model)
             blocks, per_req = shape[4], shape[5]

@@ -42,6 +42,7 @@ __all__ = [
     "CONTROLLER_KEYS",
     "MAX_SIZE",
     "REDACTED",
+    "RENAMED_OPTIONS",
     "Size",
     "StorageConfig",
     "is_secret_option",
@@ -365,6 +366,17 @@ def _shown(value: Any, hidden: bool) -> str:
     return text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
 
 
+#: Option names of development builds and the glossary's name for the same idea
+#: (docs/concepts.md, "Option names"). Nothing was released under the old names, so they
+#: are not aliases: an old name is an unknown option whose error names the new one.
+RENAMED_OPTIONS = {
+    "directory": "root",
+    "capacity": "max_size",
+    "io_threads": "max_concurrency",
+    "max_connections": "max_concurrency",
+}
+
+
 def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
     """Build the options dataclass ``cls`` of ``backend`` from ``options``.
 
@@ -377,8 +389,15 @@ def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = set(options) - set(known) - CONTROLLER_KEYS
     if unknown:
+        renamed = [
+            f"{old!r} is now {RENAMED_OPTIONS[old]!r}"
+            for old in sorted(unknown)
+            if RENAMED_OPTIONS.get(old) in known
+        ]
+        hint = f" ({'; '.join(renamed)})" if renamed else ""
         raise ConfigError(
-            f"unknown option(s) {sorted(unknown)} for backend {backend!r}; valid options: {sorted(known)}"
+            f"unknown option(s) {sorted(unknown)} for backend {backend!r}{hint}; "
+            f"valid options: {sorted(known)}"
         )
     kwargs: dict[str, Any] = {}
     env_prefix = f"HICACHE_STORAGE_{backend.upper().replace('-', '_')}_"

@@ -94,6 +94,7 @@ if TYPE_CHECKING:
     from hicache_storage.stats import StorageStats
 
 __all__ = [
+    "USAGE_KEYS",
     "Capabilities",
     "EngineHostPool",
     "HiCacheStorage",
@@ -102,6 +103,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The keys every backend's :meth:`HiCacheStorage.usage` returns.
+USAGE_KEYS = ("objects", "used_bytes", "limit_bytes")
 
 
 @runtime_checkable
@@ -555,6 +559,21 @@ class HiCacheStorage(abc.ABC):
         if pages is None:
             return [False] * len(keys)
         return self.batch_get_pages(keys, pages)
+
+    # ------------------------------------------------------------------ introspection
+
+    def usage(self) -> dict[str, int]:
+        """What the store holds, in one schema for every backend (:data:`USAGE_KEYS`).
+
+        ``objects``: the objects this instance counts (its namespace, or its whole root
+        for a store with one budget per root); ``used_bytes``: what they take, as the
+        backend counts it against its limit; ``limit_bytes``: that limit (``max_size``,
+        or the arena's size), 0 when none is set. -1 for a figure the backend cannot
+        tell cheaply (a remote store, or a local one that does not count without a
+        limit). Backends may add keys of their own (documented on their page); these
+        three are always there, as ints. Default: all three -1.
+        """
+        return dict.fromkeys(USAGE_KEYS, -1)
 
     # ------------------------------------------------------------------ lifecycle
 

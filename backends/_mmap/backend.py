@@ -40,6 +40,7 @@ from hicache_storage.backends._mmap.index_log import (
     Record,
     RecordKind,
     _Entry,
+    unpack,
 )
 from hicache_storage.buffers import PageBuffer, source_views, target_views, total_nbytes
 from hicache_storage.config import Size, StorageConfig, parse_options
@@ -71,8 +72,8 @@ class MmapOptions:
             Default: ``/tmp/hicache-storage-mmap-<uid>/arena``, in a private (0700)
             directory of the user. An existing arena or index file must be a
             regular file owned by the user and writable by nobody else.
-        capacity: arena size, fixed at creation (e.g. ``"512MiB"``). Reopening an arena
-            keeps its original geometry.
+        max_size: the arena's size, fixed at creation (e.g. ``"512MiB"``): the most bytes
+            of slots it holds. Reopening an arena keeps its original geometry.
         slot_size: the largest slot, hence the largest storable object: the size of a
             slab, rounded up to a whole number of units (4 KiB, or more for slabs over
             256 KiB: a slab has at most 64 units). Smaller objects take smaller slots (size
@@ -89,19 +90,19 @@ class MmapOptions:
         reuse_delay: seconds an evicted slot rests before it is reused (readers also
             re-check a slot's generation after copying, so this only avoids wasted reads).
         low_free_slots: evict ahead when fewer than this fraction of the slots is free.
-        io_threads: threads copying the pages of a batch.
+        max_concurrency: threads copying the pages of a batch.
         prefault: touch the whole arena at creation so it is resident in the page cache.
     """
 
     path: str | None = None
-    capacity: Size = Size(512 * 2**20)  # noqa: RUF009 - an int constant
+    max_size: Size = Size(512 * 2**20)  # noqa: RUF009 - an int constant
     slot_size: Size | None = None
     fsync: bool = False
     checksum: Literal["xxh3", "none"] = "xxh3"
     verify_checksum: bool | None = None
     reuse_delay: float = 0.05
     low_free_slots: float = 0.05
-    io_threads: int = 2
+    max_concurrency: int = 2
     prefault: bool = True
 
     def __post_init__(self) -> None:
@@ -109,16 +110,16 @@ class MmapOptions:
             raise ConfigError("path must not be empty")
         if self.path is not None and "\0" in self.path:
             raise ConfigError("path must not contain a NUL byte")
-        if self.capacity <= 0:
-            raise ConfigError("capacity must be > 0")
+        if self.max_size <= 0:
+            raise ConfigError("max_size must be > 0")
         if self.slot_size is not None and self.slot_size <= 0:
             raise ConfigError("slot_size must be > 0")
         if self.reuse_delay < 0:
             raise ConfigError("reuse_delay must be >= 0")
         if not 0 <= self.low_free_slots < 1:
             raise ConfigError("low_free_slots must be in [0, 1)")
-        if self.io_threads < 1:
-            raise ConfigError("io_threads must be >= 1")
+        if self.max_concurrency < 1:
+            raise ConfigError("max_concurrency must be >= 1")
         if self.verify_checksum and self.checksum == "none":
             raise ConfigError(
                 'verify_checksum=true needs checksum="xxh3" (checksum="none" writes none to verify)'
@@ -175,6 +176,7 @@ class MmapBackend(HiCacheStorage):
     # The class's declaration (what the registry reads); an instance adds the arena's
     # slot size as max_object_bytes once it is known (_refine_capabilities).
     capabilities = _CAPS
+    options_class = MmapOptions
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config)
@@ -198,7 +200,7 @@ class MmapBackend(HiCacheStorage):
         )
         self._pid = os.getpid()
         self._token = int.from_bytes(secrets.token_bytes(8), "little") or 1
-        self._io = IOPool(self.options.io_threads, "hicache-mmap")
+        self._io = IOPool(self.options.max_concurrency, "hicache-mmap")
         self._gate = threading.Condition()
         self._inflight = 0
         self._closing = False
@@ -286,7 +288,7 @@ class MmapBackend(HiCacheStorage):
                     return self._arena
                 # Creation needs no lock (a complete arena is linked into place, first
                 # creator wins); loading the index takes the arena's writer lock.
-                arena = _Arena(self.path, self.options.capacity, slot_size, self.options.prefault)
+                arena = _Arena(self.path, self.options.max_size, slot_size, self.options.prefault)
                 try:
                     with self._writer_lock(arena):
                         self._arena = arena
@@ -1295,17 +1297,37 @@ class MmapBackend(HiCacheStorage):
 
     # ------------------------------------------------------------------ introspection
 
+    @override
     def usage(self) -> dict[str, int]:
-        """Slots of the arena and how many hold live objects (all namespaces)."""
+        """The protocol's figures for the whole arena (every namespace in it), and its slots.
+
+        ``used_bytes`` are the live objects' payloads; ``limit_bytes`` the bytes of its
+        slabs. Extra keys: ``slabs``, ``slot_size`` (a slab's bytes: the largest slot),
+        ``unit`` (the smallest slot). Before the arena exists (no write yet): zeros, and
+        ``limit_bytes`` is ``max_size``.
+        """
         arena = self._arena
         if arena is None:
-            return {"slabs": 0, "slot_size": 0, "unit": 0, "live": 0}
-        self._log.catch_up()
+            return {
+                "objects": 0,
+                "used_bytes": 0,
+                "limit_bytes": int(self.options.max_size),
+                "slabs": 0,
+                "slot_size": 0,
+                "unit": 0,
+            }
+        log = self._log
+        with log.lock:
+            log.catch_up()
+            slots = [unpack(packed)[0] for packed in log.index.values()]
+            used = sum(int(log.lengths[slot]) for slot in slots)
         return {
+            "objects": len(slots),
+            "used_bytes": used,
+            "limit_bytes": arena.nslabs * arena.slab_size,
             "slabs": arena.nslabs,
             "slot_size": arena.slab_size,
             "unit": arena.unit,
-            "live": len(self._log.index),
         }
 
     def slots_for(self, nbytes: int) -> int:

@@ -247,7 +247,7 @@ class FileTreeOptions:
         min_free_space: keep at least this much free space on the filesystem.
             ``None``: the backend's default (0 for ``file``).
         eviction_ratio: once over ``max_size``, evict down to ``max_size * eviction_ratio``.
-        io_threads: threads for batch reads and writes.
+        max_concurrency: threads for batch reads and writes.
         metadata_cache_ttl: seconds ``exists`` may answer from memory (0 = always stat).
         checksum: payload checksum, ``"xxh3"`` or ``"none"``.
         verify_checksum: verify the payload checksum on every read.
@@ -259,7 +259,7 @@ class FileTreeOptions:
     max_size: Size | None = None
     min_free_space: Size | None = None
     eviction_ratio: float = 0.9
-    io_threads: int = 4
+    max_concurrency: int = 4
     metadata_cache_ttl: float = 0.0
     checksum: Literal["xxh3", "none"] = "xxh3"
     verify_checksum: bool = True
@@ -267,8 +267,8 @@ class FileTreeOptions:
 
     def __post_init__(self) -> None:
         """Check the options; :class:`ConfigError` for a value out of range."""
-        if self.io_threads < 1:
-            raise ConfigError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.max_concurrency < 1:
+            raise ConfigError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.metadata_cache_ttl < 0 or self.stale_temp_age < 0:
             raise ConfigError("metadata_cache_ttl and stale_temp_age must be >= 0")
         if not 0 < self.eviction_ratio <= 1:
@@ -337,7 +337,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         # Calls moving batches at once: each holds up to payload_batch files open.
         self._parts = threading.BoundedSemaphore(4)
         self._ensure_tree()  # ConfigError: refuse to start on an unsafe or unusable root
-        self._io = IOPool(opts.io_threads, f"hicache-{self.name}")
+        self._io = IOPool(opts.max_concurrency, f"hicache-{self.name}")
         # Fan-out directories as last scanned (quiet ones): their mtime then. And, until
         # the start-up scan has used them, those the last instance left in its snapshot
         # (their mtime then) and the objects it recorded in them.
@@ -1574,12 +1574,20 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
 
     # ------------------------------------------------------------------ introspection
 
+    @override
     def usage(self) -> dict[str, int]:
-        """Bytes and objects tracked for capacity (zeros when no limit is set)."""
+        """The protocol's figures, from the capacity tracker; and ``reserved_bytes``.
+
+        The tracker counts only with a cap or a floor set (objects and bytes are -1
+        without); files are counted rounded up to the filesystem's blocks.
+        """
+        tracker = self._tracker
+        counted = tracker.enabled
         return {
-            "used_bytes": self._tracker.used_bytes,
-            "reserved_bytes": self._tracker.reserved_bytes,
-            "objects": len(self._tracker),
+            "objects": len(tracker) if counted else -1,
+            "used_bytes": tracker.used_bytes if counted else -1,
+            "limit_bytes": tracker.max_bytes or 0,
+            "reserved_bytes": tracker.reserved_bytes if counted else -1,
         }
 
     @override

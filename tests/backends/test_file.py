@@ -52,7 +52,12 @@ class TestFileConformanceFsyncOneThread(TestFileConformance):
 
     @pytest.fixture
     def backend_spec(self, tmp_path: Path) -> BackendSpec:
-        opts = {"root": str(tmp_path / "store"), "fsync": True, "io_threads": 1, "max_size": "1GiB"}
+        opts = {
+            "root": str(tmp_path / "store"),
+            "fsync": True,
+            "max_concurrency": 1,
+            "max_size": "1GiB",
+        }
         return BackendSpec("file", opts)
 
 
@@ -289,7 +294,7 @@ def test_fsync_option(make_file_backend: Factory) -> None:
 
 def test_invalid_options(root: str) -> None:
     for bad in (
-        {"io_threads": 0},
+        {"max_concurrency": 0},
         {"eviction_ratio": 1.5},
         {"checksum": "md5"},
         {"max_size": "lots"},
@@ -499,7 +504,7 @@ def check_every_visible_page(b: FileBackend, nbytes: int) -> int:
 
 def test_reader_writer_threads_and_a_second_process(root: str) -> None:
     pool = page_pool(8)
-    b = FileBackend(StorageConfig(namespace=namespace(pool)), root=root, io_threads=2)
+    b = FileBackend(StorageConfig(namespace=namespace(pool)), root=root, max_concurrency=2)
     other = start_writer(root, seed=7, mode="set", rounds=40)
     errors: list[str] = []
     stop = threading.Event()
@@ -613,7 +618,7 @@ def test_a_page_moved_to_another_keys_name_is_a_miss(kind: str, root: str) -> No
     b = (
         FileBackend(StorageConfig(), root=root)
         if kind == "file"
-        else ShmBackend(StorageConfig(), directory=shm_dir)
+        else ShmBackend(StorageConfig(), root=shm_dir)
     )
     try:
         assert b.set("X", b"\x58" * 4096) and b.set("Y", b"\x59" * 4096)

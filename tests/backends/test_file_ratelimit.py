@@ -59,7 +59,7 @@ def test_floor_refusals_and_planted_files_are_rate_limited(
     small_tmpfs: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     kv = os.path.join(small_tmpfs, "kv")
-    b = ShmBackend(StorageConfig(), directory=kv, min_free_space="1MiB", recycle=False)
+    b = ShmBackend(StorageConfig(), root=kv, min_free_space="1MiB", recycle=False)
     with open(os.path.join(small_tmpfs, "another-program"), "wb") as f:
         f.write(b"\0" * (1200 * 1024))  # the tmpfs is below the floor: nothing to evict
     caplog.set_level(logging.WARNING)

@@ -41,7 +41,7 @@ def make(kind: str, location: str, **options: Any) -> HiCacheStorage:
     cfg = StorageConfig(namespace=NS)
     if kind == "file":
         return FileBackend(cfg, root=location, **options)
-    return ShmBackend(cfg, directory=location, **options)
+    return ShmBackend(cfg, root=location, **options)
 
 
 @pytest.fixture
@@ -350,7 +350,7 @@ MEMBER_WRITER = textwrap.dedent("""
     sys.path.insert(0, args[1] + "/tests/workers")
     from file_safety_pages import NS
     drop()
-    b = ShmBackend(StorageConfig(namespace=NS), directory=args[0], group=4242)
+    b = ShmBackend(StorageConfig(namespace=NS), root=args[0], group=4242)
     print(b.set("shared", b"\\x44" * 64), b.get("mine") is not None)
 """)
 
@@ -360,7 +360,7 @@ def test_group_mode_trusts_members_and_nobody_else(shm_dir: str, tmp_path: Path)
     group 4242) and nobody (not a member). A member's pages are shared; a member's file
     that leaves the group (its own primary group) or that anyone may write is not trusted;
     nobody cannot add anything at all."""
-    b = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, group=GROUP)
+    b = ShmBackend(StorageConfig(namespace=NS), root=shm_dir, group=GROUP)
     assert b.set("mine", b"\x01" * 64)
     repo = str(Path(__file__).parents[2])
     member = run_as(MEMBER, MEMBER, [GROUP], MEMBER_WRITER, shm_dir, repo)
@@ -422,7 +422,7 @@ FORMER_PREPARES = textwrap.dedent("""
         held = os.open(fan, os.O_RDONLY | os.O_DIRECTORY)
     drop()
     if step == "member":  # still holding the group: a page, and the fan-out directory
-        b = ShmBackend(StorageConfig(namespace=NS), directory=root, group=4242)
+        b = ShmBackend(StorageConfig(namespace=NS), root=root, group=4242)
         print(b.set("old-page", b"\x01" * 64), end=" ")
         if not os.path.isdir(fan):
             os.mkdir(fan)
@@ -444,7 +444,7 @@ LISTED_READS = textwrap.dedent("""
     from file_safety_pages import NS
     drop()
     try:
-        b = ShmBackend(StorageConfig(namespace=NS), directory=args[0], group=4242)
+        b = ShmBackend(StorageConfig(namespace=NS), root=args[0], group=4242)
     except ConfigError as exc:
         print("ConfigError", exc)
         raise SystemExit(0)
@@ -464,7 +464,7 @@ def test_a_former_member_cannot_plant_pages_members_serve(
     get group 4242. A current member must miss them all: the owner is no longer a member.
     A store root a former member owns is refused outright."""
     repo = str(Path(__file__).parents[2])
-    owner = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, group=GROUP)
+    owner = ShmBackend(StorageConfig(namespace=NS), root=shm_dir, group=GROUP)
     assert owner.set("from-root", b"ROOT" * 16)
     r = run_as(FORMER, FORMER, [GROUP], FORMER_PREPARES, shm_dir, "member", repo, wrap=with_user_db)
     assert r.returncode == 0 and r.stdout.split() == ["True", "True"], (r.stdout, r.stderr)
@@ -522,7 +522,7 @@ def test_a_removed_shm_root_near_its_free_space_floor_is_recreated(small_tmpfs: 
     """Second attack D5: near the floor every write first takes the free-space lock, whose
     file is in the removed root; that must lead to the same recovery (forget the
     directories, recreate them), not to a failure of every later write."""
-    b = ShmBackend(StorageConfig(namespace=NS), directory=os.path.join(small_tmpfs, "kv"))
+    b = ShmBackend(StorageConfig(namespace=NS), root=os.path.join(small_tmpfs, "kv"))
     value = b"\x05" * 8192
     assert b._serialize and b._near_floor(len(value))  # the locked path
     assert b.set("before", value)
@@ -539,7 +539,7 @@ def test_a_removed_shm_root_near_its_free_space_floor_is_recreated(small_tmpfs: 
 
 
 def test_a_removed_group_root_is_recreated_shared(shm_dir: str) -> None:
-    b = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, group=GROUP)
+    b = ShmBackend(StorageConfig(namespace=NS), root=shm_dir, group=GROUP)
     shutil.rmtree(shm_dir)
     assert b.set("after", b"\x02" * 100)
     for d in (b.root, b.directory):
@@ -552,10 +552,10 @@ def test_a_private_store_reopened_shared_is_given_to_the_group(shm_dir: str) -> 
     """A store first used privately, then with ``group``: its own directories are given to
     the group (members can use it at once); a directory that holds anything else is
     never chmod-ed behind the user's back (ConfigError with the command to run)."""
-    private = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir)
+    private = ShmBackend(StorageConfig(namespace=NS), root=shm_dir)
     assert private.set("k", b"v")
     private.close()
-    shared = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, group=GROUP)
+    shared = ShmBackend(StorageConfig(namespace=NS), root=shm_dir, group=GROUP)
     for d in (shared.root, shared.directory):
         st = os.lstat(d)
         assert st.st_gid == GROUP and stat.S_IMODE(st.st_mode) == 0o2770, d
@@ -565,7 +565,7 @@ def test_a_private_store_reopened_shared_is_given_to_the_group(shm_dir: str) -> 
     try:
         Path(other, "notes.txt").write_text("not a store")
         with pytest.raises(ConfigError, match=f"chgrp {GROUP} {other}"):
-            ShmBackend(StorageConfig(namespace=NS), directory=other, group=GROUP)
+            ShmBackend(StorageConfig(namespace=NS), root=other, group=GROUP)
         assert stat.S_IMODE(os.lstat(other).st_mode) == 0o700
     finally:
         shutil.rmtree(other)

@@ -114,7 +114,7 @@ def test_file_batch_set_refuses_a_bad_value_before_writing_anything(
 @pytest.fixture
 def mmap_backend(tmp_path: Path) -> Iterator[MmapBackend]:
     b = MmapBackend(StorageConfig(namespace=NS), path=str(tmp_path / "arena"),
-                    capacity="8MiB", slot_size="4KiB", prefault=False)  # fmt: skip
+                    max_size="8MiB", slot_size="4KiB", prefault=False)  # fmt: skip
     yield b
     b.close()
 
@@ -138,9 +138,9 @@ def test_mmap_batch_exists_sees_another_instances_writes(tmp_path: Path) -> None
     another instance (another process, in production) stored since is found through the
     log catch-up, as before."""
     path = str(tmp_path / "arena")
-    a = MmapBackend(StorageConfig(namespace=NS), path=path, capacity="8MiB",
+    a = MmapBackend(StorageConfig(namespace=NS), path=path, max_size="8MiB",
                     slot_size="4KiB", prefault=False)  # fmt: skip
-    b = MmapBackend(StorageConfig(namespace=NS), path=path, capacity="8MiB",
+    b = MmapBackend(StorageConfig(namespace=NS), path=path, max_size="8MiB",
                     slot_size="4KiB", prefault=False)  # fmt: skip
     try:
         keys = keys_of(6, seed=20)

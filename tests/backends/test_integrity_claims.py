@@ -65,7 +65,7 @@ def test_file_like_defaults(kind: str, damage: str, tmp_path: Path, shm_dir: str
     elif kind == "nixl":
         b = NixlBackend(StorageConfig(), root=str(tmp_path / "r"))
     else:
-        b = ShmBackend(StorageConfig(), directory=shm_dir)
+        b = ShmBackend(StorageConfig(), root=shm_dir)
     try:
         assert b.set("k", PAGE)
         path = only_file(b.directory)
@@ -102,7 +102,7 @@ MMAP = {
 def test_mmap_defaults(opts: str, damage: str, tmp_path: Path) -> None:
     path = str(tmp_path / "arena")
     extra = {"checksum": "none"} if opts == "none" else {}
-    b = MmapBackend(StorageConfig(), path=path, capacity="1MiB", slot_size="64KiB", **extra)
+    b = MmapBackend(StorageConfig(), path=path, max_size="1MiB", slot_size="64KiB", **extra)
     assert b.set("k", PAGE)
     b.close()
     head = Path(path).read_bytes()[:4096]

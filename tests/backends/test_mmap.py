@@ -31,7 +31,7 @@ class TestMmapConformance(BackendConformance):
             "mmap",
             # 159 slots (the engine's 128-page batches fit), 1 MiB objects; fallocated, not
             # prefaulted, to keep a full run's disk writes small.
-            {"path": str(tmp_path / "arena"), "capacity": "160MiB", "slot_size": "1MiB",
+            {"path": str(tmp_path / "arena"), "max_size": "160MiB", "slot_size": "1MiB",
              "prefault": False},
         )  # fmt: skip
 
@@ -50,7 +50,7 @@ class TestMmapConformanceDefaults(BackendConformance):
 
     @pytest.fixture
     def backend_spec(self, shared_arena: Path) -> BackendSpec:
-        return BackendSpec("mmap", {"path": str(shared_arena), "capacity": "512MiB"})
+        return BackendSpec("mmap", {"path": str(shared_arena), "max_size": "512MiB"})
 
 
 class TestMmapConformanceDurable(BackendConformance):
@@ -58,7 +58,7 @@ class TestMmapConformanceDurable(BackendConformance):
 
     @pytest.fixture
     def backend_spec(self, tmp_path: Path) -> BackendSpec:
-        opts = {"path": str(tmp_path / "arena"), "capacity": "160MiB", "slot_size": "1MiB", "fsync": True,
+        opts = {"path": str(tmp_path / "arena"), "max_size": "160MiB", "slot_size": "1MiB", "fsync": True,
                 "checksum": "xxh3", "verify_checksum": True, "prefault": False}  # fmt: skip
         return BackendSpec("mmap", opts)
 
@@ -70,7 +70,7 @@ def test_an_instance_learns_its_object_limit_when_the_arena_opens(tmp_path: Path
     b = MmapBackend(
         StorageConfig(namespace=pool_namespace(pool)),
         path=str(tmp_path / "lazy"),
-        capacity="16MiB",
+        max_size="16MiB",
         prefault=False,
     )
     try:
@@ -89,15 +89,15 @@ def value(i: int, n: int = 1000) -> bytes:
 
 
 def test_geometry_is_fixed_at_creation(arena: Callable[..., MmapBackend], tmp_path: Path) -> None:
-    a = arena(capacity="64MiB", slot_size="1MiB")
+    a = arena(max_size="64MiB", slot_size="1MiB")
     u = a.usage()
     assert u["slot_size"] == MiB
     assert 55 <= u["slabs"] <= 63
     assert os.path.getsize(tmp_path / "arena") <= 64 * MiB
     a.set("k", b"v")
     a.close()
-    again = arena(capacity="1GiB", slot_size="8MiB")  # ignored: the arena exists
-    assert again.usage() == {**u, "live": 1}
+    again = arena(max_size="1GiB", slot_size="8MiB")  # ignored: the arena exists
+    assert again.usage() == {**u, "objects": 1, "used_bytes": 1}
     assert again.capabilities.max_object_bytes == MiB
     assert again.set("big", b"x" * (MiB + 1)) is False
 
@@ -106,13 +106,13 @@ def test_slot_size_follows_the_registered_pool(arena: Callable[..., MmapBackend]
     from hicache_storage.conformance.data import make_pool
 
     pool = make_pool()
-    b = arena(capacity="8MiB")
+    b = arena(max_size="8MiB")
     b.register_mem_pool_host(pool)
     assert b.usage()["slot_size"] == 4096  # the pool's 768-byte pages, rounded to 4 KiB
 
 
 def test_persistence_and_sharing_between_instances(arena: Callable[..., MmapBackend]) -> None:
-    a = arena(capacity="32MiB", slot_size="64KiB")
+    a = arena(max_size="32MiB", slot_size="64KiB")
     other = arena()  # a second instance on the same arena (think: another rank)
     assert a.batch_set([f"k{i}" for i in range(20)], [value(i) for i in range(20)]) == [True] * 20
     assert other.batch_exists([f"k{i}" for i in range(20)]) == 20
@@ -125,7 +125,7 @@ def test_persistence_and_sharing_between_instances(arena: Callable[..., MmapBack
 
 
 def test_another_process_sees_new_keys(arena: Callable[..., MmapBackend], tmp_path: Path) -> None:
-    a = arena(capacity="16MiB", slot_size="64KiB")
+    a = arena(max_size="16MiB", slot_size="64KiB")
     assert not a.exists("from-child")
     r = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "arena"), "put", "from-child", "5000"],
                        capture_output=True, text=True, check=True)  # fmt: skip
@@ -136,7 +136,7 @@ def test_another_process_sees_new_keys(arena: Callable[..., MmapBackend], tmp_pa
 
 
 def test_full_store_evicts_least_recently_used(arena: Callable[..., MmapBackend]) -> None:
-    b = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    b = arena(max_size="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
     slots = b.slots_for(1000)  # 16 slots of 4 KiB in each slab of 64 KiB
     assert slots == 16 * b.usage()["slabs"]
     keys = [f"k{i}" for i in range(slots)]
@@ -150,11 +150,11 @@ def test_full_store_evicts_least_recently_used(arena: Callable[..., MmapBackend]
     assert b.get_stats().evictions == 1
     for i in range(3 * slots):  # keeps working when full, never fails
         assert b.set(f"more{i}", value(i))
-    assert b.usage()["live"] <= slots
+    assert b.usage()["objects"] <= slots
 
 
 def test_a_torn_index_record_is_ignored(arena: Callable[..., MmapBackend], tmp_path: Path) -> None:
-    b = arena(capacity="8MiB", slot_size="64KiB")
+    b = arena(max_size="8MiB", slot_size="64KiB")
     for i in range(10):
         b.set(f"k{i}", value(i))
     b.close()
@@ -174,7 +174,7 @@ def test_a_torn_index_record_is_ignored(arena: Callable[..., MmapBackend], tmp_p
 def test_compaction_is_atomic_and_seen_by_other_instances(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    b = arena(capacity="1MiB", slot_size="4KiB", reuse_delay=0)
+    b = arena(max_size="1MiB", slot_size="4KiB", reuse_delay=0)
     watcher = arena()
     index = tmp_path / "arena.index"
     for i in range(1000):  # 1000 puts and ~750 evictions: past the compaction threshold
@@ -186,14 +186,14 @@ def test_compaction_is_atomic_and_seen_by_other_instances(
     assert not list(tmp_path.glob("arena.index.tmp*"))
     assert watcher.exists("k999")  # reloads the new log
     assert bytes(watcher.get("k999").numpy()) == value(999, 100)
-    live = b.usage()["live"]
-    assert watcher.usage()["live"] == live
+    live = b.usage()["objects"]
+    assert watcher.usage()["objects"] == live
 
 
 def test_readers_never_get_bytes_of_a_reused_slot(arena: Callable[..., MmapBackend]) -> None:
     """Eviction and immediate reuse racing a reader: the reader misses or reads right."""
     size = 2 * MiB
-    b = arena(capacity="12MiB", slot_size="2MiB", reuse_delay=0, low_free_slots=0)
+    b = arena(max_size="12MiB", slot_size="2MiB", reuse_delay=0, low_free_slots=0)
     reader = arena()
     stop = threading.Event()
     wrong: list[int] = []
@@ -224,7 +224,7 @@ def test_a_writer_killed_mid_copy_leaves_nothing_visible(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
     slot = 64 * MiB
-    b = arena(capacity="200MiB", slot_size="64MiB")
+    b = arena(max_size="200MiB", slot_size="64MiB")
     path = str(tmp_path / "arena")
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), path, "big", str(slot)], stdout=subprocess.PIPE, text=True
@@ -259,7 +259,7 @@ def test_bad_arenas_and_options(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a hicache-storage mmap arena"):
         MmapBackend(StorageConfig(), path=str(bad))
     with pytest.raises(ConfigError):
-        MmapBackend(StorageConfig(), path=str(tmp_path / "a"), capacity="1KiB", slot_size="1MiB")
+        MmapBackend(StorageConfig(), path=str(tmp_path / "a"), max_size="1KiB", slot_size="1MiB")
     with pytest.raises(ConfigError, match="verify_checksum"):
         MmapBackend(
             StorageConfig(), path=str(tmp_path / "b"), checksum="none", verify_checksum=True
@@ -267,7 +267,7 @@ def test_bad_arenas_and_options(tmp_path: Path) -> None:
 
 
 def test_zero_copy_from_a_tensor(arena: Callable[..., MmapBackend]) -> None:
-    b = arena(capacity="8MiB", slot_size="1MiB")
+    b = arena(max_size="8MiB", slot_size="1MiB")
     src = torch.arange(1000, dtype=torch.int64)
     assert b.set("t", src)
     dst = torch.zeros(1000, dtype=torch.int64)
@@ -310,7 +310,7 @@ def test_a_failed_copy_never_frees_a_slot_still_being_written(
         real(a, slot, views, ptrs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(impl, "_copy_in", flaky)
-    b = arena(capacity="4MiB", slot_size="1MiB", io_threads=2, reuse_delay=0)
+    b = arena(max_size="4MiB", slot_size="1MiB", max_concurrency=2, reuse_delay=0)
     pages = page_buffers(b"\x01" * MiB, b"\xbb" * MiB)
     assert b.batch_set_pages(["fail", "straggler"], pages) == [False, False]
     for i in range(3):
@@ -342,7 +342,7 @@ b.close()
 def test_a_live_writer_in_another_pid_namespace_keeps_its_slot(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    b = arena(capacity="5MiB", slot_size="1MiB", reuse_delay=0)
+    b = arena(max_size="5MiB", slot_size="1MiB", reuse_delay=0)
     for i in range(3):
         b.set(f"k{i}", bytes([i]) * MiB)
     proc = subprocess.Popen(
@@ -363,7 +363,7 @@ def test_a_live_writer_in_another_pid_namespace_keeps_its_slot(
 def test_use_after_fork_is_refused_and_the_parent_is_unaffected(
     arena: Callable[..., MmapBackend],
 ) -> None:
-    b = arena(capacity="4MiB", slot_size="64KiB")
+    b = arena(max_size="4MiB", slot_size="64KiB")
     b.set("before", b"x")
     pid = os.fork()
     if pid == 0:  # the child must not share the parent's locks and log position
@@ -383,7 +383,7 @@ def test_a_creator_killed_mid_creation_leaves_a_usable_path(tmp_path: Path) -> N
     path = tmp_path / "arena"
     code = (
         "from hicache_storage import StorageConfig; from hicache_storage.backends import MmapBackend; "
-        f"MmapBackend(StorageConfig(), path={str(path)!r}, capacity='2GiB', slot_size='4MiB')"
+        f"MmapBackend(StorageConfig(), path={str(path)!r}, max_size='2GiB', slot_size='4MiB')"
     )
     proc = subprocess.Popen([sys.executable, "-c", code])
     deadline = time.monotonic() + 30
@@ -396,7 +396,7 @@ def test_a_creator_killed_mid_creation_leaves_a_usable_path(tmp_path: Path) -> N
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not path.exists()  # only a temporary, never a half-made arena
-    b = MmapBackend(StorageConfig(), path=str(path), capacity="8MiB", slot_size="64KiB")
+    b = MmapBackend(StorageConfig(), path=str(path), max_size="8MiB", slot_size="64KiB")
     assert b.set("k", b"v")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp.")]  # swept
     b.close()
@@ -409,7 +409,7 @@ def test_a_lost_slot_table_row_is_repaired_only_when_the_bytes_verify(
     """A slot-table row that disagrees with the log (lost in a power failure, rolled back)
     is rebuilt when the slot's bytes match the record's checksum; without a checksum
     nothing proves the bytes are the key's, so the key is dropped: a miss, never a guess."""
-    b = arena(capacity="1MiB", slot_size="4KiB", fsync=True, checksum=algorithm)
+    b = arena(max_size="1MiB", slot_size="4KiB", fsync=True, checksum=algorithm)
     assert b._arena is not None
     table = b._arena.table_off
     before = bytes(b._arena.map[table : table + 64])  # row 0 as created
@@ -440,7 +440,7 @@ os.kill(os.getpid(), signal.SIGSTOP)
 def test_readers_do_not_wait_for_another_processs_writer_lock(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    b = arena(capacity="1MiB", slot_size="4KiB")
+    b = arena(max_size="1MiB", slot_size="4KiB")
     b.set("present", b"x")
     holder = subprocess.Popen([sys.executable, "-c", FLOCK_HOLDER, str(tmp_path / "arena")],
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -472,7 +472,7 @@ def test_an_error_while_reserving_leaks_no_slot(
     from hicache_storage.backends._mmap.arena import SlotState
     from hicache_storage.backends._mmap.index_log import IndexLog, RecordKind
 
-    b = arena(capacity="64KiB", slot_size="4KiB", reuse_delay=0, io_threads=1)
+    b = arena(max_size="64KiB", slot_size="4KiB", reuse_delay=0, max_concurrency=1)
     n = b.slots_for(1)
     for i in range(n - 1):
         b.set(f"old{i}", b"o")
@@ -530,7 +530,7 @@ def test_the_on_disk_layout_is_the_one_the_docstrings_table() -> None:
 def test_objects_of_many_sizes_share_one_arena(arena: Callable[..., MmapBackend]) -> None:
     """Slabs of 4 MiB (the default largest slot) cut into the classes the objects need:
     small pages no longer take a 4 MiB slot each."""
-    b = arena(capacity="64MiB", prefault=False)
+    b = arena(max_size="64MiB", prefault=False)
     sizes = [0, 1, 100, 4096, 70_000, 300_000, MiB, 3 * MiB, 4 * MiB]
     keys = [f"s{n}" for n in sizes]
     values = [bytes([i + 1]) * n for i, n in enumerate(sizes)]
@@ -560,7 +560,7 @@ def test_eviction_across_classes_is_least_recently_used(
     class's own objects one by one, or a whole slab of another class whose newest object
     is older."""
     big = 256 * 1024  # one per slab
-    b = arena(capacity="8MiB", slot_size="256KiB", reuse_delay=0, low_free_slots=0, prefault=False)
+    b = arena(max_size="8MiB", slot_size="256KiB", reuse_delay=0, low_free_slots=0, prefault=False)
     n = 31  # slabs of 256 KiB in 8 MiB (checked below)
     bigs = [f"b{i}" for i in range(n)]
     assert b.batch_set(bigs, [value(i, big) for i in range(n)]) == [True] * n
@@ -595,7 +595,7 @@ def test_eviction_across_classes_is_least_recently_used(
 def test_reopen_after_mixed_size_writes(arena: Callable[..., MmapBackend], tmp_path: Path) -> None:
     """The slab table and the index survive the process: a new instance, and another
     process, read every size back and write beside them without overwriting any."""
-    a = arena(capacity="16MiB", slot_size="1MiB", prefault=False)
+    a = arena(max_size="16MiB", slot_size="1MiB", prefault=False)
     sizes = [10 + 997 * i for i in range(40)] + [100_000, 500_000, MiB]
     keys = [f"m{i}" for i in range(len(sizes))]
     values = [value(i, n) for i, n in enumerate(sizes)]
@@ -637,7 +637,7 @@ def copy_in(arena, slot, views, ptrs):
         time.sleep(600)
     real(arena, slot, views, ptrs)
 impl._copy_in = copy_in
-b = impl.MmapBackend(StorageConfig(), path=sys.argv[1], io_threads=1)
+b = impl.MmapBackend(StorageConfig(), path=sys.argv[1], max_concurrency=1)
 b.batch_set([f"new{i}" for i in range(3)], [bytes([0xEE]) * 200_000] * 3)
 """
 
@@ -649,7 +649,7 @@ def test_a_writer_killed_mid_write_of_a_new_size_class(
     its copies: none of its pages is visible, and its slabs are reclaimed (its reserved
     slots, whose locks died with it, count as free; no slab stays pinned)."""
     small = 4000
-    b = arena(capacity="4MiB", slot_size="256KiB", reuse_delay=0, low_free_slots=0, prefault=False)
+    b = arena(max_size="4MiB", slot_size="256KiB", reuse_delay=0, low_free_slots=0, prefault=False)
     old = [f"o{i}" for i in range(64)]
     assert b.batch_set(old, [value(i, small) for i in range(64)]) == [True] * 64
     assert b.usage()["slabs"] == 15 and b.slots_for(small) == 15 * 64
@@ -708,7 +708,7 @@ def test_an_arena_of_the_earlier_format_is_refused_with_the_fix(tmp_path: Path) 
 def test_bytes_flipped_in_a_slot_read_as_a_miss_with_the_default_options(
     arena: Callable[..., MmapBackend],
 ) -> None:
-    b = arena(capacity="1MiB", slot_size="64KiB")
+    b = arena(max_size="1MiB", slot_size="64KiB")
     assert b.set("k", value(7, 5000))
     entry = b._log.entry(b.object_path("k"))
     assert entry is not None and b._arena is not None
@@ -724,7 +724,7 @@ def test_bytes_flipped_in_a_slot_read_as_a_miss_with_the_default_options(
 def test_checksum_options_are_coherent(
     arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    default = arena(capacity="1MiB", slot_size="64KiB")
+    default = arena(max_size="1MiB", slot_size="64KiB")
     assert default.options.checksum == "xxh3"
     assert default.options.verify is True
     off = arena(checksum="none")  # the explicit opt-out: nothing written, nothing checked

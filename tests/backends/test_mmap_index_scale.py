@@ -28,7 +28,7 @@ from hicache_storage.backends._mmap.arena import _CRC
 HEAD = L._LOG_HEAD.size + _CRC.size
 # An arena with room for the 5,000-object stores of these tests (a log past the point
 # where close() compacts it).
-BIG = {"capacity": "24MiB", "slot_size": "4KiB", "prefault": False}
+BIG = {"max_size": "24MiB", "slot_size": "4KiB", "prefault": False}
 
 
 def config(tenant: str) -> StorageConfig:
@@ -68,7 +68,7 @@ def test_close_rewrites_a_large_log_in_columns_and_the_next_open_loads_it(
     kinds = [k for k, _, _ in records(tmp_path / "arena.index")]
     assert kinds and set(kinds) == {L._BULK}, kinds[:5]
     again = arena(**BIG)
-    assert again.usage()["live"] == 5000
+    assert again.usage()["objects"] == 5000
     assert again.batch_exists(keys) == 5000
     for i in range(0, 5000, 97):
         got = again.get(keys[i])
@@ -82,7 +82,7 @@ def test_close_rewrites_a_large_log_in_columns_and_the_next_open_loads_it(
 def test_a_small_log_is_left_as_it_is_at_close(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    b = arena(capacity="4MiB", slot_size="4KiB", prefault=False)
+    b = arena(max_size="4MiB", slot_size="4KiB", prefault=False)
     fill(b, [f"k{i}" for i in range(20)])
     before = os.stat(tmp_path / "arena.index")
     b.close()
@@ -124,7 +124,7 @@ def test_a_damaged_bulk_record_costs_only_its_own_entries(
 def test_clear_is_one_record_that_spares_other_namespaces(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    opts = {"capacity": "2600KiB", "slot_size": "4KiB", "prefault": False}
+    opts = {"max_size": "2600KiB", "slot_size": "4KiB", "prefault": False}
     a = arena(config("a"), **opts)
     other = arena(config("b"), **opts)
     keys = [f"k{i}" for i in range(250)]
@@ -161,7 +161,7 @@ def test_clear_is_one_record_that_spares_other_namespaces(
 def test_slots_of_a_clear_whose_writer_died_before_retiring_them_are_reused(
     arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    opts = {"capacity": "2600KiB", "slot_size": "4KiB", "prefault": False}
+    opts = {"max_size": "2600KiB", "slot_size": "4KiB", "prefault": False}
     a = arena(config("a"), **opts)
     other = arena(config("b"), **opts)
     keys = [f"k{i}" for i in range(250)]
@@ -189,7 +189,7 @@ def test_slots_of_a_clear_whose_writer_died_before_retiring_them_are_reused(
 def test_a_log_of_the_first_format_version_is_still_read(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    b = arena(capacity="4MiB", slot_size="4KiB", prefault=False)
+    b = arena(max_size="4MiB", slot_size="4KiB", prefault=False)
     keys = [f"k{i}" for i in range(20)]
     fill(b, keys)
     b.close()
@@ -200,7 +200,7 @@ def test_a_log_of_the_first_format_version_is_still_read(
     head = L._LOG_HEAD.pack(magic, 1, flags, nonce)
     raw[:HEAD] = head + struct.pack("<I", zlib.crc32(head))
     index.write_bytes(bytes(raw))
-    again = arena(capacity="4MiB", slot_size="4KiB", prefault=False)
+    again = arena(max_size="4MiB", slot_size="4KiB", prefault=False)
     assert again.batch_exists(keys) == 20
     assert bytes(again.get(keys[7]).numpy()) == value(7)
 
@@ -256,7 +256,7 @@ def test_a_batch_that_outruns_the_free_slot_hint_gets_distinct_slots(
 ) -> None:
     """The hint of free slots is refilled in the middle of a batch's reservation, when
     the batch's own slots are not marked yet: none may be handed out twice."""
-    b = arena(capacity="256KiB", slot_size="4KiB", reuse_delay=0, prefault=False)
+    b = arena(max_size="256KiB", slot_size="4KiB", reuse_delay=0, prefault=False)
     n = b.slots_for(256)
     fill(b, [f"a{i}" for i in range(n // 2)])
     arena_ = b._arena
@@ -300,8 +300,8 @@ def test_a_reload_leaves_the_view_readers_hold_intact(
     """A lock-free reader pairs a name with its slot's length and checksum from one view:
     a reload (after another instance compacted) builds a new one instead of zeroing the
     columns under the reader (which made a hit of zero bytes)."""
-    w = arena(capacity="8MiB", slot_size="4KiB", prefault=False, checksum="xxh3")
-    r = arena(capacity="8MiB", slot_size="4KiB", prefault=False, checksum="xxh3")
+    w = arena(max_size="8MiB", slot_size="4KiB", prefault=False, checksum="xxh3")
+    r = arena(max_size="8MiB", slot_size="4KiB", prefault=False, checksum="xxh3")
     keys = [f"k{i}" for i in range(100)]
     fill(w, keys)
     assert r.batch_exists(keys) == 100
@@ -323,7 +323,7 @@ def test_a_reload_leaves_the_view_readers_hold_intact(
 def test_a_failed_eviction_ahead_gives_back_the_slots_it_had_taken(
     arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    b = arena(capacity="1MiB", slot_size="4KiB", prefault=False)
+    b = arena(max_size="1MiB", slot_size="4KiB", prefault=False)
     n = b.slots_for(100)
     fill(b, [f"k{i}" for i in range(n - 12)])
 
@@ -335,7 +335,7 @@ def test_a_failed_eviction_ahead_gives_back_the_slots_it_had_taken(
     monkeypatch.undo()
     table = b._arena.slots  # type: ignore[union-attr]
     assert int(((table["state"] == 1) & (table["token"] == b._token)).sum()) == 0
-    other = arena(capacity="1MiB", slot_size="4KiB", prefault=False)
+    other = arena(max_size="1MiB", slot_size="4KiB", prefault=False)
     assert not any(other._held_elsewhere(other._arena, s) for s in range(n))  # type: ignore[arg-type]
     assert b.set("after", b"x")
 
@@ -411,7 +411,7 @@ def test_a_failed_batch_gives_its_slots_back_under_the_writer_lock(
     instance may reserve it (its lock, the same open file's, would be dropped too)."""
     import hicache_storage.backends._mmap.backend as impl
 
-    b = arena(capacity="1MiB", slot_size="4KiB", prefault=False)
+    b = arena(max_size="1MiB", slot_size="4KiB", prefault=False)
     real_copy = impl._copy_in  # type: ignore[attr-defined]
     real_lock = MmapBackend._slot_lock
     seen: list[bool] = []

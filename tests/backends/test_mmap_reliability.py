@@ -52,11 +52,11 @@ def test_a_leftover_index_is_never_applied_to_a_new_arena(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
     """Item 1a: the arena is deleted, its index is left; the new arena starts empty."""
-    a = arena(capacity="8MiB", slot_size="64KiB")
+    a = arena(max_size="8MiB", slot_size="64KiB")
     assert a.batch_set([f"k{i}" for i in range(10)], [value(i) for i in range(10)]) == [True] * 10
     a.close()
     (tmp_path / "arena").unlink()
-    fresh = arena(capacity="8MiB", slot_size="64KiB")
+    fresh = arena(max_size="8MiB", slot_size="64KiB")
     for i in range(10):
         assert not fresh.exists(f"k{i}")
         assert fresh.get(f"k{i}") is None  # not ten zero-filled pages served as hits
@@ -70,12 +70,12 @@ def test_a_smaller_new_arena_with_an_old_index_opens(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
     """Item 1b: records naming slots the new arena lacks never raise IndexError."""
-    a = arena(capacity="16MiB", slot_size="64KiB")
+    a = arena(max_size="16MiB", slot_size="64KiB")
     keys = [f"k{i}" for i in range(200)]
     assert a.batch_set(keys, [value(i) for i in range(200)]) == [True] * 200
     a.close()
     (tmp_path / "arena").unlink()
-    small = arena(capacity="1MiB", slot_size="64KiB")
+    small = arena(max_size="1MiB", slot_size="64KiB")
     assert small.batch_exists(keys) == 0
     assert small.set("k1", value(1))
     assert read(small, "k1") == value(1)
@@ -87,11 +87,11 @@ def test_a_reset_under_a_running_engine_never_serves_the_new_arenas_pages(
     """Item 1c: the cache is reset (arena, index and lock removed) while engine 1 runs,
     and engine 2 fills a new arena: engine 1 must never map engine 2's index onto its
     old arena (that returned key Y's page as the hit for key X)."""
-    one = arena(capacity="4MiB", slot_size="64KiB")
+    one = arena(max_size="4MiB", slot_size="64KiB")
     old = [f"old{i}" for i in range(8)]
     assert one.batch_set(old, [value(i) for i in range(8)]) == [True] * 8
     remove_arena_files(tmp_path / "arena")
-    two = arena(capacity="4MiB", slot_size="64KiB")
+    two = arena(max_size="4MiB", slot_size="64KiB")
     new = [f"new{i}" for i in range(8)]
     assert two.batch_set(new, [value(100 + i) for i in range(8)]) == [True] * 8
     for i, key in enumerate(new):
@@ -147,7 +147,7 @@ def test_a_damaged_record_costs_only_itself(
 ) -> None:
     """Item 2: one flipped byte in the middle of the log loses that record, not the
     intact ones after it, and the next writer does not cut them off."""
-    b = arena(capacity="8MiB", slot_size="64KiB")
+    b = arena(max_size="8MiB", slot_size="64KiB")
     for i in range(6):
         assert b.set(f"k{i}", value(i))
     b.close()
@@ -176,7 +176,7 @@ def test_a_lost_delete_never_revives_a_key_over_a_reused_slot(
     """Item 2 (the wrong-page case): k0's DEL and the PUT of the key that reused its slot
     are both damaged; a fresh process must not "repair" the slot back to k0 and serve
     the other key's bytes as k0's."""
-    b = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    b = arena(max_size="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
     slots = b.slots_for(1000)
     keys = [f"k{i}" for i in range(slots)]
     assert b.batch_set(keys, [value(i + 1) for i in range(slots)]) == [True] * slots
@@ -203,7 +203,7 @@ def test_running_processes_never_serve_wrong_bytes_after_damage(
 ) -> None:
     """Item 2: a process that read the log before the damage and one that reads it after
     may disagree about the damaged key, but neither serves wrong bytes, ever."""
-    a = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    a = arena(max_size="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
     slots = a.slots_for(1000)
     for i in range(slots):
         assert a.set(f"k{i}", value(i))
@@ -225,7 +225,7 @@ def test_running_processes_never_serve_wrong_bytes_after_damage(
 def test_a_damaged_log_header_loses_the_index_never_the_arena(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    b = arena(capacity="2MiB", slot_size="64KiB")
+    b = arena(max_size="2MiB", slot_size="64KiB")
     for i in range(5):
         assert b.set(f"k{i}", value(i))
     b.close()
@@ -246,7 +246,7 @@ def test_a_batch_larger_than_the_arena_stores_what_fits_and_evicts_only_that(
     """Item 3: it used to stall, store nothing and evict every page of every namespace."""
     pool = make_pool(num_pages=64, page_size=4)  # 768-byte pages
     other_ns = KVCacheNamespace(model_id="other", dtype="bfloat16", page_size=4)
-    other = arena(StorageConfig(namespace=other_ns), capacity="64KiB", slot_size="4KiB")
+    other = arena(StorageConfig(namespace=other_ns), max_size="64KiB", slot_size="4KiB")
     slots = other.slots_for(700)
     assert 4 <= slots < 20
     keep = [f"o{i}" for i in range(slots)]
@@ -267,7 +267,7 @@ def test_a_batch_larger_than_the_arena_stores_what_fits_and_evicts_only_that(
 def test_a_batch_that_fits_evicts_only_as_many_pages_as_it_needs(
     arena: Callable[..., MmapBackend],
 ) -> None:
-    b = arena(capacity="256KiB", slot_size="4KiB", reuse_delay=0.01, low_free_slots=0)
+    b = arena(max_size="256KiB", slot_size="4KiB", reuse_delay=0.01, low_free_slots=0)
     slots = b.slots_for(1000)
     assert b.batch_set([f"o{i}" for i in range(slots)], [value(i) for i in range(slots)]) == (
         [True] * slots
@@ -284,7 +284,7 @@ def test_a_pool_with_pages_larger_than_the_slots_is_refused(
 ) -> None:
     pool = make_pool(num_pages=4, page_size=64)  # 12 KiB pages
     ns = pool_namespace(pool)
-    b = arena(StorageConfig(namespace=ns), capacity="1MiB", slot_size="4KiB")
+    b = arena(StorageConfig(namespace=ns), max_size="1MiB", slot_size="4KiB")
     with pytest.raises(ConfigError) as info:
         b.register_mem_pool_host(pool)
     msg = str(info.value)
@@ -386,7 +386,7 @@ def test_files_another_user_planted_are_refused(shared_tmp: Path, planted: str) 
         f"""
         if {planted!r} == "arena":
             b = MmapBackend(StorageConfig(), path={str(shared_tmp / "arena")!r},
-                            capacity="1MiB", slot_size="4KiB")
+                            max_size="1MiB", slot_size="4KiB")
             b.close()
             os.chmod({str(shared_tmp / "arena")!r}, 0o666)
         else:
@@ -405,7 +405,7 @@ def test_files_another_user_planted_are_refused(shared_tmp: Path, planted: str) 
 
 
 def test_the_default_location_is_private_to_the_user() -> None:
-    b = MmapBackend(StorageConfig(), capacity="1MiB", slot_size="4KiB")
+    b = MmapBackend(StorageConfig(), max_size="1MiB", slot_size="4KiB")
     try:
         directory = os.path.dirname(b.path)
         assert directory == f"/tmp/hicache-storage-mmap-{os.geteuid()}"
@@ -437,7 +437,7 @@ def test_corrupt_reads_warn_rate_limited(
     """Item 14: 100 reads of corrupt pages give one warning (and a count), not 100. Each
     damaged key is deleted by its first read: it no longer counts in exists, and can be
     stored again."""
-    b = arena(capacity="1MiB", slot_size="64KiB", checksum="xxh3", verify_checksum=True)
+    b = arena(max_size="1MiB", slot_size="64KiB", checksum="xxh3", verify_checksum=True)
     keys = [f"k{i}" for i in range(100)]
     assert b.batch_set(keys, [value(i) for i in range(100)]) == [True] * 100
     arena_ = b._arena
@@ -472,7 +472,7 @@ def test_writers_opened_before_and_after_a_lock_file_removal_share_one_lock(
     late copy landed in its page."""
     import hicache_storage.backends._mmap.backend as mm  # where _copy_in is looked up
 
-    a = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    a = arena(max_size="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
     n = a.usage()["slabs"]  # one 64 KiB page a slab
     assert a.batch_set([f"f{i}" for i in range(n - 1)], [value(i, 65536) for i in range(n - 1)])
     (tmp_path / "arena.lock").unlink(missing_ok=True)  # the lock file of earlier releases
@@ -503,7 +503,7 @@ def test_reused_generations_never_match_a_readers_stale_entry(
 ) -> None:
     """The slot table is zeroed in place; a new write must not recreate a (slot,
     generation) pair a running reader still holds for another key."""
-    w = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0)
+    w = arena(max_size="1MiB", slot_size="64KiB", reuse_delay=0)
     r = arena(reuse_delay=0)
     assert w.set("A", value(0x41, 4096))
     assert read(r, "A") == value(0x41, 4096)  # r holds A's entry
@@ -528,7 +528,7 @@ def test_a_slab_table_that_disagrees_with_the_log_drops_the_keys_it_misplaces(
     bytes of the 8 KiB pages written over them."""
     import struct
 
-    w = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    w = arena(max_size="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
     keys = [f"k{i}" for i in range(16)]  # one slab of 16 slots of 4 KiB
     assert w.batch_set(keys, [value(i, 4000) for i in range(16)]) == [True] * 16
     assert w._arena is not None
@@ -555,7 +555,7 @@ def test_slab_table_entries_no_class_has_are_cut_again(
 ) -> None:
     """Damaged slab-table entries (larger than a slab): their keys are dropped, the slabs
     are cut again for new pages (no huge per-class table is built from the values)."""
-    w = arena(capacity="2MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
+    w = arena(max_size="2MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
     assert w.set("a", value(1, 5000))
     assert w._arena is not None
     w._arena.slabs[:] = 0xFFFFFFFF
@@ -572,7 +572,7 @@ def test_zeroed_slots_are_never_served_as_hits(
 ) -> None:
     """Table and data zeroed (a lost write-back without fsync, a restored image): the log
     still names the key, but nothing proves the bytes are its: a miss, not zeros."""
-    w = arena(capacity="1MiB", slot_size="64KiB")
+    w = arena(max_size="1MiB", slot_size="64KiB")
     assert w.set("K", value(0x4B, 4096))
     w.close()
     size = (tmp_path / "arena").stat().st_size
@@ -595,10 +595,10 @@ def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
     # Pages of 192 KiB: a batch of pages that large is copied on the I/O threads.
     pool = make_pool(num_pages=32, page_size=4, head_dim=2048)
     assert pool.page_bytes >= 64 << 10
-    a = arena(StorageConfig(namespace=pool_namespace(pool)), capacity="8MiB", slot_size="256KiB",
-              io_threads=2, reuse_delay=0)  # fmt: skip
+    a = arena(StorageConfig(namespace=pool_namespace(pool)), max_size="8MiB", slot_size="256KiB",
+              max_concurrency=2, reuse_delay=0)  # fmt: skip
     a.register_mem_pool_host(pool)
-    b = arena(io_threads=1, reuse_delay=0)
+    b = arena(max_concurrency=1, reuse_delay=0)
     real = mm._copy_in  # type: ignore[attr-defined]  # patched where the backend calls it
 
     def slow(arena_: object, slot: int, views: list, ptrs: object) -> None:
@@ -638,7 +638,7 @@ def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
 def test_a_bad_index_under_a_running_instance_gives_failure_shapes_then_recovers(
     arena: Callable[..., MmapBackend], tmp_path: Path, planted: str
 ) -> None:
-    b = arena(capacity="1MiB", slot_size="64KiB")
+    b = arena(max_size="1MiB", slot_size="64KiB")
     assert b.set("k1", value(1))
     index = tmp_path / "arena.index"
     index.unlink()
@@ -677,7 +677,7 @@ def test_a_dead_writer_holding_every_slot_does_not_stop_all_writes(
         import hicache_storage.backends._mmap.backend as M  # where _copy_in is looked up
         pool = make_pool(num_pages=64, page_size=4)
         b = MmapBackend(StorageConfig(namespace=pool_namespace(pool)),
-                        path={str(tmp_path / "arena")!r}, capacity="256KiB", slot_size="4KiB",
+                        path={str(tmp_path / "arena")!r}, max_size="256KiB", slot_size="4KiB",
                         reuse_delay=0)
         b.register_mem_pool_host(pool)
         n = b.slots_for(pool.page_bytes)
@@ -706,7 +706,7 @@ def test_a_dead_writer_holding_every_slot_does_not_stop_all_writes(
 def test_a_clock_stepped_back_does_not_keep_retired_slots_out_of_use(
     arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0.05)
+    a = arena(max_size="1MiB", slot_size="64KiB", reuse_delay=0.05)
     n = a.slots_for(1000)
     assert a.batch_set([f"k{i}" for i in range(n)], [value(i) for i in range(n)]) == [True] * n
     for i in range(n - 2):
@@ -714,14 +714,14 @@ def test_a_clock_stepped_back_does_not_keep_retired_slots_out_of_use(
     a.close()
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() - 3600)
-    b = arena(capacity="1MiB", slot_size="64KiB", reuse_delay=0.05)
+    b = arena(max_size="1MiB", slot_size="64KiB", reuse_delay=0.05)
     assert [b.set(f"new{i}", value(i)) for i in range(3)] == [True] * 3
 
 
 def test_a_log_rewritten_in_place_is_reread_not_cut(
     arena: Callable[..., MmapBackend], tmp_path: Path
 ) -> None:
-    w = arena(capacity="4MiB", slot_size="64KiB")
+    w = arena(max_size="4MiB", slot_size="64KiB")
     assert w.set("k1", value(1)) and w.set("k2", value(2))
     index = tmp_path / "arena.index"
     os.truncate(index, index.stat().st_size - 50)  # in place: the same inode
@@ -742,7 +742,7 @@ def test_failed_constructors_leak_no_descriptors(tmp_path: Path) -> None:
         with pytest.raises(ConfigError):
             MmapBackend(StorageConfig(), path=str(bad))
     good = tmp_path / "good"
-    MmapBackend(StorageConfig(), path=str(good), capacity="1MiB", slot_size="4KiB").close()
+    MmapBackend(StorageConfig(), path=str(good), max_size="1MiB", slot_size="4KiB").close()
     index = tmp_path / "good.index"
     os.chmod(index, 0o664)
     for _ in range(50):
@@ -753,10 +753,10 @@ def test_failed_constructors_leak_no_descriptors(tmp_path: Path) -> None:
 
 def test_duplicate_keys_in_a_batch_take_one_slot(arena: Callable[..., MmapBackend]) -> None:
     pool = make_pool(num_pages=8, page_size=4)
-    b = arena(StorageConfig(namespace=pool_namespace(pool)), capacity="1MiB", slot_size="4KiB")
+    b = arena(StorageConfig(namespace=pool_namespace(pool)), max_size="1MiB", slot_size="4KiB")
     b.register_mem_pool_host(pool)
     assert b.batch_set_v1(["d", "d", "d", "d"], list(range(16))) == [True] * 4
     arena_ = b._arena
     assert arena_ is not None
     assert int((arena_.slots["state"] == 2).sum()) == 1  # one COMMITTED row, no leaks
-    assert b.usage()["live"] == 1
+    assert b.usage()["objects"] == 1

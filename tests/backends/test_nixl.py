@@ -48,7 +48,7 @@ class TestNixlConformanceSmallBatches(TestNixlConformance):
     @pytest.fixture
     def backend_spec(self, tmp_path: Path) -> BackendSpec:
         opts = {"root": str(tmp_path / "store"), "batch_pages": 2, "fsync": True,
-                "io_threads": 1, "max_size": "1GiB"}  # fmt: skip
+                "max_concurrency": 1, "max_size": "1GiB"}  # fmt: skip
         return BackendSpec("nixl", opts)
 
 

@@ -378,7 +378,7 @@ def test_the_db_option_wins_over_the_url(server: RedisServer) -> None:
 def test_more_threads_than_connections_wait_for_one(server: RedisServer) -> None:
     import threading
 
-    b = backend(server.url, max_connections=2)
+    b = backend(server.url, max_concurrency=2)
     failures: list[object] = []
     value = [torch.full((4096,), 1, dtype=torch.uint8)] * 16
 

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 class TestShmConformance(BackendConformance):
     @pytest.fixture
     def backend_spec(self, shm_dir: str) -> BackendSpec:
-        return BackendSpec("shm", {"directory": shm_dir})
+        return BackendSpec("shm", {"root": shm_dir})
 
     @pytest.fixture
     def break_store(
@@ -61,7 +61,7 @@ def test_flipped_payload_bytes_are_a_miss_by_default_and_served_only_when_opted_
 ) -> None:
     page = bytes(range(256)) * 64
     for options, hit in (({}, False), ({"checksum": "none"}, True)):
-        b = ShmBackend(StorageConfig(), directory=shm_dir, **options)
+        b = ShmBackend(StorageConfig(), root=shm_dir, **options)
         assert b.set("k", page) is True
         (path,) = tree_files(b.directory)
         with open(path, "r+b") as f:  # one payload byte; the header (a trailer) is intact
@@ -78,7 +78,7 @@ def test_flipped_payload_bytes_are_a_miss_by_default_and_served_only_when_opted_
 
 
 def test_it_never_fills_the_tmpfs(small_tmpfs: str) -> None:
-    b = ShmBackend(StorageConfig(), directory=small_tmpfs + "/kv")  # defaults: half, a tenth free
+    b = ShmBackend(StorageConfig(), root=small_tmpfs + "/kv")  # defaults: half, a tenth free
     for i in range(40):
         assert b.set(f"k{i}", bytes([i]) * 100_000), i
         st = os.statvfs(small_tmpfs)
@@ -92,7 +92,7 @@ def test_it_never_fills_the_tmpfs(small_tmpfs: str) -> None:
 
 
 def test_private_by_default(shm_dir: str) -> None:
-    b = ShmBackend(StorageConfig(), directory=shm_dir)
+    b = ShmBackend(StorageConfig(), root=shm_dir)
     b.set("k", b"v")
     (path,) = tree_files(b.directory)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -109,7 +109,7 @@ def as_nobody(cmd: list[str], groups: list[int]) -> subprocess.CompletedProcess[
 
 def test_group_sharing_with_a_real_unprivileged_process(shm_dir: str) -> None:
     gid = 4242
-    b = ShmBackend(StorageConfig(), directory=shm_dir, group=str(gid))
+    b = ShmBackend(StorageConfig(), root=shm_dir, group=str(gid))
     assert b.set("k", b"shared page")
     (path,) = tree_files(b.directory)
     st = os.stat(path)
@@ -128,7 +128,7 @@ def test_group_sharing_with_a_real_unprivileged_process(shm_dir: str) -> None:
     outsider = as_nobody(["cat", path], [])
     assert outsider.returncode != 0
     assert b"Permission denied" in outsider.stderr
-    private = ShmBackend(StorageConfig(), directory=shm_dir + "-private")
+    private = ShmBackend(StorageConfig(), root=shm_dir + "-private")
     private.set("k", b"secret")
     (secret,) = tree_files(private.directory)
     os.chmod(shm_dir + "-private", 0o755)  # open the private root: the 0600 file still holds
@@ -145,7 +145,7 @@ GROUP_MEMBER = textwrap.dedent("""
     from hicache_storage.backends import ShmBackend
     directory = sys.argv[1] if sys.argv[1] != "-" else None
     os.setgroups([4242]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
-    b = ShmBackend(StorageConfig(), directory=directory, group=4242)
+    b = ShmBackend(StorageConfig(), root=directory, group=4242)
     got = b.get("from-owner")
     print(bytes(got.numpy()).decode() if got is not None else None, b.set("from-member", b"hi owner"), b.root)
 """)
@@ -157,7 +157,7 @@ def test_group_sharing_works_out_of_the_box_with_a_numeric_gid(shm_dir: str, whe
     (nobody, in group 4242) uses it at once, both ways, with no chmod by anyone. Without a
     directory, every member defaults to the same group store."""
     directory = shm_dir if where == "explicit" else None
-    owner = ShmBackend(StorageConfig(), directory=directory, group=4242)
+    owner = ShmBackend(StorageConfig(), root=directory, group=4242)
     try:
         if where == "default":
             assert owner.root == "/dev/shm/hicache-storage-g4242"
@@ -183,17 +183,17 @@ def test_group_sharing_works_out_of_the_box_with_a_numeric_gid(shm_dir: str, whe
 
 def test_group_option_forms(shm_dir: str) -> None:
     for group in (4242, "4242"):
-        b = ShmBackend(StorageConfig(), directory=shm_dir, group=group)
+        b = ShmBackend(StorageConfig(), root=shm_dir, group=group)
         assert b.group_id == 4242
         b.close()
     for bad in (True, -1, 4.2, "no-such-group-xyz", "\u0664\u0662", "\u00b2", "4\u00b2"):
         with pytest.raises(ConfigError):  # non-ASCII digits ("٤٢", "²") are no gid
-            ShmBackend(StorageConfig(), directory=shm_dir, group=bad)
+            ShmBackend(StorageConfig(), root=shm_dir, group=bad)
 
 
 def test_unknown_group_is_a_config_error(shm_dir: str) -> None:
     with pytest.raises(ConfigError, match="unknown group"):
-        ShmBackend(StorageConfig(), directory=shm_dir, group="no-such-group-xyz")
+        ShmBackend(StorageConfig(), root=shm_dir, group="no-such-group-xyz")
 
 
 WRITER = textwrap.dedent("""
@@ -204,7 +204,7 @@ WRITER = textwrap.dedent("""
                       dtype=torch.bfloat16, layout="page_first")
     pool.kv_buffer.view(-1).view(torch.uint8).fill_(7)
     ns = KVCacheNamespace(model_id="test-model", dtype="bfloat16", page_size=4, object_layout="page_first")
-    b = ShmBackend(StorageConfig(namespace=ns), directory=sys.argv[1])
+    b = ShmBackend(StorageConfig(namespace=ns), root=sys.argv[1])
     b.register_mem_pool_host(pool)
     print(b.batch_set_v1(page_hashes(list(range(16)), 4), torch.arange(16)))
 """)
@@ -218,7 +218,7 @@ def test_another_process_reads_what_one_wrote(shm_dir: str) -> None:
     pool = make_pool(num_pages=8, head_dim=8)  # the writer's page shape
     pool.kv_buffer.zero_()
     ns = KVCacheNamespace.for_pool(pool, model_id="test-model")  # the writer's namespace
-    b = ShmBackend(StorageConfig(namespace=ns), directory=shm_dir)
+    b = ShmBackend(StorageConfig(namespace=ns), root=shm_dir)
     b.register_mem_pool_host(pool)
     keys = page_hashes(list(range(16)), 4)
     assert b.batch_exists(keys) == 4
@@ -234,7 +234,7 @@ def test_another_process_reads_what_one_wrote(shm_dir: str) -> None:
 def full_store(shm_dir: str, objects: int, **opts: Any) -> ShmBackend:
     """A store capped at exactly ``objects`` values of SIZE, filled with keys k0.."""
     b = ShmBackend(
-        StorageConfig(namespace=NS), directory=shm_dir, max_size=objects * (HEAD + SIZE), **opts
+        StorageConfig(namespace=NS), root=shm_dir, max_size=objects * (HEAD + SIZE), **opts
     )
     for i in range(objects):
         assert b.set(f"k{i}", value_of(i))
@@ -313,7 +313,7 @@ def test_a_reader_that_opened_the_file_before_it_was_recycled_misses(
     from hicache_storage.storekit import filestore
 
     writer = full_store(shm_dir, 2)
-    reader = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir)
+    reader = ShmBackend(StorageConfig(namespace=NS), root=shm_dir)
     real_flock = fcntl.flock
     fired: list[int] = []
 
@@ -348,7 +348,7 @@ def test_readers_never_see_another_keys_bytes_while_another_process_recycles(
         stdout=subprocess.PIPE,
         text=True,
     )
-    reader = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir)
+    reader = ShmBackend(StorageConfig(namespace=NS), root=shm_dir)
     hits, wrong = [0], []
 
     def read(seed: int) -> None:
@@ -380,7 +380,7 @@ def test_a_store_over_its_cap_shrinks_instead_of_recycling(shm_dir: str) -> None
     """Restarted with a smaller max_size, a full store must come down to it: swapping one
     page for another (recycling) never would."""
     full_store(shm_dir, 8).close()
-    b = ShmBackend(StorageConfig(namespace=NS), directory=shm_dir, max_size=4 * (HEAD + SIZE))
+    b = ShmBackend(StorageConfig(namespace=NS), root=shm_dir, max_size=4 * (HEAD + SIZE))
     for i in range(8, 11):
         assert b.set(f"k{i}", value_of(i))
     assert b.usage()["used_bytes"] <= 4 * (HEAD + SIZE)
@@ -394,10 +394,10 @@ def test_a_victim_gone_elsewhere_still_leaves_the_floor_in_place(small_tmpfs: st
     floor (a tenth of the tmpfs) rather than take the reused page's place unchecked."""
     page = b"\x01" * (64 * 1024 - HEAD)
     kv = os.path.join(small_tmpfs, "kv")
-    a = ShmBackend(StorageConfig(), directory=kv)
+    a = ShmBackend(StorageConfig(), root=kv)
     floor = a._tracker.min_free_bytes
     assert all(a.set(f"a{i}", page) for i in range(16))  # A's default cap: half the tmpfs
-    b = ShmBackend(StorageConfig(), directory=kv)  # loads A's pages as its own
+    b = ShmBackend(StorageConfig(), root=kv)  # loads A's pages as its own
     assert all(b.set(f"b{i}", page) for i in range(16))  # recycles them
     lowest = []
     for i in range(16):
@@ -415,7 +415,7 @@ GROUP_RECYCLER = textwrap.dedent("""
     from hicache_storage.backends import ShmBackend
     from hicache_storage.storekit.header import HEADER_SIZE
     os.setgroups([4242]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
-    b = ShmBackend(StorageConfig(), directory=sys.argv[1], group="4242", max_size=2 * 4096)
+    b = ShmBackend(StorageConfig(), root=sys.argv[1], group="4242", max_size=2 * 4096)
     print(b.set("k2", b"\\x02" * (4096 - HEADER_SIZE)))
 """)
 
@@ -423,7 +423,7 @@ GROUP_RECYCLER = textwrap.dedent("""
 def test_another_users_page_is_evicted_not_recycled(shm_dir: str) -> None:
     """Group sharing: the oldest page belongs to another user, whose 0640 file this process
     may not rewrite. The write must still succeed (evict it, write a new file)."""
-    owner = ShmBackend(StorageConfig(), directory=shm_dir, group="4242", max_size=2 * 4096)
+    owner = ShmBackend(StorageConfig(), root=shm_dir, group="4242", max_size=2 * 4096)
     page = 4096 - HEADER_SIZE
     assert owner.set("k0", b"\x00" * page) and owner.set("k1", b"\x01" * page)
     owner.close()
@@ -436,7 +436,7 @@ def test_another_users_page_is_evicted_not_recycled(shm_dir: str) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True"], r.stderr
-    reader = ShmBackend(StorageConfig(), directory=shm_dir, group="4242")
+    reader = ShmBackend(StorageConfig(), root=shm_dir, group="4242")
     assert bytes(reader.get("k2").numpy()) == b"\x02" * (4096 - HEADER_SIZE)
     assert [reader.exists(k) for k in ("k0", "k1")].count(True) <= 1  # one was evicted
     reader.close()
@@ -464,10 +464,10 @@ def test_a_directory_not_on_a_tmpfs_is_warned_about_once(
     on_disk = not_in_memory_dir(tmp_path)
     try:
         for _ in range(3):
-            b = ShmBackend(StorageConfig(), directory=on_disk, max_size="1MiB")
+            b = ShmBackend(StorageConfig(), root=on_disk, max_size="1MiB")
             assert b.set("k", b"v") and b.get("k") is not None  # it works all the same
             b.close()
-        ShmBackend(StorageConfig(), directory=shm_dir).close()
+        ShmBackend(StorageConfig(), root=shm_dir).close()
     finally:
         shutil.rmtree(on_disk, ignore_errors=True)
     lines = [r.getMessage() for r in caplog.records if "not a tmpfs" in r.getMessage()]

@@ -203,7 +203,7 @@ def test_a_rescan_keeps_the_recency_of_recent_reads(shm_dir: str) -> None:
     size = 4096 - HEADER_SIZE
     b = ShmBackend(
         StorageConfig(namespace=KVCacheNamespace(model_id="lru", dtype="bytes", page_size=1)),
-        directory=shm_dir,
+        root=shm_dir,
         max_size=4 * 4096,
     )
     for i in range(4):
@@ -245,7 +245,7 @@ def old_file(path: str, size: int) -> str:
 
 def test_files_that_are_not_the_stores_are_never_counted_or_evicted(shm_dir: str) -> None:
     os.makedirs(shm_dir, mode=0o700)
-    b = ShmBackend(StorageConfig(namespace=ns("m")), directory=shm_dir, max_size="1MiB")
+    b = ShmBackend(StorageConfig(namespace=ns("m")), root=shm_dir, max_size="1MiB")
     assert b.set("k", b"v")
     fan = os.path.basename(os.path.dirname(b._path(b.object_name("k"))))
     wrong_fan = next(
@@ -261,7 +261,7 @@ def test_files_that_are_not_the_stores_are_never_counted_or_evicted(shm_dir: str
         old_file(f"{shm_dir}/{b.namespace.digest}/backup/{fan}", 100_000),
         old_file(f"{shm_dir}/ns1-0123abcd/zz/data", 100_000),
     ]
-    b = ShmBackend(StorageConfig(namespace=ns("m")), directory=shm_dir, max_size="1MiB")
+    b = ShmBackend(StorageConfig(namespace=ns("m")), root=shm_dir, max_size="1MiB")
     assert b.usage()["objects"] == 1  # only the store's own page
     for i in range(40):  # four times the cap: evicts, recycles
         assert b.set(f"k{i}", os.urandom(32768))
@@ -282,7 +282,7 @@ KILLED_RECYCLER = textwrap.dedent("""
 
     filestore.writev_all = die
     ns = KVCacheNamespace(model_id=sys.argv[2], dtype="bytes", page_size=1)
-    b = ShmBackend(StorageConfig(namespace=ns), directory=sys.argv[1], max_size=int(sys.argv[3]))
+    b = ShmBackend(StorageConfig(namespace=ns), root=sys.argv[1], max_size=int(sys.argv[3]))
     b.set("intruder", b"\\x09" * int(sys.argv[4]))
     print("not killed")
 """)
@@ -308,7 +308,7 @@ def kill_a_recycler(shm_dir: str, model: str, cap: int) -> None:
 @pytest.mark.timeout(300)
 def test_a_recycler_killed_in_another_namespace_leaves_nothing_behind(shm_dir: str) -> None:
     cap = 4 * (HEADER_SIZE + SIZE)
-    a = ShmBackend(StorageConfig(namespace=ns("A")), directory=shm_dir, max_size=cap)
+    a = ShmBackend(StorageConfig(namespace=ns("A")), root=shm_dir, max_size=cap)
     for i in range(4):
         assert a.set(f"a{i}", bytes([i]) * SIZE)
     live = temp_path(os.path.dirname(a._path(a.object_name("a0"))))  # a live writer's
@@ -328,7 +328,7 @@ def test_a_recycler_killed_in_another_namespace_leaves_nothing_behind(shm_dir: s
     a.close()
     trash = os.path.join(shm_dir, f".trash.{ns('A').digest}.0123456789ab")  # a killed clear()
     old_file(os.path.join(trash, "00", "a0"), SIZE)
-    c = ShmBackend(StorageConfig(namespace=ns("C")), directory=shm_dir, max_size=cap)
+    c = ShmBackend(StorageConfig(namespace=ns("C")), root=shm_dir, max_size=cap)
     assert temporaries(shm_dir) == [live]
     assert not os.path.exists(trash)
     os.unlink(live)
@@ -351,7 +351,7 @@ PAGES = 32
 
 @pytest.mark.timeout(300)
 def test_a_held_free_space_lock_fails_a_batch_fast_and_never_hangs(small_tmpfs: str) -> None:
-    b = ShmBackend(StorageConfig(namespace=NS), directory=os.path.join(small_tmpfs, "kv"))
+    b = ShmBackend(StorageConfig(namespace=NS), root=os.path.join(small_tmpfs, "kv"))
     value = b"\x07" * 8192
     assert b._serialize and b._near_floor(len(value))  # every write takes the lock
     assert b.set("warm", value)
@@ -406,7 +406,7 @@ def test_a_contended_free_space_lock_is_waited_for_not_taken_for_stuck(
     import subprocess
     import sys
 
-    b = ShmBackend(StorageConfig(namespace=NS), directory=os.path.join(small_tmpfs, "kv"))
+    b = ShmBackend(StorageConfig(namespace=NS), root=os.path.join(small_tmpfs, "kv"))
     value = b"\x07" * 8192
     assert b._serialize and b._near_floor(len(value))
     assert b.set("warm", value)

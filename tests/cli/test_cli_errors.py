@@ -91,7 +91,7 @@ def test_bad_bench_arguments(
         ('{"max_size": ' + "9" * 401 + "}", "max_size"),
         ('{"max_size": "' + "9" * 401 + '"}', "too large"),
         ('{"min_free_space": 1e400}', "min_free_space"),
-        ('{"io_threads": Infinity}', "io_threads"),
+        ('{"max_concurrency": Infinity}', "max_concurrency"),
         ('{"eviction_ratio": NaN}', "eviction_ratio"),
         ('{"rooot": "/x"}', "unknown option"),
         ("{bad", "not valid JSON"),

@@ -127,7 +127,7 @@ def test_secret_names_in_any_spelling(name: str) -> None:
     assert is_secret_option(name)
 
 
-@pytest.mark.parametrize("name", ["root", "max_size", "io_threads", "directory", "group"])
+@pytest.mark.parametrize("name", ["root", "max_size", "max_concurrency", "directory", "group"])
 def test_ordinary_names_are_not_secrets(name: str) -> None:
     assert not is_secret_option(name)
 

@@ -39,7 +39,7 @@ def make(tmp_path: Path, shm_dir: str) -> Iterator[Callable[[str], FileTreeStore
         elif kind == "nixl":
             b = NixlBackend(StorageConfig(), root=str(tmp_path / "nixl"), **options)
         else:
-            b = ShmBackend(StorageConfig(), directory=shm_dir, **options)
+            b = ShmBackend(StorageConfig(), root=shm_dir, **options)
         made.append(b)
         return b
 

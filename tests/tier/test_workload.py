@@ -70,8 +70,8 @@ def test_the_replay_is_byte_exact_on_every_local_backend(name: str, tmp_path: Pa
     shm_dir = f"/dev/shm/hicache-tier-{uuid.uuid4().hex[:8]}"
     every: dict[str, dict[str, Any]] = {
         "file": {"root": str(tmp_path / "file")},
-        "shm": {"directory": shm_dir},
-        "mmap": {"path": str(tmp_path / "arena"), "capacity": "64MiB", "prefault": False},
+        "shm": {"root": shm_dir},
+        "mmap": {"path": str(tmp_path / "arena"), "max_size": "64MiB", "prefault": False},
         "memory": {"store": f"wl-{uuid.uuid4().hex[:8]}"},
         "nixl": {"root": str(tmp_path / "nixl")},
     }

@@ -36,7 +36,7 @@ def main() -> None:
     rng = random.Random(seed)
     keys = KEY_UNIVERSE[:nkeys]
     pool = page_pool(8)
-    b = FileBackend(StorageConfig(namespace=namespace(pool)), root=root, io_threads=4)
+    b = FileBackend(StorageConfig(namespace=namespace(pool)), root=root, max_concurrency=4)
     b.register_mem_pool_host(pool)
     done = 0
     while rounds < 0 or done < rounds:

@@ -148,8 +148,8 @@ def backend_options(name: str, tmp_path: Path) -> dict[str, Any]:
     options: dict[str, dict[str, Any]] = {
         "file": {"root": str(tmp_path / "file")},
         "nixl": {"root": str(tmp_path / "nixl")},
-        "shm": {"directory": str(tmp_path / "shm")},
-        "mmap": {"path": str(tmp_path / "arena"), "capacity": "64MiB", "prefault": False},
+        "shm": {"root": str(tmp_path / "shm")},
+        "mmap": {"path": str(tmp_path / "arena"), "max_size": "64MiB", "prefault": False},
         "memory": {"store": f"sglang-{tmp_path.name}"},
     }
     return options[name]

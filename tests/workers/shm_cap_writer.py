@@ -25,7 +25,7 @@ def main() -> None:
     directory, model = sys.argv[1], sys.argv[2]
     count, size, cap = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     ns = KVCacheNamespace(model_id=model, dtype="bytes", page_size=1)
-    b = ShmBackend(StorageConfig(namespace=ns), directory=directory, max_size=cap)
+    b = ShmBackend(StorageConfig(namespace=ns), root=directory, max_size=cap)
     print("ready", flush=True)
     sys.stdin.readline()
     stored = sum(bool(b.set(f"p{i}", os.urandom(size))) for i in range(count))

@@ -16,7 +16,7 @@ from recycled_pages import HEAD, NS, SIZE, value_of
 from hicache_storage import StorageConfig
 from hicache_storage.backends import ShmBackend
 
-b = ShmBackend(StorageConfig(namespace=NS), directory=sys.argv[1], max_size=4 * (HEAD + SIZE))
+b = ShmBackend(StorageConfig(namespace=NS), root=sys.argv[1], max_size=4 * (HEAD + SIZE))
 i, end = 0, time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
     b.set(f"k{i % 64}", value_of(i % 64))

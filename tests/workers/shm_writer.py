@@ -42,7 +42,7 @@ def main() -> None:
     options = json.loads(sys.argv[6])
     go = sys.argv[7] if len(sys.argv) > 7 else None
     ns = KVCacheNamespace(model_id=model, dtype="bytes", page_size=1)
-    b = ShmBackend(StorageConfig(namespace=ns), directory=directory, **options)
+    b = ShmBackend(StorageConfig(namespace=ns), root=directory, **options)
     print("ready", flush=True)
     while go is not None and not os.path.exists(go):
         time.sleep(0.001)

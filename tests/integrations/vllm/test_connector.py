@@ -99,8 +99,8 @@ def _options(
                 "local_buffer_size": "32MiB", "prefix": f"vllm-{tmp_path.name}/"}  # fmt: skip
     local: dict[str, dict[str, Any]] = {
         "file": {"root": str(tmp_path / "file")},
-        "shm": {"directory": str(tmp_path / "shm")},
-        "mmap": {"path": str(tmp_path / "arena"), "capacity": "32MiB", "prefault": False},
+        "shm": {"root": str(tmp_path / "shm")},
+        "mmap": {"path": str(tmp_path / "arena"), "max_size": "32MiB", "prefault": False},
         "memory": {"store": f"vllm-{tmp_path.name}"},
     }
     return local[name]
@@ -386,7 +386,7 @@ def test_flipped_bytes_in_shm_never_change_the_output_by_default(
     tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
 ) -> None:
     """shm verifies what it reads by default: damaged KV is a failed load, recomputed."""
-    options = {"directory": str(tmp_path / "shm")}
+    options = {"root": str(tmp_path / "shm")}
     with engine(tiny_model, "shm", options) as llm:
         assert generate(llm, [D])[0]["tokens"] == expected["D"]
         objects = _files(tmp_path / "shm")
