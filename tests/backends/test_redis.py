@@ -884,7 +884,7 @@ def test_only_tls_failures_of_configuration_are_config_errors() -> None:
     short (a server at maxclients drops the connection) is the server's state."""
     import ssl
 
-    from hicache_storage.backends._redis import _tls_refused
+    from hicache_storage.backends._redis.backend import _tls_refused
 
     def wrapped(inner: BaseException) -> Exception:
         outer = ConnectionError("Error connecting")

