@@ -326,7 +326,7 @@ def test_a_planted_object_that_is_not_a_page_never_holds_its_key(
 def test_a_bad_object_is_removed_only_while_it_is_still_there(moto: MotoServer) -> None:
     """The removal is a DELETE with If-Match (the ETag of the object read): a good page
     that another writer stored after the bad object was read is kept."""
-    from hicache_storage.backends._s3 import _Read
+    from hicache_storage.backends._s3.objects import Read as _Read
 
     b = backend(**options(moto))
     s3 = moto.client()

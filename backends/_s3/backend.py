@@ -1,36 +1,17 @@
-"""The ``s3`` backend: pages as objects of an S3 bucket, or of any fsspec filesystem.
-
-Built on :class:`~hicache_storage.storekit.blobstore.BlobStore` (every object is the
-core header then the page, so a short, truncated, foreign or renamed object is a miss)
-and on ``fsspec``: s3fs's async client for ``s3://`` (AWS, MinIO, Ceph, SeaweedFS,
-moto...), and the same code over any other fsspec filesystem (``memory://``,
-``file://``, ``gcs://``...). Every batch runs concurrently, at most ``max_concurrency``
-requests at a time, on one event loop owned by the backend
-(:class:`~hicache_storage.storekit.aioloop.LoopThread`); each call has a deadline.
-
-On S3 a page is written with ``If-None-Match: *`` (first writer wins, atomically, in
-the store), as one ``PutObject`` or, from ``multipart_threshold`` up, a multipart
-upload whose completion carries the same condition. Options, guarantees and costs per
-request: ``docs/backends/s3.md``.
-"""
+"""The ``s3`` backend's store: :class:`S3Backend` (see the package docs)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import os
 import random
 import threading
 import time
-import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from typing_extensions import override
 
-from hicache_storage.config import Size, redact_text, redacting_repr, scrub
-from hicache_storage.config import secret as _secret
+from hicache_storage.config import redact_text, scrub
 from hicache_storage.errors import (
     BackendError,
     BackendTimeoutError,
@@ -40,12 +21,11 @@ from hicache_storage.errors import (
 )
 from hicache_storage.keys import KEY_MAX_LEN
 from hicache_storage.protocol import Capabilities
-from hicache_storage.secrets import LogScrubber, secret_values
+from hicache_storage.secrets import secret_values
 from hicache_storage.storekit.aioloop import LoopThread
 from hicache_storage.storekit.blobstore import (
     PRESENT,
     Blob,
-    BlobOptions,
     BlobStore,
     Foreign,
     Present,
@@ -58,136 +38,25 @@ if TYPE_CHECKING:
 
     from hicache_storage.config import StorageConfig
     from hicache_storage.keys import ObjectName
+from hicache_storage.backends._s3.faults import (
+    CLIENT_LOGGERS,
+    CREDENTIAL_CODES,
+    LOG_SCRUB,
+    error_code,
+    is_transient,
+    s3_error_map,
+)
+from hicache_storage.backends._s3.objects import MEMORY_PUTS, MIN_PART, Read, publish_local
+from hicache_storage.backends._s3.options import S3Options, check_bucket
 
-__all__ = ["S3Backend", "S3Options"]
+__all__ = ["S3Backend"]
+
 
 T = TypeVar("T")
 
+
 #: The longest object key S3 accepts, in bytes of UTF-8.
 S3_KEY_MAX_BYTES = 1024
-#: Error codes of answers worth asking again (throttling, a server's transient fault).
-_RETRY_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-    "TooManyRequestsException", "RequestTimeout", "RequestTimeTooSkewed", "InternalError",
-    "ServiceUnavailable", "ConditionalRequestConflict", "503", "500", "502", "504", "409",
-})  # fmt: skip
-#: Error codes that mean the credentials, not the store, are wrong.
-_CREDENTIAL_CODES = frozenset({
-    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
-    "ExpiredToken", "AuthorizationHeaderMalformed", "403",
-})  # fmt: skip
-_16_MIB = Size(16 * 2**20)
-#: Filesystems (fsspec protocols) whose writes publish a whole object at once.
-_ATOMIC_PUT = frozenset({"memory", "gcs", "gs", "abfs", "az", "adl", "oss", "s3", "s3a"})
-
-
-@redacting_repr
-@dataclass(frozen=True)
-class S3Options(BlobOptions):
-    """Options of the ``s3`` backend (environment: ``HICACHE_STORAGE_S3_<NAME>``).
-
-    Attributes:
-        url: where the objects go: ``s3://bucket[/prefix]``, or any fsspec URL
-            (``memory://root``, ``file:///path``, ``gcs://bucket/prefix``...). Instead
-            of it, ``bucket`` (and ``prefix``) name an S3 location.
-        bucket: the S3 bucket (when ``url`` is not given).
-        prefix: what every object key starts with, before the object name (joined
-            with a ``/``).
-        endpoint_url: an S3-compatible server (MinIO, Ceph, SeaweedFS, moto...);
-            default: AWS.
-        region: the region of the bucket (default: the client's configuration).
-        key, secret, token: credentials; default: the usual chain (environment,
-            ``~/.aws``, instance role). Never logged or shown.
-        path_style: address the bucket in the path (``host/bucket/key``), as most
-            servers other than AWS want; default: the client's choice.
-        max_concurrency: requests in flight at once, over all calls of this backend.
-        exists_lookahead: ``batch_exists`` asks about this many keys ahead of the first
-            unanswered one (twice as many each time that many in a row were present, up
-            to ``max_concurrency``), and asks nothing more once it meets a miss.
-        negative_cache_ttl: seconds a key found absent is answered absent without a
-            request (0: off). Another writer's page can be missed for that long.
-        multipart_threshold: objects of this size or more are written by multipart
-            upload, in parts of half this size (S3 wants parts of at least 5 MiB).
-        retries: times a request that met throttling (``503 SlowDown``) or a transient
-            fault is sent again, with exponential backoff and jitter, within the deadline.
-        deadline: seconds an engine-facing call may take, retries included.
-        connect_timeout: seconds to connect to the server.
-        read_timeout: seconds to wait for an answer on a connection.
-        storage_options: more keyword arguments for the fsspec filesystem (a JSON
-            object in the environment). Never shown: it may hold credentials.
-    """
-
-    url: str | None = None
-    bucket: str | None = None
-    prefix: str = ""
-    endpoint_url: str | None = None
-    region: str | None = None
-    key: str | None = _secret()
-    secret: str | None = _secret()
-    token: str | None = _secret()
-    path_style: bool = False
-    max_concurrency: int = 32
-    exists_lookahead: int = 16
-    negative_cache_ttl: float = 0.0
-    multipart_threshold: Size = _16_MIB
-    retries: int = 4
-    deadline: float = 30.0
-    connect_timeout: float = 5.0
-    read_timeout: float = 30.0
-    storage_options: dict[str, Any] | str | None = _secret()  # noqa: RUF009 - a field
-
-    def fs_options(self) -> dict[str, Any]:
-        """``storage_options`` as a dict (a copy; empty when not given)."""
-        return dict(self.storage_options) if isinstance(self.storage_options, dict) else {}
-
-    def __post_init__(self) -> None:
-        if (self.url is None) == (self.bucket is None):
-            raise ConfigError("give either url (s3://bucket/prefix, or any fsspec URL) or bucket")
-        if self.max_concurrency < 1 or self.exists_lookahead < 1:
-            raise ConfigError("max_concurrency and exists_lookahead must be >= 1")
-        if self.retries < 0:
-            raise ConfigError("retries must be >= 0")
-        for name in ("deadline", "connect_timeout", "read_timeout"):
-            if not 0 < getattr(self, name) < float("inf"):
-                raise ConfigError(f"{name} must be a positive number of seconds")
-        if self.negative_cache_ttl < 0:
-            raise ConfigError("negative_cache_ttl must be >= 0")
-        if self.multipart_threshold < 2:
-            raise ConfigError("multipart_threshold must be at least 2 bytes")
-        if isinstance(self.storage_options, str):
-            import json
-
-            try:
-                parsed = json.loads(self.storage_options)
-            except ValueError:
-                parsed = None
-            if not isinstance(parsed, dict):
-                raise ConfigError("storage_options must be a JSON object")
-            object.__setattr__(self, "storage_options", parsed)
-        elif self.storage_options is not None and not isinstance(self.storage_options, dict):
-            raise ConfigError("storage_options must be a mapping")
-
-
-def _errors() -> ErrorMap:
-    mapping: dict[type[BaseException], type[BackendError]] = {
-        asyncio.TimeoutError: BackendTimeoutError,
-        ConnectionError: BackendUnavailableError,
-        PermissionError: BackendError,
-        OSError: BackendUnavailableError,
-    }
-    try:
-        from botocore import exceptions as bx
-    except ImportError:  # pragma: no cover - the tests install it
-        return mapping
-    mapping.update({
-        bx.ConnectTimeoutError: BackendTimeoutError,
-        bx.ReadTimeoutError: BackendTimeoutError,
-        bx.EndpointConnectionError: BackendUnavailableError,
-        bx.HTTPClientError: BackendUnavailableError,
-        bx.ClientError: BackendError,
-        bx.BotoCoreError: BackendError,
-    })  # fmt: skip
-    return mapping
 
 
 class S3Backend(BlobStore[S3Options]):
@@ -196,7 +65,7 @@ class S3Backend(BlobStore[S3Options]):
     name = "s3"
     capabilities = Capabilities(delete=True, persistent=True, shared=True)
     options_class = S3Options
-    error_map: ClassVar[ErrorMap] = _errors()
+    error_map: ClassVar[ErrorMap] = s3_error_map()
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
         super().__init__(config, **options)
@@ -219,8 +88,8 @@ class S3Backend(BlobStore[S3Options]):
             else f"{protocol}://{root}"
         )
         self._secrets = sorted(secret_values(opts))  # storage_options' at any depth too
-        _LOG_SCRUB.add(self._secrets)
-        _LOG_SCRUB.attach(*_CLIENT_LOGGERS)
+        LOG_SCRUB.add(self._secrets)
+        LOG_SCRUB.attach(*CLIENT_LOGGERS)
         self._check_key_length()
         if not self._s3 and protocol == "memory":
             self.capabilities = Capabilities(delete=True)  # this process only, not kept
@@ -243,7 +112,7 @@ class S3Backend(BlobStore[S3Options]):
         prefix = opts.prefix.strip("/")
         if opts.url is None:
             bucket = opts.bucket or ""
-            _check_bucket(bucket)
+            check_bucket(bucket)
             return "s3", bucket, "/".join(p for p in (bucket, prefix) if p)
         from fsspec.utils import get_protocol
 
@@ -251,7 +120,7 @@ class S3Backend(BlobStore[S3Options]):
         if protocol in ("s3", "s3a"):
             rest = opts.url.split("://", 1)[1].strip("/")
             bucket = rest.split("/", 1)[0]
-            _check_bucket(bucket)
+            check_bucket(bucket)
             return "s3", bucket, "/".join(p for p in (rest, prefix) if p)
         try:
             import fsspec
@@ -332,10 +201,10 @@ class S3Backend(BlobStore[S3Options]):
         try:
             await client.list_objects_v2(Bucket=self._bucket, Prefix=self._key_prefix(), MaxKeys=1)
         except Exception as exc:
-            code = _code(exc)
+            code = error_code(exc)
             if code in ("NoSuchBucket", "404"):
                 raise ConfigError(f"{self._where}: the bucket does not exist") from None
-            if code in _CREDENTIAL_CODES:
+            if code in CREDENTIAL_CODES:
                 raise ConfigError(
                     f"{self._where} refused the credentials: {self._why(exc)}"
                 ) from None
@@ -393,7 +262,7 @@ class S3Backend(BlobStore[S3Options]):
                 except (FileNotFoundError, FileExistsError):
                     raise
                 except Exception as exc:
-                    if attempt >= self.options.retries or not _transient(exc):
+                    if attempt >= self.options.retries or not is_transient(exc):
                         raise
             # 50 ms, 100 ms, 200 ms... up to 2 s, with full jitter; the deadline cuts it
             await asyncio.sleep(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
@@ -405,7 +274,7 @@ class S3Backend(BlobStore[S3Options]):
     async def _get_one(self, path: str, limit: int | None) -> bytes | None:
         """The object's bytes, at most ``limit + 1`` of them (a ``Range`` on S3).
 
-        On S3 they carry the object's ETag (:class:`_Read`), for a removal that takes
+        On S3 they carry the object's ETag (:class:`Read`), for a removal that takes
         that object only.
         """
         try:
@@ -413,34 +282,34 @@ class S3Backend(BlobStore[S3Options]):
                 bucket, key = self._split(path)
                 ranged = {} if limit is None else {"Range": f"bytes=0-{limit}"}
 
-                async def read() -> _Read:
+                async def read() -> Read:
                     fs, _ = await self._ready()
                     try:
                         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **ranged)
                     except Exception as exc:
-                        if ranged and _code(exc) in ("InvalidRange", "416"):
-                            return _Read(b"")  # (no byte 0: an empty object)
+                        if ranged and error_code(exc) in ("InvalidRange", "416"):
+                            return Read(b"")  # (no byte 0: an empty object)
                         raise
                     try:
                         # (at most limit + 1 bytes, even from a server that ignores Range)
                         body = resp["Body"]
                         if limit is None:
-                            return _Read(await body.read(), resp.get("ETag"))
+                            return Read(await body.read(), resp.get("ETag"))
                         data = bytearray()
                         while len(data) <= limit:  # (a read may return fewer bytes than asked)
                             chunk = await body.read(limit + 1 - len(data))
                             if not chunk:
                                 break
                             data += chunk
-                        return _Read(bytes(data), resp.get("ETag"))
+                        return Read(bytes(data), resp.get("ETag"))
                     finally:
                         resp["Body"].close()
 
-                return cast("_Read", await self._call(read))
+                return cast("Read", await self._call(read))
             end = {} if limit is None else {"start": 0, "end": limit + 1}
             return bytes(await self._call(self._fs_call("cat_file", path, **end)))
         except FileNotFoundError as exc:
-            if _code(exc) == "NoSuchBucket":  # not a miss: the store is gone
+            if error_code(exc) == "NoSuchBucket":  # not a miss: the store is gone
                 raise BackendUnavailableError(f"{self._where}: the bucket does not exist") from None
             return None
 
@@ -495,7 +364,7 @@ class S3Backend(BlobStore[S3Options]):
         except FileExistsError:
             return PRESENT
         except Exception as exc:
-            if _code(exc) in ("PreconditionFailed", "412"):  # (a 412 without its condition)
+            if error_code(exc) in ("PreconditionFailed", "412"):  # (a 412 without its condition)
                 return PRESENT
             raise
 
@@ -507,7 +376,7 @@ class S3Backend(BlobStore[S3Options]):
                 self._s3_call("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
             )
             return True
-        part = max(_MIN_PART, self.options.multipart_threshold // 2)
+        part = max(MIN_PART, self.options.multipart_threshold // 2)
         made = await self._call(self._s3_call("create_multipart_upload", Bucket=bucket, Key=key))
         upload = made["UploadId"]
         try:
@@ -535,14 +404,14 @@ class S3Backend(BlobStore[S3Options]):
     async def _put_fs(self, path: str, data: bytes) -> bool | Present:
         """Any other fsspec filesystem: whole objects, first writer wins as far as it can."""
         if self._protocol == "memory":
-            with _MEMORY_PUTS:  # this process's only: the check and the write are one step
+            with MEMORY_PUTS:  # this process's only: the check and the write are one step
                 fs, _ = await self._ready()
                 if fs.exists(path):
                     return PRESENT
                 fs.pipe_file(path, data)
             return True
         if self._protocol == "file":
-            return await asyncio.to_thread(_publish_local, path, data)
+            return await asyncio.to_thread(publish_local, path, data)
         # Elsewhere: the filesystem's exclusive create (as atomic as it makes it).
         await self._call(self._fs_call("pipe_file", path, data, mode="create"))
         return True
@@ -573,9 +442,9 @@ class S3Backend(BlobStore[S3Options]):
                 except FileNotFoundError:
                     raise
                 except Exception as exc:
-                    if _code(exc) in ("PreconditionFailed", "412"):
+                    if error_code(exc) in ("PreconditionFailed", "412"):
                         return False  # replaced since it was read: kept
-                    if _code(exc) not in ("NotImplemented", "501", "InvalidArgument", "400"):
+                    if error_code(exc) not in ("NotImplemented", "501", "InvalidArgument", "400"):
                         raise
                     return await self._remove(path, None)
         except FileNotFoundError:
@@ -818,7 +687,7 @@ class S3Backend(BlobStore[S3Options]):
     @override
     def close(self) -> None:
         self._closing = True
-        _LOG_SCRUB.forget(self._secrets)
+        LOG_SCRUB.forget(self._secrets)
         fs, self._fs = self._fs, None
         final = None
         if fs is not None and self._s3 and getattr(fs, "_s3", None) is not None:
@@ -828,99 +697,3 @@ class S3Backend(BlobStore[S3Options]):
     @override
     def __repr__(self) -> str:
         return f"S3Backend(location={self._where!r}, namespace={self.namespace.digest})"
-
-
-class _Read(bytes):
-    """An object's bytes as read from S3, with the ETag of the object they came from."""
-
-    def __new__(cls, data: bytes, etag: str | None = None) -> Self:
-        read = super().__new__(cls, data)
-        read.etag = etag
-        return read
-
-    etag: str | None
-
-
-_MEMORY_PUTS = threading.Lock()
-#: The smallest part of a multipart upload S3 accepts (but the last).
-_MIN_PART = 5 * 2**20
-
-
-def _publish_local(path: str, data: bytes) -> bool | Present:
-    """Write ``data`` to a temporary file beside ``path``, then link it there.
-
-    ``link`` fails when ``path`` exists: the first writer wins, and no reader ever sees
-    part of a value (a rename would replace one).
-    """
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    temp = f"{path}.tmp-{uuid.uuid4().hex}"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        try:
-            os.link(temp, path)
-        except FileExistsError:
-            return PRESENT
-        return True
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-
-
-#: The S3 client's loggers. botocore logs request headers at DEBUG: the access key in
-#: ``Authorization``, the session token, the SSE-C customer key (base64) and its MD5.
-_CLIENT_LOGGERS = ("botocore", "botocore.endpoint", "botocore.auth", "botocore.hooks",
-                   "botocore.parsers", "botocore.retryhandler", "botocore.credentials",
-                   "botocore.httpsession", "botocore.awsrequest", "botocore.client",
-                   "botocore.utils", "botocore.regions", "botocore.handlers", "botocore.signers",
-                   "botocore.httpchecksum", "aiobotocore", "aiobotocore.endpoint",
-                   "aiobotocore.httpsession", "aiobotocore.credentials", "aiobotocore.client",
-                   "aiobotocore.httpchecksum", "s3fs", "fsspec")  # fmt: skip
-#: Cuts live backends' secrets out of those loggers' records.
-_LOG_SCRUB = LogScrubber()
-
-
-def _check_bucket(bucket: str) -> None:
-    if not 3 <= len(bucket) <= 63 or bucket != bucket.lower() or "/" in bucket:
-        raise ConfigError(
-            f"bad bucket name {bucket!r}: 3 to 63 lower-case letters, digits, '.' and '-'"
-        )
-
-
-def _code(exc: BaseException) -> str:
-    """The S3 error code of ``exc`` or of what caused it ("" when it has none)."""
-    seen: BaseException | None = exc
-    for _ in range(6):
-        if seen is None:
-            return ""
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error") or {}
-            code = str(error.get("Code") or "")
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            return code or (str(status) if status else "")
-        seen = seen.__cause__ or seen.__context__
-    return ""
-
-
-def _transient(exc: BaseException) -> bool:
-    """True if ``exc`` is worth a retry: throttling, a 5xx, a dropped connection."""
-    if _code(exc) in _RETRY_CODES:
-        return True
-    try:
-        from botocore import exceptions as bx
-    except ImportError:  # pragma: no cover
-        return False
-    seen: BaseException | None = exc
-    for _ in range(6):
-        if seen is None:
-            return False
-        if isinstance(seen, (bx.HTTPClientError, bx.ConnectionError, asyncio.TimeoutError)):
-            return True
-        name = type(seen).__name__
-        if name in ("ClientPayloadError", "ServerDisconnectedError", "ClientOSError"):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
