@@ -8,6 +8,8 @@
 * :mod:`hicache_storage.integrations.adapterkit` -- what both adapters share: the
   ``backend_name`` check, the failsafe hook decorator, scrubbed failure texts (no engine
   import).
+* :mod:`hicache_storage.integrations.sglangpool` -- SGLang's host pools as the SDK's page
+  protocol reads them, checked (no engine import).
 * :mod:`hicache_storage.integrations.kvblocks` -- a paged engine's KV tensors as a pool
   of whole-block pages (no engine import), which the vLLM connector moves.
 * :mod:`hicache_storage.integrations.deadline` -- calls into a store that an engine

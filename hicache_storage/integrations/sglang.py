@@ -68,19 +68,17 @@ from hicache_storage.buffers import memoryview_at
 from hicache_storage.config import StorageConfig, parse_options
 from hicache_storage.errors import (
     ConfigError,
-    HostIndicesError,
     NamespaceMismatchError,
 )
 from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
 from hicache_storage.integrations.adapterkit import backend_name_of, failsafe, failure_text
 from hicache_storage.integrations.deadline import Lane, call_with_deadline
+from hicache_storage.integrations.sglangpool import PoolView, buffer_ranges, pool_is_mla
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.registry import create_backend
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from hicache_storage.protocol import HiCacheStorage
 
 __all__ = ["ADAPTER_KEYS", "SGLangStorage", "StorageMetrics"]
@@ -149,23 +147,6 @@ def _server_kv_cache_dtype() -> str | None:
     return str(value) if value else None
 
 
-def _pool_is_mla(pool: Any) -> bool | None:
-    """Whether SGLang host pool ``pool`` holds MLA pages, from the pool itself.
-
-    MLA pools keep one latent vector per token (``kv_lora_rank``), MHA pools K and V
-    heads (``head_num``); an SDK pool says so itself (``mla``). None: the pool does not
-    tell.
-    """
-    own = getattr(pool, "mla", getattr(pool, "is_mla", None))
-    if isinstance(own, bool):
-        return own
-    if getattr(pool, "kv_lora_rank", None) is not None:
-        return True
-    if getattr(pool, "head_num", None) is not None:
-        return False
-    return None
-
-
 def _metrics_class() -> type:
     try:
         from sglang.srt.observability.metrics_collector import StorageMetrics as Real
@@ -185,87 +166,6 @@ def _v2_failure(args: tuple[Any, ...]) -> dict[Any, list[bool]]:
         return {t.name: [False] * len(t.keys or []) for t in args[0] or ()}
     except Exception:  # noqa: BLE001 - a malformed argument: nothing to report per pool
         return {}
-
-
-class _PoolView:
-    """SGLang's host pool as the SDK's protocol reads it.
-
-    It exposes the facts the backend checks against its namespace (``page_size``,
-    ``dtype``, ``layout``, ``mla``) and SGLang's own ``get_page_buffer_meta``, checked
-    and put in the SDK's segment order, so v1 pages are resolved by the pool that owns
-    them and never reach outside it.
-
-    Raises :class:`ConfigError` for a pool whose KV buffer is not one CPU tensor (SGLang's
-    K-only and split-buffer pools): its pages could not be bounds-checked.
-    """
-
-    def __init__(self, pool: Any, mla: bool, dtype: str) -> None:
-        self.pool = pool
-        self.page_size = int(pool.page_size)
-        self.dtype = dtype  # the logical KV dtype (the pool's may be uint8 for fp8)
-        self.layout = str(pool.layout)
-        self.mla = mla
-        buffer: Any = getattr(pool, "kv_buffer", None)
-        if not (hasattr(buffer, "data_ptr") and hasattr(buffer, "nbytes") and buffer.nbytes):
-            raise ConfigError(
-                f"{type(pool).__name__} keeps its KV in no single kv_buffer tensor; the "
-                "adapter moves pages of pools that do (SGLang's MHA and MLA host pools)"
-            )
-        self.kv_buffer = buffer
-        self._lo = int(buffer.data_ptr())
-        self._hi = self._lo + int(buffer.nbytes)
-        self._v_start = self._lo + int(buffer.nbytes) // 2  # MHA: K half, then V half
-
-    def get_page_buffer_meta(self, indices: Any) -> tuple[Sequence[int], Sequence[int]]:
-        """The pointer and size of every segment of every page of ``indices``.
-
-        SGLang's own answer, after two checks SGLang does not make: ``indices`` must be
-        whole pages (page-aligned runs of ``page_size``), and every segment must lie
-        inside the pool's KV buffer; otherwise :class:`HostIndicesError` (the call
-        fails, nothing is read or written). And one change of order: SGLang lists an MHA
-        ``layer_first`` page's segments layer by layer (K0, V0, K1, V1...), while the
-        SDK's ``layer_first`` page, and SGLang's own tensor path (``get_data_page``), hold
-        every layer's K, then every layer's V. Each page's K segments (those in the first
-        half of the KV buffer) are put first, in their order, so a ``layer_first`` page
-        has one byte order whichever path or engine stored it.
-        """
-        import torch
-
-        idx = torch.as_tensor(indices).reshape(-1).to(device="cpu", dtype=torch.int64)
-        ps = self.page_size
-        if idx.numel() == 0 or idx.numel() % ps:
-            raise HostIndicesError(f"{idx.numel()} host indices are not whole pages of {ps}")
-        rows = idx.view(-1, ps)
-        if bool(((rows[:, 0] % ps) != 0).any()) or bool(
-            (rows != rows[:, :1] + torch.arange(ps)).any()
-        ):
-            raise HostIndicesError("host indices are not page-aligned runs of page_size")
-        raw_ptrs, raw_sizes = self.pool.get_page_buffer_meta(idx)
-        ptrs = torch.as_tensor(list(raw_ptrs), dtype=torch.int64)
-        sizes = torch.as_tensor(list(raw_sizes), dtype=torch.int64)
-        if ptrs.numel() != sizes.numel() or ptrs.numel() == 0:
-            raise HostIndicesError("the pool gave no segments, or sizes that do not match")
-        if bool((sizes <= 0).any() | (ptrs < self._lo).any() | (ptrs + sizes > self._hi).any()):
-            raise HostIndicesError("host indices reach outside the host pool's KV buffer")
-        if self.layout == "layer_first" and not self.mla:
-            pages = rows.shape[0]
-            if ptrs.numel() % pages:
-                raise HostIndicesError("the pool gave a segment count that is not per page")
-            grid = ptrs.view(pages, -1)
-            order = torch.argsort((grid >= self._v_start).to(torch.int8), dim=1, stable=True)
-            ptrs = torch.gather(grid, 1, order).reshape(-1)
-            sizes = torch.gather(sizes.view(pages, -1), 1, order).reshape(-1)
-        return ptrs.tolist(), sizes.tolist()
-
-
-def _buffer_ranges(buffer: Any) -> list[tuple[int, int]]:
-    """``[(start, end)]`` address ranges of a pool's KV buffer (a tensor or several)."""
-    if isinstance(buffer, (list, tuple)):
-        return [r for b in buffer for r in _buffer_ranges(b)]
-    if hasattr(buffer, "data_ptr") and hasattr(buffer, "nbytes"):
-        start = int(buffer.data_ptr())
-        return [(start, start + int(buffer.nbytes))]
-    return []
 
 
 class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
@@ -332,7 +232,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """The namespace of this rank's pages for SGLang host pool ``pool``."""
         cfg = self.storage_config
         mla = bool(cfg.is_mla_model)
-        pool_mla = _pool_is_mla(pool)
+        pool_mla = pool_is_mla(pool)
         if pool_mla is not None and pool_mla != mla:
             # An MHA pool filed as MLA would be one replicated namespace for every rank's
             # own heads (rank 1 loads rank 0's pages); MLA filed as MHA stores it per rank.
@@ -435,7 +335,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         pool = (
             mem_pool_host
             if hasattr(mem_pool_host, "page_buffers")
-            else _PoolView(mem_pool_host, namespace.rank_replicated, namespace.dtype)
+            else PoolView(mem_pool_host, namespace.rank_replicated, namespace.dtype)
         )
         if self._exists_lane.closed:  # attached again after close()
             self._exists_lane = Lane("hicache-sglang-exists")
@@ -511,7 +411,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         end = start + nbytes
         if nbytes <= 0 or self.mem_pool_host is None:
             return None  # (an empty "page" would be stored and block the key for good)
-        for lo, hi in _buffer_ranges(getattr(self.mem_pool_host, "kv_buffer", None)):
+        for lo, hi in buffer_ranges(getattr(self.mem_pool_host, "kv_buffer", None)):
             if lo <= start and end <= hi:
                 return memoryview_at(start, nbytes, self.mem_pool_host)
         self._log(
