@@ -20,7 +20,8 @@ from hicache_storage.cli.bench import build_backend
 from hicache_storage.errors import ConfigError
 from hicache_storage.host_pool import HostKVPool
 from hicache_storage.keys import KVCacheNamespace
-from hicache_storage.tier.controller import TierConfig, TieredCache
+from hicache_storage.tier.config import TierConfig
+from hicache_storage.tier.controller import TieredCache
 from hicache_storage.tier.device import DevicePool
 from hicache_storage.tier.workload import RunResult, Workload, replay, summary
 

@@ -8,7 +8,8 @@ Built on the protocol only: it never imports a backend or :mod:`hicache_storage.
 
 from __future__ import annotations
 
-from hicache_storage.tier.controller import Lease, PrefetchOp, TierConfig, TieredCache, TierStats
+from hicache_storage.tier.config import TierConfig, TierStats
+from hicache_storage.tier.controller import Lease, PrefetchOp, TieredCache
 from hicache_storage.tier.device import DevicePool, LayerProgress, host_page_layer
 from hicache_storage.tier.index import PageEntry, PrefixIndex, PrefixMatch
 

@@ -26,17 +26,18 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hicache_storage.errors import BackendClosedError, BackendError, ConfigError
 from hicache_storage.keys import page_hashes
 from hicache_storage.ratelimit import RateLimitedLog
+from hicache_storage.tier.config import TierConfig, TierStats
 from hicache_storage.tier.device import LayerProgress
 from hicache_storage.tier.index import PageEntry, PrefixIndex, PrefixMatch
+from hicache_storage.tier.workers import Workers, agree
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -45,158 +46,9 @@ if TYPE_CHECKING:
     from hicache_storage.protocol import HiCacheStorage
     from hicache_storage.tier.device import DevicePool
 
-    _Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]  # (future, fn, args)
-
-__all__ = ["Lease", "PrefetchOp", "TierConfig", "TierStats", "TieredCache"]
+__all__ = ["Lease", "PrefetchOp", "TieredCache"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """How the tiers behave.
-
-    Attributes:
-        write_policy: ``write_through`` (new pages go to host and storage at once),
-            ``write_through_selective`` (after ``selective_hits`` uses), or ``write_back``
-            (to the host when evicted from the device, to storage when evicted from the
-            host).
-        selective_hits: uses before ``write_through_selective`` backs a page up.
-        prefetch_threshold: tokens; a storage hit shorter than this is not prefetched.
-        prefetch_policy: ``best_effort`` (take what arrived by the time the request runs),
-            ``wait_complete``, or ``timeout`` (wait ``prefetch_timeout_base`` +
-            ``prefetch_timeout_per_ki_token`` per 1024 tokens, then take what arrived).
-        io_workers: prefetch threads.
-        exists_chunk: keys per existence query (the query stops at the first miss).
-        batch_pages: pages per storage read or write.
-        backup_retries: retries of a failed backup batch before its pages count as failed.
-        prefetch_host_fraction: prefetches are refused while the host pages they hold
-            exceed this fraction of the host pool (rate limiting).
-        acquire_timeout: seconds a request waits for device pages other requests hold.
-        prefetch_max_wait: the longest any prefetch policy waits (``wait_complete``
-            included: a store that hangs must not hang requests for good).
-        exists_timeout: seconds an existence query may take (then it counts as no hit).
-        close_timeout: seconds ``close()`` waits for queued backups (the rest count as
-            failed).
-    """
-
-    write_policy: Literal["write_through", "write_through_selective", "write_back"] = (
-        "write_through"
-    )
-    selective_hits: int = 2
-    prefetch_threshold: int = 256
-    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
-    prefetch_timeout_base: float = 1.0
-    prefetch_timeout_per_ki_token: float = 0.25
-    io_workers: int = 2
-    exists_chunk: int = 128
-    batch_pages: int = 128
-    backup_retries: int = 2
-    prefetch_host_fraction: float = 0.5
-    acquire_timeout: float = 10.0
-    exists_timeout: float = 5.0
-    close_timeout: float = 10.0
-    prefetch_max_wait: float = 60.0
-
-    def __post_init__(self) -> None:
-        """Check the values (:class:`ConfigError`)."""
-        if self.write_policy not in ("write_through", "write_through_selective", "write_back"):
-            raise ConfigError(f"unknown write_policy {self.write_policy!r}")
-        if self.prefetch_policy not in ("best_effort", "wait_complete", "timeout"):
-            raise ConfigError(f"unknown prefetch_policy {self.prefetch_policy!r}")
-        for name in ("selective_hits", "io_workers", "exists_chunk", "batch_pages"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1")
-        if self.backup_retries < 0 or self.prefetch_threshold < 0:
-            raise ConfigError("backup_retries and prefetch_threshold must be >= 0")
-        if not 0 < self.prefetch_host_fraction <= 1:
-            raise ConfigError("prefetch_host_fraction must be in (0, 1]")
-
-
-@dataclass
-class TierStats:
-    """Counters of a :class:`TieredCache` (tokens unless named otherwise)."""
-
-    lookup_tokens: int = 0
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-    computed_tokens: int = 0
-    prefetch_completed: int = 0
-    prefetch_terminated: int = 0
-    prefetch_short: int = 0  # ended short by a miss or a storage failure
-    prefetch_dropped: int = 0  # refused for host capacity (rate limiting) or no room
-    prefetch_hung: int = 0  # refused at once: a read a request gave up on still hangs
-    prefetched_tokens: int = 0
-    prefetch_bytes: int = 0  # read by prefetches (taken or not)
-    prefetch_seconds: float = 0.0  # wall time of prefetches, from start to their last batch
-    backup_tokens: int = 0
-    backup_failed_tokens: int = 0
-    backup_retries: int = 0
-    storage_errors: int = 0
-    bytes_read: int = 0  # L3 -> L2
-    bytes_written: int = 0  # L2 -> L3
-    bytes_loaded: int = 0  # L2 -> L1
-    bytes_offloaded: int = 0  # L1 -> L2
-    evicted_device_pages: int = 0
-    evicted_host_pages: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
-
-
-class _Workers:
-    """``n`` daemon threads running submitted calls, each with its :class:`Future`.
-
-    Not a ``ThreadPoolExecutor``: the interpreter joins its threads at exit, so one stuck
-    in a store that never answers would keep the process alive for good.
-    """
-
-    def __init__(self, n: int, name: str) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._n, self._closed, self._lock = n, False, threading.Lock()
-        for i in range(n):
-            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True).start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Run ``fn(*args)`` on a worker; RuntimeError after :meth:`shutdown`."""
-        future: Future[Any] = Future()
-        with self._lock:  # (never behind the threads' stop marks)
-            if self._closed:
-                raise RuntimeError("the workers are shut down")
-            self._jobs.put((future, fn, args))
-        return future
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            future, fn, args = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - the future's to report
-                    future.set_exception(exc)
-
-    def shutdown(self) -> None:
-        """Cancel the calls not started; each thread ends when its running call returns."""
-        with self._lock:
-            self._closed = True
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[0].cancel()
-        for _ in range(self._n):
-            self._jobs.put(None)
-
-
-def _agree(value: int) -> int:
-    """``value`` MIN-reduced over the ranks when ``torch.distributed`` is initialised."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
 
 
 class PrefetchOp:
@@ -359,13 +211,13 @@ class TieredCache:
         self._stats_lock = threading.Lock()
         self._lock = threading.RLock()
         self._log = RateLimitedLog(logger)
-        self._io = _Workers(self.config.io_workers, "hicache-prefetch")
+        self._io = Workers(self.config.io_workers, "hicache-prefetch")
         # Prefetches whose request gave up waiting on a read still running: while one is
         # there, new prefetches are misses at once.
         self._hung: set[PrefetchOp] = set()
         # Existence queries on a thread of their own, one at a time: a query that hangs
         # makes the next ones misses at once, and never holds up the prefetch threads.
-        self._exists_pool = _Workers(1, "hicache-exists")
+        self._exists_pool = Workers(1, "hicache-exists")
         self._exists_future: Any = None
         self._prefetch_pages = 0  # host pages held by running prefetches
         self._backups: queue.Queue[tuple[list[str], list[int]] | None] = queue.Queue()
@@ -398,9 +250,9 @@ class TieredCache:
         with self._lock:
             local = self.index.match(keys)
         # Every rank counts from the same point: the host prefix, agreed first.
-        host = _agree(local.host_pages)
+        host = agree(local.host_pages)
         device = min(local.device_pages, host)
-        stored = _agree(self._storage_run(keys[host:]))
+        stored = agree(self._storage_run(keys[host:]))
         return PrefixMatch(keys, device, host, host + stored)
 
     def _storage_run(self, keys: list[str]) -> int:
@@ -459,7 +311,7 @@ class TieredCache:
                 pages = self._host_pages(want) or []
             else:
                 pages = []
-        take = _agree(len(pages))  # every rank prefetches the same pages, or none
+        take = agree(len(pages))  # every rank prefetches the same pages, or none
         if take < len(pages):
             self._free_host(pages[take:])
             pages = pages[:take]
@@ -529,7 +381,7 @@ class TieredCache:
             with self._lock:
                 self._hung.add(op)
         self._count(prefetch_seconds=op.ended - op.started)
-        take = _agree(done)
+        take = agree(done)
         if take == len(op.keys):
             self._count(prefetch_completed=1)
         elif op.short:
