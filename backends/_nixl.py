@@ -65,8 +65,6 @@ _SPINS = 64
 _MAX_NAP = 0.001
 #: The plugin's I/O queue when it does not say (POSIX's default ``ios_pool_size``).
 _DEFAULT_QUEUE = 65536
-#: Mean object size from which reads verify their checksums on the I/O threads.
-_THREADED_VERIFY = 512 << 10
 _agent_ids = itertools.count()
 
 
@@ -409,7 +407,8 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         """One NIXL transfer (parts of the plugin's queue at most) for every payload.
 
         A write then checks that each payload is whole and writes its trailer; a read
-        reads each trailer.
+        reads each trailer the store has not read already (its batched reads read and
+        check every header before the transfer).
         """
         places: list[tuple[int, int, int]] = []
         flat: list[tuple[int, int]] = []
@@ -427,7 +426,7 @@ class NixlBackend(FileTreeStore[NixlOptions]):
         for move in moves:
             if write:
                 self._seal(move)
-            else:  # (a short trailer fails its object's header check)
+            elif move.trailer is not None:  # (a short one fails the header check)
                 try:
                     os.preadv(move.fd, [move.trailer], move.payload)
                 except OSError as exc:
@@ -449,7 +448,7 @@ class NixlBackend(FileTreeStore[NixlOptions]):
                 raise BackendError(
                     f"NIXL wrote {size} of {payload} bytes to {item.path} (first hole at {hole})"
                 )
-            if os.pwrite(item.fd, item.trailer, payload) != HEADER_SIZE:
+            if item.trailer is None or os.pwrite(item.fd, item.trailer, payload) != HEADER_SIZE:
                 raise BackendError(f"write {item.path}: short header write")
         except OSError as exc:
             raise BackendError(f"write {item.path}: {exc}") from exc

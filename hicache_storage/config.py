@@ -401,6 +401,12 @@ def parse_options(cls: type[T], backend: str, options: Mapping[str, Any]) -> T:
         )
     kwargs: dict[str, Any] = {}
     env_prefix = f"HICACHE_STORAGE_{backend.upper().replace('-', '_')}_"
+    for old, new in RENAMED_OPTIONS.items():
+        if new in known and env_prefix + old.upper() in os.environ:
+            raise ConfigError(
+                f"{env_prefix}{old.upper()} is set, and {old!r} is now {new!r}: set "
+                f"{env_prefix}{new.upper()} instead"
+            )
     for name in known:
         if name in options:
             raw = options[name]

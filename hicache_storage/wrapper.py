@@ -128,5 +128,9 @@ class WrapperBackend(HiCacheStorage):
         self.inner.clear()
 
     @override
+    def usage(self) -> dict[str, int]:
+        return self.inner.usage()
+
+    @override
     def close(self) -> None:
         self.inner.close()

@@ -40,7 +40,6 @@ from hicache_storage.backends._mmap.index_log import (
     Record,
     RecordKind,
     _Entry,
-    unpack,
 )
 from hicache_storage.buffers import PageBuffer, source_views, target_views, total_nbytes
 from hicache_storage.config import Size, StorageConfig, parse_options
@@ -1316,13 +1315,19 @@ class MmapBackend(HiCacheStorage):
                 "slot_size": 0,
                 "unit": 0,
             }
+        import numpy as np
+
         log = self._log
-        with log.lock:
+        with log.lock:  # (one pass in numpy: a million objects take milliseconds)
             log.catch_up()
-            slots = [unpack(packed)[0] for packed in log.index.values()]
-            used = sum(int(log.lengths[slot]) for slot in slots)
+            index = log.index
+            slots = np.fromiter(
+                (p & 0xFFFFFFFF for p in index.values()), dtype=np.int64, count=len(index)
+            )  # (index_log.unpack's slot, inline)
+            used = int(log.lengths[slots].sum()) if len(index) else 0
+            objects = len(index)
         return {
-            "objects": len(slots),
+            "objects": objects,
             "used_bytes": used,
             "limit_bytes": arena.nslabs * arena.slab_size,
             "slabs": arena.nslabs,

@@ -176,7 +176,8 @@ class PayloadMove:
     * ``spans``: the views' ``(address, bytes)`` when the caller knew them, else None (a
       mover that needs addresses takes them from the views);
     * ``trailer``: the header a write puts after the payload, or the ``bytearray`` a read
-      fills with the stored one.
+      fills with the stored one; None on a read whose header the store has already read
+      and checked (the batched reads: a damaged object is never moved into memory).
     """
 
     __slots__ = ("fd", "path", "payload", "spans", "trailer", "views")
@@ -187,7 +188,7 @@ class PayloadMove:
         path: str,
         views: list[memoryview],
         payload: int,
-        trailer: bytes | bytearray,
+        trailer: bytes | bytearray | None,
         spans: list[tuple[int, int]] | None = None,
     ) -> None:
         self.fd, self.path, self.views, self.payload = fd, path, views, payload
@@ -218,7 +219,7 @@ class _ReadItem(PayloadMove):
 class _WriteItem(PayloadMove):
     """A new object on its way to the store: its open temporary and its reservation."""
 
-    __slots__ = ("final", "name", "reservation")
+    __slots__ = ("allocated", "final", "name", "reservation")
 
     def __init__(
         self,
@@ -231,9 +232,11 @@ class _WriteItem(PayloadMove):
         payload: int,
         header: bytes,
         spans: list[tuple[int, int]] | None,
+        allocated: int,
     ) -> None:
         super().__init__(fd, tmp, views, payload, header, spans)
         self.name, self.final, self.reservation = name, final, reservation
+        self.allocated = allocated  # bytes open_temp allocated (finish_temp cuts the rest)
 
 
 @dataclass(frozen=True)
@@ -818,6 +821,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
             return None
         with self._reading(item):
             self.move_payloads("read", (item,))
+            assert item.trailer is not None
             item.header = self._check_header(item, item.trailer)
             self._finish_read(item)
         return item.out if item.ok else None
@@ -1003,9 +1007,17 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         items: list[_ReadItem | None] = [None] * n
 
         def open_one(i: int) -> bool:
+            # Each header is read and checked first: a damaged or foreign object is a
+            # miss that never reaches the caller's memory, and fails alone.
             item = self._open_for_read(names[i], views[i])
             if item is None:
                 return False
+            with self._reading(item, close=False):
+                head = os.pread(item.fd, HEADER_SIZE, item.payload)
+                item.header = self._check_header(item, head)
+            if not item.ok:
+                return False
+            item.trailer = None  # (read: the move takes the payload only)
             if spans is not None:
                 item.spans = spans[i]
             items[i] = item
@@ -1029,7 +1041,6 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
             def finish(j: int) -> bool:
                 item, items[live[j]] = opened[j], None  # closed by _reading from here on
                 with self._reading(item):
-                    item.header = self._check_header(item, item.trailer)
                     self._finish_read(item)
                 if item.ok:
                     out[live[j]] = item.out
@@ -1391,13 +1402,13 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                 return True
             header, nbytes = self._new_header(name, views[i])
             try:
-                reservation, tmp, fd, _ = self._open_new(name, path, nbytes)
+                reservation, tmp, fd, allocated = self._open_new(name, path, nbytes)
             except OSError as exc:
                 raise from_os_error(exc, f"write {path}") from exc
             payload = nbytes - HEADER_SIZE
             item_spans = None if spans is None else spans[i]
             items[i] = _WriteItem(
-                name, path, reservation, tmp, fd, views[i], payload, header, item_spans
+                name, path, reservation, tmp, fd, views[i], payload, header, item_spans, allocated
             )
             return True
 
@@ -1423,7 +1434,12 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                 nbytes = item.payload + HEADER_SIZE
                 try:  # (finish_temp closes the file and removes the temporary, always)
                     published = finish_temp(
-                        item.path, item.fd, item.final, nbytes, fsync=self.options.fsync
+                        item.path,
+                        item.fd,
+                        item.final,
+                        nbytes,
+                        fsync=self.options.fsync,
+                        allocated=item.allocated,
                     )
                     self._settle(item.name, item.final, item.reservation, published, nbytes)
                 except OSError as exc:
@@ -1457,7 +1473,8 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         """Move the bytes of ``moves`` between memory and their files: the store's I/O hook.
 
         ``"write"``: each move's views go to its file from offset 0, then its ``trailer``
-        right after them. ``"read"``: the file's payload fills the views and the next
+        right after them. ``"read"``: the file's payload fills the views and, unless
+        ``trailer`` is None (already read), the next
         :data:`~hicache_storage.storekit.header.HEADER_SIZE` bytes fill ``trailer`` (left
         short, the header check then fails that object). Returns once every byte moved;
         raises when any did not (:class:`~hicache_storage.errors.BackendError` or
@@ -1473,11 +1490,13 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         """
         if direction == "write":
             for move in moves:
+                assert move.trailer is not None
                 writev_all(move.fd, [*move.views, move.trailer])
             return
         for move in moves:
-            want = move.payload + HEADER_SIZE
-            got = preadv_all(move.fd, [*move.views, memoryview(move.trailer)], 0)
+            tail = [] if move.trailer is None else [memoryview(move.trailer)]
+            want = move.payload + (HEADER_SIZE if tail else 0)
+            got = preadv_all(move.fd, [*move.views, *tail], 0)
             if got != want:
                 raise CorruptObjectError(f"short read: {got} of {want} bytes")
 
@@ -1579,7 +1598,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         """The protocol's figures, from the capacity tracker; and ``reserved_bytes``.
 
         The tracker counts only with a cap or a floor set (objects and bytes are -1
-        without); files are counted rounded up to the filesystem's blocks.
+        without), each object as its file's size (payload and header).
         """
         tracker = self._tracker
         counted = tracker.enabled

@@ -442,9 +442,10 @@ class TieredCache:
                 f"{self.device.num_pages} pages"
             )
         wait = self.config.acquire_timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait  # (the wait for the lock counts too)
         with self._lock:
             try:
-                fill = self._pin_prompt(keys, reuse_limit, wait)
+                fill = self._pin_prompt(keys, reuse_limit, wait, deadline)
             finally:
                 if prefetched is not None:
                     self._let_go(prefetched)
@@ -460,13 +461,15 @@ class TieredCache:
             keys, fill.lease_pages, fill.reuse, progress, fill.on_device, scratch=fill.scratch
         )
 
-    def _pin_prompt(self, keys: list[str], reuse_limit: int | None, wait: float) -> _Fill:
+    def _pin_prompt(
+        self, keys: list[str], reuse_limit: int | None, wait: float, deadline: float
+    ) -> _Fill:
         """Pin the prompt's pages and give each a device page: what :meth:`acquire` fills.
 
-        Under the lock. Waits (up to ``wait`` seconds) for pages another request is
-        filling and for device pages; :class:`BackendError` after that.
+        Under the lock. Waits (until ``deadline``, ``wait`` seconds after the call began)
+        for pages another request is filling and for device pages; :class:`BackendError`
+        after that.
         """
-        deadline = time.monotonic() + wait
         while True:
             # Pages another request is filling are waited for, never taken half-filled.
             if not self._ready.wait_for(

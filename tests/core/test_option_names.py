@@ -107,6 +107,26 @@ def test_usage_has_one_schema(tmp_path: Path, shm_dir: str) -> None:
             b.close()
 
 
+def test_an_old_name_in_the_environment_is_an_error_too(
+    monkeypatch: pytest.MonkeyPatch, shm_dir: str
+) -> None:
+    monkeypatch.setenv("HICACHE_STORAGE_SHM_DIRECTORY", shm_dir)
+    with pytest.raises(ConfigError, match="HICACHE_STORAGE_SHM_ROOT"):
+        create_backend("shm", StorageConfig())
+
+
+def test_a_wrapper_forwards_usage(shm_dir: str) -> None:
+    from hicache_storage.wrapper import WrapperBackend
+
+    inner = create_backend("shm", StorageConfig(), root=shm_dir)
+    wrapped = WrapperBackend(inner)
+    try:
+        assert wrapped.set("k", b"x" * 100)
+        assert wrapped.usage() == inner.usage() and wrapped.usage()["objects"] == 1
+    finally:
+        wrapped.close()
+
+
 def test_the_protocol_default_says_it_cannot_tell() -> None:
     assert HiCacheStorage.usage.__qualname__ == "HiCacheStorage.usage"
     cls = load_backend_class("s3")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from hicache_storage.config import StorageConfig
@@ -47,8 +47,9 @@ class Settings:
     """The deployment as both sides see it, from vLLM's configs (see the connector)."""
 
     backend_name: str
-    #: ``kv_connector_extra_config``: the backend's options and the connector's own.
-    extra_config: dict[str, Any]
+    #: ``kv_connector_extra_config``: the backend's options and the connector's own
+    #: (never in the repr: it holds the backend's secrets).
+    extra_config: dict[str, Any] = field(repr=False)
     options: ConnectorOptions
     namespace: KVCacheNamespace
     tp_size: int

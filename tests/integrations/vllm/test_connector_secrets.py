@@ -83,3 +83,4 @@ def test_an_unreachable_store_is_logged_without_its_secrets(
     assert "backend cannot be reached (BackendUnavailableError" in caplog.text
     assert "127.0.0.1:2" in caplog.text  # the nested options were quoted...
     assert_clean(caplog.text)  # ...without their secrets
+    assert_clean(repr(connector.settings))  # the settings both sides share, too
