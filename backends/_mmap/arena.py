@@ -78,7 +78,7 @@ _MAGIC = b"HCSMMAP1"
 _VERSION = 3
 MAX_UNITS = 64  # units per slab at most: the unit grows with the slab size beyond that
 _SLAB_DTYPE = "<u4"  # one entry of the slab table: its slots' size in units, 0 if unused
-_CRC = struct.Struct("<I")
+CRC = struct.Struct("<I")
 # One row of the slot table (64 bytes; numpy is imported on first use, not with the module).
 _SLOT_DTYPE = [
     ("generation", "<u8"),
@@ -182,7 +182,7 @@ def _forget_generations() -> None:
 os.register_at_fork(after_in_child=_forget_generations)
 
 
-def _new_generations(old: Any) -> Any:
+def new_generations(old: Any) -> Any:
     """:func:`_new_generation` for a numpy array of generations (one new value each)."""
     import numpy as np
 
@@ -194,7 +194,7 @@ def _new_generations(old: Any) -> Any:
     return gens
 
 
-def _link_or_open(tmp: str, fd: int, path: str) -> int:
+def link_or_open(tmp: str, fd: int, path: str) -> int:
     """Publish the complete temporary ``tmp`` (open as ``fd``) as ``path``; first creator wins.
 
     Returns the descriptor to use: ``fd``, or, when another process won the race, one of
@@ -209,7 +209,7 @@ def _link_or_open(tmp: str, fd: int, path: str) -> int:
     return fd
 
 
-class _Arena:
+class Arena:
     """The mapped arena file: superblock, slab and slot tables (numpy views) and slot data."""
 
     def __init__(self, path: str, capacity: int, slab_size: int, prefault: bool) -> None:
@@ -231,8 +231,8 @@ class _Arena:
             check_file(path, st)
             size = st.st_size
             self.ino, self.dev = st.st_ino, st.st_dev
-            head = os.pread(fd, _SUPER.size + _CRC.size, 0)
-            if len(head) < _SUPER.size + _CRC.size:
+            head = os.pread(fd, _SUPER.size + CRC.size, 0)
+            if len(head) < _SUPER.size + CRC.size:
                 raise ConfigError(f"{path} is not a hicache-storage mmap arena (too short)")
             magic, version = head[:8], int.from_bytes(head[8:12], "little")
             if magic == _MAGIC and version != _VERSION:
@@ -244,7 +244,7 @@ class _Arena:
             _m, _v, _flags, unit, slab, table_off, data_off, nonce, nslabs, slab_off = (
                 _SUPER.unpack(head[: _SUPER.size])
             )
-            (crc,) = _CRC.unpack(head[_SUPER.size :])
+            (crc,) = CRC.unpack(head[_SUPER.size :])
             if magic != _MAGIC or zlib.crc32(head[: _SUPER.size]) != crc:
                 raise ConfigError(f"{path} is not a hicache-storage mmap arena (or is damaged)")
             units = slab // unit if unit >= PAGE and unit % PAGE == 0 else 0
@@ -305,9 +305,9 @@ class _Arena:
             head = _SUPER.pack(
                 _MAGIC, _VERSION, 0, unit, slab, table_off, data_off, nonce, nslabs, slab_off
             )
-            os.pwrite(fd, head + _CRC.pack(zlib.crc32(head)), 0)
+            os.pwrite(fd, head + CRC.pack(zlib.crc32(head)), 0)
             os.fsync(fd)
-            fd = _link_or_open(tmp, fd, path)
+            fd = link_or_open(tmp, fd, path)
             fsync_dir(os.path.dirname(path) or ".")
         except BaseException:
             os.close(fd)
@@ -374,14 +374,14 @@ class _Arena:
 _FENCE = threading.Lock()
 
 
-def _fence() -> None:
+def fence() -> None:
     """A full memory barrier (a lock round trip), between a copy and its generation re-check."""
     with _FENCE:
         pass
 
 
 def _copy(
-    arena: _Arena,
+    arena: Arena,
     slot: int,
     views: Sequence[memoryview],
     ptrs: Sequence[int] | None,
@@ -407,21 +407,21 @@ def _copy(
         off += v.nbytes
 
 
-def _copy_in(
-    arena: _Arena, slot: int, views: Sequence[memoryview], ptrs: Sequence[int] | None
+def copy_in(
+    arena: Arena, slot: int, views: Sequence[memoryview], ptrs: Sequence[int] | None
 ) -> None:
     """Copy a value's views into a slot."""
     _copy(arena, slot, views, ptrs, into_slot=True)
 
 
-def _copy_out(
-    arena: _Arena, slot: int, views: Sequence[memoryview], ptrs: Sequence[int] | None
+def copy_out(
+    arena: Arena, slot: int, views: Sequence[memoryview], ptrs: Sequence[int] | None
 ) -> None:
     """Copy a slot into a target's views."""
     _copy(arena, slot, views, ptrs, into_slot=False)
 
 
-def _pointers(value: Any, views: Sequence[memoryview]) -> list[int] | None:
+def pointers(value: Any, views: Sequence[memoryview]) -> list[int] | None:
     """Raw addresses of a value's views when known without copying (page buffers, tensors)."""
     if isinstance(value, PageBuffer):
         return [s.ptr for s in value.segments]

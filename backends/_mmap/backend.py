@@ -25,21 +25,21 @@ from typing import TYPE_CHECKING, Any, Literal
 from typing_extensions import override
 
 from hicache_storage.backends._mmap.arena import (
+    Arena,
     SlotState,
-    _Arena,
-    _copy_in,
-    _copy_out,
-    _fence,
-    _new_generations,
-    _pointers,
+    copy_in,
+    copy_out,
+    fence,
+    new_generations,
+    pointers,
     slab_geometry,
 )
 from hicache_storage.backends._mmap.index_log import (
-    _NO_ENTRY,
+    NO_ENTRY,
+    Entry,
     IndexLog,
     Record,
     RecordKind,
-    _Entry,
 )
 from hicache_storage.buffers import PageBuffer, source_views, target_views, total_nbytes
 from hicache_storage.config import Size, StorageConfig, parse_options
@@ -192,7 +192,7 @@ class MmapBackend(HiCacheStorage):
         # _wlock. The log detaches for good if the arena is removed or replaced under it.
         self._wlock = threading.Lock()
         self._open_lock = threading.Lock()  # one opener of the arena per instance
-        self._arena: _Arena | None = None
+        self._arena: Arena | None = None
         self._free_hint: dict[int, list[int]] = {}  # per size class, lowest slot last
         self._log = IndexLog(
             self.index_path, self.options.fsync, self._drop_free_hint, self._on_log_damage
@@ -274,7 +274,7 @@ class MmapBackend(HiCacheStorage):
 
     # ------------------------------------------------------------------ arena, log and locks
 
-    def _open_arena(self, slot_size: int, lazy: bool = False) -> _Arena:
+    def _open_arena(self, slot_size: int, lazy: bool = False) -> Arena:
         """Open (or create, with slabs of ``slot_size``) the arena and load its index.
 
         ``lazy``: opened by an engine-facing call, whose failures must be failure shapes,
@@ -287,7 +287,7 @@ class MmapBackend(HiCacheStorage):
                     return self._arena
                 # Creation needs no lock (a complete arena is linked into place, first
                 # creator wins); loading the index takes the arena's writer lock.
-                arena = _Arena(self.path, self.options.max_size, slot_size, self.options.prefault)
+                arena = Arena(self.path, self.options.max_size, slot_size, self.options.prefault)
                 try:
                     with self._writer_lock(arena):
                         self._arena = arena
@@ -306,7 +306,7 @@ class MmapBackend(HiCacheStorage):
                 raise BackendError(f"cannot open the mmap arena: {exc}") from exc
             raise
 
-    def _repair_rows(self, arena: _Arena) -> None:
+    def _repair_rows(self, arena: Arena) -> None:
         """Make the slot table agree with the log (writer lock held).
 
         Under the lock a live key's row is always COMMITTED with the key's generation. A
@@ -372,7 +372,7 @@ class MmapBackend(HiCacheStorage):
                 self.path,
             )
 
-    def _arena_for(self, nbytes: int) -> _Arena:
+    def _arena_for(self, nbytes: int) -> Arena:
         """The arena, created on first write with the default (or the object's) slot size."""
         if self._arena is not None:
             return self._arena
@@ -405,7 +405,7 @@ class MmapBackend(HiCacheStorage):
             self._open_arena(page_bytes)
 
     @contextmanager
-    def _writer_lock(self, arena: _Arena | None = None, wait: bool = True) -> Iterator[None]:
+    def _writer_lock(self, arena: Arena | None = None, wait: bool = True) -> Iterator[None]:
         """Hold the writer lock: one writer of this process at a time, then one of all processes.
 
         The cross-process part is a ``flock`` on the arena file. ``wait=False``: raise
@@ -437,7 +437,7 @@ class MmapBackend(HiCacheStorage):
         finally:
             self._wlock.release()
 
-    def _slot_lock(self, arena: _Arena, slot: int, take: bool) -> bool:
+    def _slot_lock(self, arena: Arena, slot: int, take: bool) -> bool:
         """Take (or release) this instance's OFD lock on the slot's byte of the arena file.
 
         Taking fails (returns False) when another open file description holds it: a live
@@ -472,7 +472,7 @@ class MmapBackend(HiCacheStorage):
 
     # ------------------------------------------------------------------ slot allocator
 
-    def _find(self, name: str) -> _Entry | None:
+    def _find(self, name: str) -> Entry | None:
         """The live entry of ``name``, checked against the shared slot table."""
         arena = self._arena
         if arena is None:
@@ -485,7 +485,7 @@ class MmapBackend(HiCacheStorage):
             entry = self._committed(arena, name)
         return entry
 
-    def _committed(self, arena: _Arena, name: str) -> _Entry | None:
+    def _committed(self, arena: Arena, name: str) -> Entry | None:
         """The entry of ``name`` in the index as it is, if its slot still holds it."""
         entry = self._log.entry(name)
         if entry is None:
@@ -495,14 +495,14 @@ class MmapBackend(HiCacheStorage):
             return None
         return entry
 
-    def _class_slots(self, arena: _Arena, units: int) -> Any:
+    def _class_slots(self, arena: Arena, units: int) -> Any:
         """The slots of every slab cut into class ``units`` (a numpy array)."""
         import numpy as np
 
         return arena.slot_rows(np.flatnonzero(arena.slabs == units), units)
 
     @staticmethod
-    def _classes_cut(arena: _Arena) -> list[int]:
+    def _classes_cut(arena: Arena) -> list[int]:
         """The classes some slab is cut into.
 
         A damaged entry larger than a slab is none: no slot of it is used, and the slab is
@@ -520,7 +520,7 @@ class MmapBackend(HiCacheStorage):
         by_slot = self._log.by_slot
         return np.fromiter(by_slot, np.int64, len(by_slot))
 
-    def _refill_hint(self, arena: _Arena, units: int, _count: int = 0) -> list[int]:
+    def _refill_hint(self, arena: Arena, units: int, _count: int = 0) -> list[int]:
         """Find the reusable slots of class ``units`` (writer lock held, index caught up)."""
         import numpy as np
 
@@ -542,7 +542,7 @@ class MmapBackend(HiCacheStorage):
         self._free_hint[units] = hint
         return hint
 
-    def _resting(self, arena: _Arena, slots: Any) -> Any:
+    def _resting(self, arena: Arena, slots: Any) -> Any:
         """Mask of ``slots`` (a numpy array) that are retired and still resting.
 
         A rest that would end more than ``reuse_delay`` in the future (the clock stepped back)
@@ -556,14 +556,14 @@ class MmapBackend(HiCacheStorage):
             & (since <= now)
         )
 
-    def _held_elsewhere(self, arena: _Arena, slot: int) -> bool:
+    def _held_elsewhere(self, arena: Arena, slot: int) -> bool:
         """True if another open file description (a live writer) holds the slot's lock."""
         got = fcntl.fcntl(
             arena.fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, slot, 1, 0)
         )
         return int(_FLOCK.unpack(got)[0]) != fcntl.F_UNLCK
 
-    def _busy(self, arena: _Arena, writing: Any) -> list[int]:
+    def _busy(self, arena: Arena, writing: Any) -> list[int]:
         """Those of the ``writing`` slots (state WRITING) that live writers are filling.
 
         This instance's, or locked elsewhere; a dead writer's slot is not busy: it is
@@ -576,7 +576,7 @@ class MmapBackend(HiCacheStorage):
             if ours or self._held_elsewhere(arena, s)
         ]
 
-    def _slab_use(self, arena: _Arena, keep: frozenset[int], live: bool) -> tuple[Any, Any, Any]:
+    def _slab_use(self, arena: Arena, keep: frozenset[int], live: bool) -> tuple[Any, Any, Any]:
         """Per slab (writer lock held, caught up): ``(pinned, resting, live)``.
 
         ``pinned`` counts its slots that live writers are filling or that are in ``keep``;
@@ -604,7 +604,7 @@ class MmapBackend(HiCacheStorage):
             held[self._live_slots() // arena.units] = True
         return pinned, resting, held
 
-    def _claim_slabs(self, arena: _Arena, units: int, count: int) -> list[int]:
+    def _claim_slabs(self, arena: Arena, units: int, count: int) -> list[int]:
         """Cut empty slabs into class ``units`` for ``count`` more objects (writer lock held).
 
         Slabs never used come first (an eighth of those left at least, so that a class
@@ -628,7 +628,7 @@ class MmapBackend(HiCacheStorage):
         self._free_hint[units] = hint
         return hint
 
-    def _cut(self, arena: _Arena, slabs: Any, units: int) -> None:
+    def _cut(self, arena: Arena, slabs: Any, units: int) -> None:
         """Cut empty slabs (a numpy array) into slots of class ``units`` (writer lock held).
 
         Every row of the slabs becomes free with a new generation first (a reader still
@@ -640,7 +640,7 @@ class MmapBackend(HiCacheStorage):
 
         table = arena.slots
         rows = np.add.outer(slabs * arena.units, np.arange(arena.units)).ravel()
-        table["generation"][rows] = _new_generations(table["generation"][rows])
+        table["generation"][rows] = new_generations(table["generation"][rows])
         table["state"][rows] = _FREE
         table["token"][rows] = 0
         table["since"][rows] = 0.0
@@ -652,7 +652,7 @@ class MmapBackend(HiCacheStorage):
             arena.flush_slab(low, high - low)
 
     def _reserve_slots(
-        self, arena: _Arena, units: int, count: int, keep: frozenset[int] = frozenset()
+        self, arena: Arena, units: int, count: int, keep: frozenset[int] = frozenset()
     ) -> list[tuple[int, int]]:
         """Up to ``count`` free slots of class ``units``, as ``(slot, new generation)``.
 
@@ -705,7 +705,7 @@ class MmapBackend(HiCacheStorage):
         if not taken:
             return []
         idx = np.array(taken, np.int64)
-        gens = _new_generations(table["generation"][idx])
+        gens = new_generations(table["generation"][idx])
         table["generation"][idx] = gens  # first: the slot's old generation is dead now
         table["state"][idx] = _WRITING
         table["pid"][idx] = self._pid
@@ -728,7 +728,7 @@ class MmapBackend(HiCacheStorage):
         return list(zip(taken, gens.tolist(), strict=True))
 
     def _evict_for(
-        self, arena: _Arena, units: int, count: int, keep: frozenset[int] = frozenset()
+        self, arena: Arena, units: int, count: int, keep: frozenset[int] = frozenset()
     ) -> None:
         """Make room for ``count`` objects of class ``units``: evict the least recently used.
 
@@ -784,7 +784,7 @@ class MmapBackend(HiCacheStorage):
         self._record(evictions=len(victims))
 
     @staticmethod
-    def _retire(arena: _Arena, slots: list[int]) -> None:
+    def _retire(arena: Arena, slots: list[int]) -> None:
         """Retire slots: new generations, resting from now (one vectorized pass)."""
         import numpy as np
 
@@ -794,13 +794,13 @@ class MmapBackend(HiCacheStorage):
 
         idx = np.asarray(slots, dtype=np.int64)
         old = arena.slots["generation"][idx]
-        gens = _new_generations(old)
+        gens = new_generations(old)
         # The generation first: a reader re-checking it after its copy sees the change.
         arena.slots["generation"][idx] = gens
         arena.slots["state"][idx] = _RETIRED
         arena.slots["since"][idx] = now
 
-    def _still_mine(self, arena: _Arena, slot: int, gen: int) -> bool:
+    def _still_mine(self, arena: Arena, slot: int, gen: int) -> bool:
         row = arena.slots[slot]
         return (
             int(row["generation"]) == gen
@@ -808,7 +808,7 @@ class MmapBackend(HiCacheStorage):
             and int(row["token"]) == self._token
         )
 
-    def _release(self, arena: _Arena, reserved: dict[int, tuple[int, int]]) -> None:
+    def _release(self, arena: Arena, reserved: dict[int, tuple[int, int]]) -> None:
         """Give back reserved slots that were not committed (after a failed batch).
 
         Under the writer lock: between marking a slot free and dropping its slot lock,
@@ -825,7 +825,7 @@ class MmapBackend(HiCacheStorage):
         except BackendError as exc:
             self._warn("release", "could not give back %d slots: %s", len(reserved), exc)
 
-    def _give_back(self, arena: _Arena, reserved: dict[int, tuple[int, int]]) -> None:
+    def _give_back(self, arena: Arena, reserved: dict[int, tuple[int, int]]) -> None:
         """Free the reserved slots still ours, and drop their slot locks (writer lock held)."""
         for slot, gen in reserved.values():
             if self._still_mine(arena, slot, gen):
@@ -836,7 +836,7 @@ class MmapBackend(HiCacheStorage):
 
     def _reserve_all(
         self,
-        arena: _Arena,
+        arena: Arena,
         names: list[str],
         pending: list[int],
         results: list[bool],
@@ -909,7 +909,7 @@ class MmapBackend(HiCacheStorage):
             raise
         return slots
 
-    def _room(self, arena: _Arena, units: list[int], keep: set[int], ours: list[int]) -> int:
+    def _room(self, arena: Arena, units: list[int], keep: set[int], ours: list[int]) -> int:
         """How many leading items of these classes the arena can hold at once (lock held).
 
         Every slot counts but those live writers other than this batch (its slots:
@@ -937,7 +937,7 @@ class MmapBackend(HiCacheStorage):
             room[u] -= 1
         return len(units)
 
-    def _spare(self, arena: _Arena, units: int) -> int:
+    def _spare(self, arena: Arena, units: int) -> int:
         """Slots of class ``units`` that will be free without evicting more (lock held).
 
         Resting slots of the class, those whose rest has just ended, and the slots of the
@@ -989,7 +989,7 @@ class MmapBackend(HiCacheStorage):
         def copy(k: int) -> int:
             i = order[k]
             _, value, views = items[i]
-            _copy_in(arena, slots[i][0], views, _pointers(value, views))
+            copy_in(arena, slots[i][0], views, pointers(value, views))
             if self.options.fsync:
                 arena.flush(slots[i][0], sizes[i])
             return checksum(views, self._algorithm) if self._algorithm else 0
@@ -1001,7 +1001,7 @@ class MmapBackend(HiCacheStorage):
                 sums = self._io.map(copy, len(order))
             else:
                 sums = [copy(k) for k in range(len(order))]
-            _fence()
+            fence()
             with self._writer_lock():
                 self._log.catch_up()
                 records = self._commit_rows(arena, order, slots, names, sizes, sums, results)
@@ -1021,7 +1021,7 @@ class MmapBackend(HiCacheStorage):
 
     def _commit_rows(
         self,
-        arena: _Arena,
+        arena: Arena,
         order: list[int],
         slots: dict[int, tuple[int, int]],
         names: list[str],
@@ -1061,7 +1061,7 @@ class MmapBackend(HiCacheStorage):
                 continue
             done.append(k)
             records.append(
-                (RecordKind.PUT, names[i], _Entry(slot, gen, sizes[i], csum, self._algorithm))
+                (RecordKind.PUT, names[i], Entry(slot, gen, sizes[i], csum, self._algorithm))
             )
         if done:
             rows = idx[done]
@@ -1091,8 +1091,8 @@ class MmapBackend(HiCacheStorage):
         elif total_nbytes(views) != entry.length:
             self._record(size_mismatches=1)
             return None
-        _copy_out(arena, entry.slot, views, _pointers(target, views) if views else None)
-        _fence()
+        copy_out(arena, entry.slot, views, pointers(target, views) if views else None)
+        fence()
         # Seqlock check: the slot must still hold this generation after the copy.
         row = arena.slots[entry.slot]
         if int(row["generation"]) != entry.generation or int(row["state"]) != _COMMITTED:
@@ -1111,7 +1111,7 @@ class MmapBackend(HiCacheStorage):
         self._record(bytes_read=entry.length)
         return out
 
-    def _drop_damaged(self, name: str, entry: _Entry) -> None:
+    def _drop_damaged(self, name: str, entry: Entry) -> None:
         """Delete a key whose bytes failed their checksum, if it is still that incarnation.
 
         Otherwise ``exists`` would count a page that never loads, and ``set`` would keep
@@ -1240,7 +1240,7 @@ class MmapBackend(HiCacheStorage):
                     # One record clears the namespace (the commit point), then its slots
                     # are retired; a crash between the two leaves them committed in the
                     # slot table but in no index: orphans, reclaimed by later writers.
-                    self._log.append([(RecordKind.CLEAR, prefix, _NO_ENTRY)])
+                    self._log.append([(RecordKind.CLEAR, prefix, NO_ENTRY)])
                     self._retire(arena, self._log.dropped)
                     self._log.dropped = []
 

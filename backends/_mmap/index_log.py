@@ -59,7 +59,7 @@ import zlib
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hicache_storage.backends._mmap.arena import _CRC, _Arena, _link_or_open
+from hicache_storage.backends._mmap.arena import CRC, Arena, link_or_open
 from hicache_storage.errors import BackendError, ConfigError
 from hicache_storage.storekit.atomic import fsync_dir, temp_path, writev_all
 from hicache_storage.storekit.header import ALGORITHMS
@@ -100,7 +100,7 @@ class RecordKind(IntEnum):
 _PUT, _DEL, _BULK, _CLEAR = (int(k) for k in RecordKind)
 
 
-class _Entry(NamedTuple):
+class Entry(NamedTuple):
     """Where a live object is: slot, slot generation, length and payload checksum."""
 
     slot: int
@@ -110,7 +110,7 @@ class _Entry(NamedTuple):
     algorithm: int
 
 
-_NO_ENTRY = _Entry(0, 0, 0, 0, 0)  # the fields of a CLEAR record
+NO_ENTRY = Entry(0, 0, 0, 0, 0)  # the fields of a CLEAR record
 _SLOT_MASK = 0xFFFFFFFF
 
 
@@ -124,7 +124,7 @@ def unpack(packed: int) -> tuple[int, int]:
     return packed & _SLOT_MASK, packed >> 32
 
 
-Record = tuple[RecordKind, str, _Entry]
+Record = tuple[RecordKind, str, Entry]
 
 
 class _View(NamedTuple):
@@ -157,45 +157,45 @@ class _Columns(NamedTuple):
 
 def _log_header(nonce: int) -> bytes:
     head = _LOG_HEAD.pack(_LOG_MAGIC, _LOG_VERSION, 0, nonce)
-    return head + _CRC.pack(zlib.crc32(head))
+    return head + CRC.pack(zlib.crc32(head))
 
 
 def _log_nonce(head: bytes) -> int | None:
     """The arena nonce of a log header, or None if it is not a valid header."""
-    if len(head) < _LOG_HEAD.size + _CRC.size:
+    if len(head) < _LOG_HEAD.size + CRC.size:
         return None
     magic, version, _flags, nonce = _LOG_HEAD.unpack_from(head)
-    (crc,) = _CRC.unpack_from(head, _LOG_HEAD.size)
+    (crc,) = CRC.unpack_from(head, _LOG_HEAD.size)
     if magic != _LOG_MAGIC or version not in _READABLE or zlib.crc32(head[: _LOG_HEAD.size]) != crc:
         return None
     return int(nonce)
 
 
 def _decode_record(
-    data: bytes, off: int, arena: _Arena
-) -> tuple[int, str, _Entry | _Columns, int] | None:
+    data: bytes, off: int, arena: Arena
+) -> tuple[int, str, Entry | _Columns, int] | None:
     """The intact record at ``off``: (kind, name, entry or columns, end offset), or None.
 
     Intact means: magic, CRC, and fields that make sense for this arena (a slot it has,
     a length that fits in the slot's slab, a known record kind and checksum algorithm).
     """
-    if off + _REC.size + _CRC.size > len(data):
+    if off + _REC.size + CRC.size > len(data):
         return None
     magic, kind, algo, name_len, slot, gen, length, csum = _REC.unpack_from(data, off)
     if magic != _REC_MAGIC:
         return None
     start = off + _REC.size
     end = start + (length if kind == _BULK else name_len)
-    if end + _CRC.size > len(data):
+    if end + CRC.size > len(data):
         return None
-    (crc,) = _CRC.unpack_from(data, end)
+    (crc,) = CRC.unpack_from(data, end)
     if zlib.crc32(memoryview(data)[off:end]) != crc:
         return None
     if kind == _BULK:
         if name_len or gen or csum or algo:
             return None
         cols = _decode_columns(data, start, end, slot, arena)
-        return None if cols is None else (kind, "", cols, end + _CRC.size)
+        return None if cols is None else (kind, "", cols, end + CRC.size)
     try:
         name = data[start:end].decode("utf-8")
     except UnicodeDecodeError:
@@ -203,17 +203,15 @@ def _decode_record(
     if kind == _CLEAR:
         if not name or slot or gen or length or csum or algo:
             return None
-        return kind, name, _NO_ENTRY, end + _CRC.size
+        return kind, name, NO_ENTRY, end + CRC.size
     if kind not in (_PUT, _DEL) or slot >= arena.nslots or algo not in _ALGORITHM_IDS:
         return None
     if slot % arena.units * arena.unit + length > arena.slab_size:  # past its slab
         return None
-    return kind, name, _Entry(slot, gen, length, csum, algo), end + _CRC.size
+    return kind, name, Entry(slot, gen, length, csum, algo), end + CRC.size
 
 
-def _decode_columns(
-    data: bytes, start: int, end: int, count: int, arena: _Arena
-) -> _Columns | None:
+def _decode_columns(data: bytes, start: int, end: int, count: int, arena: Arena) -> _Columns | None:
     """The body of a BULK record of ``count`` entries at ``data[start:end]``, or None.
 
     None if the body does not make sense for this arena (the CRC was right: written by
@@ -265,11 +263,11 @@ def _encode_columns(names: list[str], slots: Any, log: IndexLog) -> bytes:
             ]
         )
         head = _REC.pack(_REC_MAGIC, _BULK, 0, 0, len(chunk), 0, len(body), 0)
-        out.append(head + body + _CRC.pack(zlib.crc32(body, zlib.crc32(head))))
+        out.append(head + body + CRC.pack(zlib.crc32(body, zlib.crc32(head))))
     return b"".join(out)
 
 
-def _next_record(data: bytes, start: int, arena: _Arena) -> int:
+def _next_record(data: bytes, start: int, arena: Arena) -> int:
     """Offset of the next intact record at or after ``start``, or -1."""
     pos = data.find(_REC_MAGIC, start)
     while pos >= 0:
@@ -312,7 +310,7 @@ class IndexLog:
         self._on_reload = on_reload
         self._on_damage = on_damage
         self.lock = threading.RLock()
-        self.arena: _Arena | None = None
+        self.arena: Arena | None = None
         self.index: dict[str, int] = {}
         self.by_slot: dict[int, str] = {}
         self.generations: Any = None
@@ -337,7 +335,7 @@ class IndexLog:
         # The last bytes read before _pos (see catch_up).
         self._anchor = b""
 
-    def open(self, arena: _Arena) -> None:
+    def open(self, arena: Arena) -> None:
         """Load the log of ``arena`` (its writer lock held), creating it if missing."""
         with self.lock:
             self.arena = arena
@@ -351,14 +349,14 @@ class IndexLog:
                 os.close(self._fd)
             self._fd = -1
 
-    def entry(self, name: str) -> _Entry | None:
+    def entry(self, name: str) -> Entry | None:
         """The live entry of ``name`` in this process's index (not checked), or None."""
         view = self._view  # one view: the name's pair and its slot's columns agree
         found = view.names.get(name)
         if found is None:
             return None
         slot, gen = found & _SLOT_MASK, found >> 32
-        return _Entry(
+        return Entry(
             slot,
             gen,
             int(view.lengths[slot]),
@@ -422,7 +420,7 @@ class IndexLog:
                 raise
             self._fd = fd
             self._ino = st.st_ino
-            head = os.pread(self._fd, _LOG_HEAD.size + _CRC.size, 0)
+            head = os.pread(self._fd, _LOG_HEAD.size + CRC.size, 0)
             if _log_nonce(head) != arena.nonce:
                 if not arena.is_current():
                     self._detach(f"the arena {arena.path} was removed or replaced")
@@ -446,7 +444,7 @@ class IndexLog:
         self.detached = reason
         self._empty_index()
 
-    def _create(self, arena: _Arena) -> int:
+    def _create(self, arena: Arena) -> int:
         """Create the log of ``arena``, or open the one another process created first.
 
         The new log (header only) is written under a temporary name and linked into place.
@@ -458,7 +456,7 @@ class IndexLog:
             writev_all(fd, [_log_header(arena.nonce)])
             if self.fsync:
                 os.fsync(fd)
-            fd = _link_or_open(tmp, fd, self.path)
+            fd = link_or_open(tmp, fd, self.path)
         except BaseException:
             os.close(fd)
             raise
@@ -557,7 +555,7 @@ class IndexLog:
                     self.apply_columns(found)
                     self._records += len(found.names)
                     continue
-                assert isinstance(found, _Entry)
+                assert isinstance(found, Entry)
                 self._apply(kind, name, found)
                 self._records += 1
                 self._loose += 1
@@ -565,7 +563,7 @@ class IndexLog:
             self._anchor = raw[off : off + _ANCHOR]
             self._bad_tail = (size, fst.st_mtime_ns) if off < len(data) else None
 
-    def _apply(self, kind: int, name: str, entry: _Entry) -> None:
+    def _apply(self, kind: int, name: str, entry: Entry) -> None:
         if kind == _CLEAR:
             self.drop_prefix(name)
             return
@@ -614,7 +612,7 @@ class IndexLog:
                 self.by_slot = {p & _SLOT_MASK: name for name, p in self.index.items()}
             return
         for i, name in enumerate(cols.names):  # one at a time, as PUT records
-            entry = _Entry(
+            entry = Entry(
                 slots[i],
                 gens[i],
                 int(cols.lengths[i]),
@@ -651,19 +649,19 @@ class IndexLog:
         self.dropped = dropped
         return dropped
 
-    def forget(self, name: str, entry: _Entry) -> None:
+    def forget(self, name: str, entry: Entry) -> None:
         """Drop a key from the in-memory index only (nothing is logged)."""
         self.index.pop(name, None)
         self.by_slot.pop(entry.slot, None)
 
     @staticmethod
-    def encode(kind: RecordKind, name: str, e: _Entry) -> bytes:
+    def encode(kind: RecordKind, name: str, e: Entry) -> bytes:
         """One PUT, DEL or CLEAR record, CRC included."""
         raw = name.encode("utf-8")
         rec = _REC.pack(
             _REC_MAGIC, kind, e.algorithm, len(raw), e.slot, e.generation, e.length, e.checksum
         )
-        return rec + raw + _CRC.pack(zlib.crc32(rec + raw))
+        return rec + raw + CRC.pack(zlib.crc32(rec + raw))
 
     def append(self, records: Iterable[Record]) -> None:
         """Append records to the log (writer lock held); they are the commit point."""

@@ -297,9 +297,9 @@ def test_a_failed_copy_never_frees_a_slot_still_being_written(
     """One copy of a batch fails while another is still copying: no later key may read
     the straggler's bytes. (The I/O error is injected: the thing under test is the
     backend's clean-up.)"""
-    import hicache_storage.backends._mmap.backend as impl  # where _copy_in is looked up
+    import hicache_storage.backends._mmap.backend as impl  # where copy_in is looked up
 
-    real = impl._copy_in  # type: ignore[attr-defined]  # patched where the backend calls it
+    real = impl.copy_in  # type: ignore[attr-defined]  # patched where the backend calls it
 
     def flaky(a: object, slot: int, views: list[memoryview], ptrs: object) -> None:
         first = bytes(views[0][:1])[0]
@@ -309,7 +309,7 @@ def test_a_failed_copy_never_frees_a_slot_still_being_written(
             time.sleep(0.4)  # a slow straggler
         real(a, slot, views, ptrs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(impl, "_copy_in", flaky)
+    monkeypatch.setattr(impl, "copy_in", flaky)
     b = arena(max_size="4MiB", slot_size="1MiB", max_concurrency=2, reuse_delay=0)
     pages = page_buffers(b"\x01" * MiB, b"\xbb" * MiB)
     assert b.batch_set_pages(["fail", "straggler"], pages) == [False, False]
@@ -324,15 +324,15 @@ def test_a_failed_copy_never_frees_a_slot_still_being_written(
 
 SLOW_WRITER = """
 import sys, time
-import hicache_storage.backends._mmap.backend as impl  # where _copy_in is looked up
+import hicache_storage.backends._mmap.backend as impl  # where copy_in is looked up
 from hicache_storage import PageBuffer, Segment, StorageConfig
 from hicache_storage.buffers import memoryview_at
-real = impl._copy_in
+real = impl.copy_in
 def slow(arena, slot, views, ptrs):
     print("reserved", flush=True)
     time.sleep(1.5)
     real(arena, slot, views, ptrs)
-impl._copy_in = slow
+impl.copy_in = slow
 b = impl.MmapBackend(StorageConfig(), path=sys.argv[1])
 print(b.set("A", b"\\xa1" * (1 << 20)), flush=True)
 b.close()
@@ -503,7 +503,7 @@ def test_the_on_disk_layout_is_the_one_the_docstrings_table() -> None:
     from hicache_storage.backends._mmap import arena as A
     from hicache_storage.backends._mmap import index_log as L
 
-    assert A._SUPER.size + A._CRC.size == 76 and A._VERSION == 3
+    assert A._SUPER.size + A.CRC.size == 76 and A._VERSION == 3
     assert np.dtype(A._SLAB_DTYPE).itemsize == 4
     assert [A.size_class(n) for n in range(1, 22)] == [
         1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14, 14, 16, 16, 20, 20, 20, 20, 24]  # fmt: skip
@@ -517,7 +517,7 @@ def test_the_on_disk_layout_is_the_one_the_docstrings_table() -> None:
                        "last_access": 32, "since": 40, "token": 48, "pad": 56}  # fmt: skip
     assert {s.name: int(s) for s in A.SlotState} == {
         "FREE": 0, "WRITING": 1, "COMMITTED": 2, "RETIRED": 3}  # fmt: skip
-    assert L._LOG_HEAD.size + A._CRC.size == 28
+    assert L._LOG_HEAD.size + A.CRC.size == 28
     assert L._REC.size == 36
     assert {k.name: int(k) for k in L.RecordKind} == {"PUT": 1, "DEL": 2, "BULK": 3, "CLEAR": 4}
     assert L._LOG_VERSION == 2 and L._READABLE == (1, 2)
@@ -626,9 +626,9 @@ def test_reopen_after_mixed_size_writes(arena: Callable[..., MmapBackend], tmp_p
 
 NEW_CLASS_WRITER = """
 import sys, time
-import hicache_storage.backends._mmap.backend as impl  # where _copy_in is looked up
+import hicache_storage.backends._mmap.backend as impl  # where copy_in is looked up
 from hicache_storage import StorageConfig
-real = impl._copy_in
+real = impl.copy_in
 calls = []
 def copy_in(arena, slot, views, ptrs):
     calls.append(slot)
@@ -636,7 +636,7 @@ def copy_in(arena, slot, views, ptrs):
         print("copying", flush=True)
         time.sleep(600)
     real(arena, slot, views, ptrs)
-impl._copy_in = copy_in
+impl.copy_in = copy_in
 b = impl.MmapBackend(StorageConfig(), path=sys.argv[1], max_concurrency=1)
 b.batch_set([f"new{i}" for i in range(3)], [bytes([0xEE]) * 200_000] * 3)
 """

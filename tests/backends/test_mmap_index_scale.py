@@ -23,9 +23,9 @@ import pytest
 from hicache_storage import KVCacheNamespace, StorageConfig
 from hicache_storage.backends import MmapBackend
 from hicache_storage.backends._mmap import index_log as L
-from hicache_storage.backends._mmap.arena import _CRC
+from hicache_storage.backends._mmap.arena import CRC
 
-HEAD = L._LOG_HEAD.size + _CRC.size
+HEAD = L._LOG_HEAD.size + CRC.size
 # An arena with room for the 5,000-object stores of these tests (a log past the point
 # where close() compacts it).
 BIG = {"max_size": "24MiB", "slot_size": "4KiB", "prefault": False}
@@ -52,7 +52,7 @@ def records(index: Path) -> list[tuple[int, int, int]]:
     out, off = [], HEAD
     while off < len(raw):
         _m, kind, _a, name_len, _s, _g, length, _c = L._REC.unpack_from(raw, off)
-        size = L._REC.size + (length if kind == L._BULK else name_len) + _CRC.size
+        size = L._REC.size + (length if kind == L._BULK else name_len) + CRC.size
         out.append((kind, off, size))
         off += size
     return out
@@ -136,7 +136,7 @@ def test_clear_is_one_record_that_spares_other_namespaces(
     size = index.stat().st_size
     a.clear()
     prefix = config("a").namespace.digest + "/"
-    assert index.stat().st_size == size + L._REC.size + len(prefix) + _CRC.size
+    assert index.stat().st_size == size + L._REC.size + len(prefix) + CRC.size
     assert records(index)[-1][0] == L._CLEAR
     assert a.batch_exists(keys) == 0
     assert not watcher.exists(keys[0])  # another instance applies the record
@@ -412,7 +412,7 @@ def test_a_failed_batch_gives_its_slots_back_under_the_writer_lock(
     import hicache_storage.backends._mmap.backend as impl
 
     b = arena(max_size="1MiB", slot_size="4KiB", prefault=False)
-    real_copy = impl._copy_in  # type: ignore[attr-defined]
+    real_copy = impl.copy_in  # type: ignore[attr-defined]
     real_lock = MmapBackend._slot_lock
     seen: list[bool] = []
 
@@ -426,7 +426,7 @@ def test_a_failed_batch_gives_its_slots_back_under_the_writer_lock(
             seen.append(self._wlock.locked())  # every slot lock is dropped under the lock
         return real_lock(self, a, slot, take)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(impl, "_copy_in", failing_copy)
+    monkeypatch.setattr(impl, "copy_in", failing_copy)
     monkeypatch.setattr(MmapBackend, "_slot_lock", watching_lock)
     assert b.batch_set(["x", "y"], [b"BOOM" * 16, b"ok" * 32]) == [False, False]
     assert b.set("z", b"Z" * 64)

@@ -470,7 +470,7 @@ def test_writers_opened_before_and_after_a_lock_file_removal_share_one_lock(
     earlier releases, removed by a /tmp cleaner) can never give two instances two lock
     domains, in which one took the other's in-flight slot as a dead writer's and the
     late copy landed in its page."""
-    import hicache_storage.backends._mmap.backend as mm  # where _copy_in is looked up
+    import hicache_storage.backends._mmap.backend as mm  # where copy_in is looked up
 
     a = arena(max_size="1MiB", slot_size="64KiB", reuse_delay=0, low_free_slots=0)
     n = a.usage()["slabs"]  # one 64 KiB page a slab
@@ -478,7 +478,7 @@ def test_writers_opened_before_and_after_a_lock_file_removal_share_one_lock(
     (tmp_path / "arena.lock").unlink(missing_ok=True)  # the lock file of earlier releases
     b = arena(reuse_delay=0, low_free_slots=0)
     paused, go = threading.Event(), threading.Event()
-    real = mm._copy_in  # type: ignore[attr-defined]  # patched where the backend calls it
+    real = mm.copy_in  # type: ignore[attr-defined]  # patched where the backend calls it
 
     def copy_in(arena_: object, slot: int, views: list, ptrs: object) -> None:
         if threading.current_thread().name == "a-writer":
@@ -486,7 +486,7 @@ def test_writers_opened_before_and_after_a_lock_file_removal_share_one_lock(
             go.wait(10)
         real(arena_, slot, views, ptrs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(mm, "_copy_in", copy_in)
+    monkeypatch.setattr(mm, "copy_in", copy_in)
     t = threading.Thread(target=lambda: a.set("X", value(0x58, 65536)), name="a-writer")
     t.start()
     assert paused.wait(10)
@@ -590,7 +590,7 @@ def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
 
     import torch
 
-    import hicache_storage.backends._mmap.backend as mm  # where _copy_in is looked up
+    import hicache_storage.backends._mmap.backend as mm  # where copy_in is looked up
 
     # Pages of 192 KiB: a batch of pages that large is copied on the I/O threads.
     pool = make_pool(num_pages=32, page_size=4, head_dim=2048)
@@ -599,7 +599,7 @@ def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
               max_concurrency=2, reuse_delay=0)  # fmt: skip
     a.register_mem_pool_host(pool)
     b = arena(max_concurrency=1, reuse_delay=0)
-    real = mm._copy_in  # type: ignore[attr-defined]  # patched where the backend calls it
+    real = mm.copy_in  # type: ignore[attr-defined]  # patched where the backend calls it
 
     def slow(arena_: object, slot: int, views: list, ptrs: object) -> None:
         if threading.current_thread().name.startswith("hicache-mmap"):
@@ -621,13 +621,13 @@ def test_an_interrupted_batch_waits_for_its_copies_before_giving_slots_back(
             raise KeyboardInterrupt
         return real_wait(futures, *args, **kwargs)
 
-    monkeypatch.setattr(mm, "_copy_in", slow)
+    monkeypatch.setattr(mm, "copy_in", slow)
     monkeypatch.setattr(iopool, "wait", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):
         a.batch_set_v1([f"p{i}" for i in range(12)], torch.arange(12 * 4))
     assert interrupted
     monkeypatch.setattr(iopool, "wait", real_wait)
-    monkeypatch.setattr(mm, "_copy_in", real)
+    monkeypatch.setattr(mm, "copy_in", real)
     assert b.batch_set([f"y{i}" for i in range(12)], [b"\x59" * 768] * 12) == [True] * 12
     time.sleep(1)  # any copy still running would land now
     for i in range(12):
@@ -674,7 +674,7 @@ def test_a_dead_writer_holding_every_slot_does_not_stop_all_writes(
         from hicache_storage.conformance.data import make_pool, pool_namespace
         from hicache_storage import StorageConfig
         from hicache_storage.backends import MmapBackend
-        import hicache_storage.backends._mmap.backend as M  # where _copy_in is looked up
+        import hicache_storage.backends._mmap.backend as M  # where copy_in is looked up
         pool = make_pool(num_pages=64, page_size=4)
         b = MmapBackend(StorageConfig(namespace=pool_namespace(pool)),
                         path={str(tmp_path / "arena")!r}, max_size="256KiB", slot_size="4KiB",
@@ -684,7 +684,7 @@ def test_a_dead_writer_holding_every_slot_does_not_stop_all_writes(
         def stuck(*args):
             print("copying", flush=True)
             time.sleep(120)
-        M._copy_in = stuck
+        M.copy_in = stuck
         b.batch_set_v1([f"p{{i}}" for i in range(n)], torch.arange(n * 4))
         """
     )
