@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
-import re
 import resource
 import secrets
 import shutil
@@ -48,18 +46,14 @@ from hicache_storage.errors import (
     UnsupportedFormatError,
     from_os_error,
 )
-from hicache_storage.keys import ObjectName, is_object_leaf
 from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.storekit.atomic import (
     finish_temp,
     fsync_dir,
-    is_stale_temporary,
-    is_temporary,
     open_temp,
     preadv_all,
     publish,
-    remove_stale_temporaries,
     temp_path,
     writev_all,
 )
@@ -84,18 +78,13 @@ from hicache_storage.storekit.pathsafety import (
     is_trusted,
     open_regular_stat,
 )
-from hicache_storage.storekit.scansnapshot import (
-    SCAN_QUIET_NS,
-    SNAPSHOT_PREFIX,
-    Snapshot,
-    encode_snapshot,
-    load_snapshot,
-    save_snapshot,
-)
 from hicache_storage.storekit.spacelock import SpaceLock
+from hicache_storage.storekit.treescan import NAMESPACE_DIR, TRASH_PREFIX, TreeScan
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
+
+    from hicache_storage.keys import ObjectName
 
 __all__ = ["FileTreeOptions", "FileTreeStore", "PayloadMove"]
 
@@ -106,9 +95,6 @@ T = TypeVar("T")
 #: Mean object size from which batched reads verify their checksums on the I/O threads.
 _THREADED_VERIFY = 512 << 10
 
-_TRASH_PREFIX = ".trash."
-_NAMESPACE_DIR = re.compile(r"ns\d+-[0-9a-f]+")
-_FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
 #: A read refreshes a file's mtime (its recency after a restart or a re-scan) only when the
 #: mtime is older than this many seconds: one inode update per page per second at most.
 RECENCY_STEP = 1.0
@@ -127,21 +113,9 @@ def _holds_only_a_store(path: str) -> bool:
     """
     try:
         with os.scandir(path) as entries:
-            return all(e.name.startswith(".") or _NAMESPACE_DIR.fullmatch(e.name) for e in entries)
+            return all(e.name.startswith(".") or NAMESPACE_DIR.fullmatch(e.name) for e in entries)
     except OSError:
         return False
-
-
-def _is_object_name(fanout: str, leaf: str) -> bool:
-    """True if ``leaf`` in the fan-out directory ``fanout`` is a name this store makes.
-
-    Such a name is a valid key (with an optional ``~<shard>``) whose fan-out is ``fanout``.
-    Anything else in a store's directories (another program's files) is never counted or
-    evicted.
-    """
-    if not is_object_leaf(leaf):
-        return False
-    return hashlib.blake2b(leaf.encode("ascii"), digest_size=1).hexdigest() == fanout
 
 
 def _bounded_batch(pages: int) -> int:
@@ -333,7 +307,6 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         self._tree_ok = False  # root and namespace directory checked since the last forget
         self._dirs_lock = threading.Lock()
         self._reclaims: list[threading.Thread] = []  # clear()'s deletions in progress
-        self._starting = False  # the start-up scan is running
         self._space_lock = SpaceLock(self.root, self.file_mode, self.group_id)
         #: Objects per call of :meth:`move_payloads` (0: one, in the thread that opened it).
         self.payload_batch = _bounded_batch(self._payload_batch(opts))
@@ -341,20 +314,21 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
         self._parts = threading.BoundedSemaphore(4)
         self._ensure_tree()  # ConfigError: refuse to start on an unsafe or unusable root
         self._io = IOPool(opts.max_concurrency, f"hicache-{self.name}")
-        # Fan-out directories as last scanned (quiet ones): their mtime then. And, until
-        # the start-up scan has used them, those the last instance left in its snapshot
-        # (their mtime then) and the objects it recorded in them.
-        self._scan_dirs: dict[str, int] = {}
-        self._scan_cache: dict[str, int] = {}
-        self._snapshot: Snapshot | None = None
-        scope = "root" if self.capacity_per_root else f"{self.namespace.digest}.{self.config.shard}"
-        self._snapshot_scope = scope
-        self._snapshot_path = os.path.join(self.root, f"{SNAPSHOT_PREFIX}{scope}.json")
+        self._scanner = TreeScan(
+            root=self.root,
+            namespace=self.namespace.digest,
+            shard=self.config.shard,
+            per_root=self.capacity_per_root,
+            group_id=self.group_id,
+            file_mode=self.file_mode,
+            stale_temp_age=opts.stale_temp_age,
+            log=self._log,
+        )
         try:
             max_size, min_free = self._limits(opts)
             # With a cap or a floor the start-up scan sweeps dead writers' temporaries,
             # directory by directory; without one, nothing scans: sweep them here.
-            self._remove_leftovers(temporaries=max_size is None and not min_free)
+            self._scanner.remove_leftovers(temporaries=max_size is None and not min_free)
             self._tracker = CapacityTracker(
                 max_size,
                 self._evict,
@@ -362,11 +336,11 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
                 min_free_bytes=min_free,
                 free_space=self._free_space,
                 block_size=os.statvfs(self.root).f_frsize,
-                refresh=self._scan,
+                refresh=self._scanner.scan,
                 shared_cap=self.capacity_per_root,
             )
             if self._tracker.enabled:
-                self._load_tracker()
+                self._scanner.load(self._tracker)
         except BaseException:
             self._io.close()
             raise
@@ -456,236 +430,6 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
 
     def _path(self, name: ObjectName) -> str:
         return os.path.join(self.root, name.namespace, name.fanout, name.leaf)
-
-    def _remove_leftovers(self, temporaries: bool = True) -> None:
-        """Delete temporaries of dead writers and directories left by an interrupted clear().
-
-        Those of this namespace; with :attr:`capacity_per_root` (one budget for the root),
-        the directories of an interrupted clear() of any namespace. The start-up scan
-        (:meth:`_scan`, when there is a cap) removes the temporaries of dead writers in
-        every directory it scans (with :attr:`capacity_per_root`, of every namespace: an
-        interrupted recycle leaves its temporary in the evicted page's namespace); without
-        a scan (``temporaries``), this namespace's are removed here.
-        """
-        if temporaries:
-            remove_stale_temporaries(self.directory, self.options.stale_temp_age)
-        now = time.time()
-        with os.scandir(self.root) as entries:  # a snapshot's temporary, interrupted
-            stale = [
-                e.path
-                for e in entries
-                if is_temporary(e.name)
-                and self._stale_temporary(e, e.name, now, self.options.stale_temp_age)
-            ]
-        for path in stale:
-            self._remove_dead_temporary(path)
-        prefix = f"{_TRASH_PREFIX}{'' if self.capacity_per_root else self.namespace.digest}"
-        for entry in os.scandir(self.root):
-            if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-
-    def _owns(self, leaf: str) -> bool:
-        """True for a stored object of this instance's shard (ranks share the directory)."""
-        shard = self.config.shard
-        _, sep, tail = leaf.partition("~")
-        return tail == shard if shard is not None else not sep
-
-    def _scan(self) -> list[tuple[str, int, float]]:
-        """The stored objects this instance accounts for, as (relative name, bytes, mtime).
-
-        Those of its namespace and shard, or (:attr:`capacity_per_root`) every object of
-        every namespace under the root. Only names the store makes count (namespace
-        directories, two-hex fan-outs, key names of that fan-out: another program's files
-        in the directory are never counted, evicted or recycled), and only regular files
-        that pass the trust rule. With :attr:`capacity_per_root`, temporaries of dead
-        writers (this host) found on the way are removed: nothing else ever would.
-        """
-        found: list[tuple[str, int, float]] = []
-        if self.capacity_per_root:
-            try:
-                with os.scandir(self.root) as entries:
-                    namespaces = [
-                        e.name
-                        for e in entries
-                        if _NAMESPACE_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
-                    ]
-            except OSError:
-                return found
-            every_shard = True
-        else:
-            namespaces = [self.namespace.digest]
-            every_shard = False
-        max_age, now = self.options.stale_temp_age, time.time()
-        from_snapshot: set[str] = set()  # directories whose objects the snapshot lists
-        for ns in namespaces:
-            try:
-                with os.scandir(os.path.join(self.root, ns)) as fans:
-                    fan_names = [
-                        f.name
-                        for f in fans
-                        if _FANOUT_DIR.fullmatch(f.name) and f.is_dir(follow_symlinks=False)
-                    ]
-            except OSError:
-                continue  # removed meanwhile
-            for fan in fan_names:
-                rel_dir = f"{ns}/{fan}"
-                try:
-                    # A directory's mtime changes with every name made or removed in it:
-                    # one that has not changed since it was last scanned (and was already
-                    # quiet then) holds what it held. Its stat comes before the scan, so a
-                    # change during the scan shows next time.
-                    seen = os.stat(os.path.join(self.root, ns, fan), follow_symlinks=False)
-                    if self._scan_cache.get(rel_dir) == seen.st_mtime_ns:
-                        from_snapshot.add(rel_dir)
-                        self._scan_dirs[rel_dir] = seen.st_mtime_ns
-                        continue
-                    quiet = seen.st_mtime_ns < time.time_ns() - SCAN_QUIET_NS
-                    with os.scandir(os.path.join(self.root, ns, fan)) as files:
-                        for f in files:
-                            name = f.name
-                            if name.startswith("."):
-                                if is_temporary(name):
-                                    # A writer's: swept once stale; until then the
-                                    # directory is scanned again each time (when the
-                                    # writer dies, nothing changes the directory).
-                                    quiet = False
-                                    if self._stale_temporary(
-                                        f, name, now, max_age if self._starting else None
-                                    ):
-                                        self._remove_dead_temporary(f.path)
-                                continue
-                            if not every_shard and not self._owns(name):
-                                continue
-                            if not _is_object_name(fan, name):
-                                continue
-                            try:
-                                st = f.stat(follow_symlinks=False)
-                            except OSError:
-                                continue
-                            if stat.S_ISREG(st.st_mode) and is_trusted(st, self.group_id):
-                                found.append((f"{ns}/{fan}/{name}", st.st_size, st.st_mtime))
-                    if quiet:
-                        self._scan_dirs[rel_dir] = seen.st_mtime_ns
-                    else:
-                        self._scan_dirs.pop(rel_dir, None)
-                except OSError:
-                    self._scan_dirs.pop(rel_dir, None)
-                    continue
-        if from_snapshot and self._snapshot is not None:
-            found.extend(self._snapshot.entries(from_snapshot))
-        return found
-
-    # ------------------------------------------------------------------ scan snapshot
-
-    def _load_tracker(self) -> None:
-        """The start-up scan, from what the last instance scanned where nothing changed."""
-        self._load_snapshot()
-        self._starting = True
-        try:
-            self._load_tracker_scan()
-        finally:
-            self._starting = False
-
-    def _load_tracker_scan(self) -> None:
-        for attempt in (0, 1):
-            try:
-                if self._tracker.shared_cap:
-                    self._tracker.refresh_if_due()  # the first scan, timed: sets the schedule
-                else:
-                    self._tracker.load(self._scan())
-                # Later scans (the shared cap's re-scans) read every file: they also catch
-                # other processes' uses, which change files' mtimes and no directory's.
-                self._scan_cache = {}
-                self._snapshot = None
-                return
-            except (TypeError, ValueError, IndexError):
-                if attempt or not self._scan_cache:
-                    raise
-                # A snapshot with bad figures in it: forget it, scan everything.
-                self._log("snapshot", "ignoring a malformed scan snapshot %s", self._snapshot_path)
-                self._scan_cache = {}
-                self._snapshot = None
-                self._tracker.clear()
-
-    def _load_snapshot(self) -> None:
-        """Seed the scan cache from the snapshot the last instance left (if any, and good).
-
-        See :mod:`hicache_storage.storekit.scansnapshot`.
-        """
-        try:
-            snapshot = load_snapshot(
-                self._snapshot_path,
-                root=self.root,
-                scope=self._snapshot_scope,
-                group_id=self.group_id,
-                owned=None if self.capacity_per_root else self._all_owned,
-            )
-        except ValueError:
-            self._log("snapshot", "ignoring a malformed scan snapshot %s", self._snapshot_path)
-            return
-        if snapshot is not None:
-            self._scan_cache = dict(snapshot.dirs)
-            self._snapshot = snapshot
-
-    def _all_owned(self, leaves: str, count: int) -> bool:
-        """:meth:`_owns` for ``count`` newline-joined file names, in whole-string passes."""
-        shard = self.config.shard
-        if shard is None:
-            return "~" not in leaves
-        # Every name has one "~", and it starts the suffix "~<shard>" at the name's end.
-        return leaves.count("~") == count and (leaves + "\n").count(f"~{shard}\n") == count
-
-    def _save_snapshot(self) -> None:
-        """Leave what this instance knows for the next one (best effort, atomically).
-
-        For each directory that was quiet when last scanned: its mtime then; and every
-        object the tracker holds in those directories now, in the tracker's LRU order.
-        Where this instance changed a directory since, its mtime differs and the next
-        instance scans it again.
-        """
-        if (
-            not self._tracker.enabled
-            or not self._scan_dirs
-            or len(self._tracker) < self.snapshot_min_objects
-        ):
-            return
-        payload = encode_snapshot(
-            root=self.root,
-            scope=self._snapshot_scope,
-            quiet=dict(self._scan_dirs),  # (a re-scan in another thread may change it)
-            objects=self._tracker.items_oldest_first(),
-        )
-        try:
-            save_snapshot(
-                self._snapshot_path, self.root, payload, mode=self.file_mode, group_id=self.group_id
-            )
-        except OSError as exc:
-            self._log("snapshot", "cannot save the scan snapshot %s: %s", self._snapshot_path, exc)
-
-    @staticmethod
-    def _stale_temporary(
-        entry: os.DirEntry[str], name: str, now: float, max_age: float | None
-    ) -> bool:
-        """:func:`is_stale_temporary` of a directory entry (not stale if it cannot be read).
-
-        The age rule (for writers on other hosts) applies at start-up only (``max_age``
-        None otherwise): a recycled page's temporary keeps the page's old mtime while a
-        live writer rewrites it.
-        """
-        try:
-            return is_stale_temporary(
-                name, lambda: entry.stat(follow_symlinks=False).st_mtime, now, max_age
-            )
-        except OSError:
-            return False
-
-    def _remove_dead_temporary(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # another member's (group sharing), read-only...
-            self._log("temporary", "cannot remove the stale temporary %s: %s", path, exc)
 
     def _free_space(self) -> int:
         path = self.root
@@ -1555,7 +1299,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
     def clear(self) -> None:
         """Remove this namespace's directory (and only it); the backend stays usable."""
         trash = os.path.join(
-            self.root, f"{_TRASH_PREFIX}{self.namespace.digest}.{secrets.token_hex(6)}"
+            self.root, f"{TRASH_PREFIX}{self.namespace.digest}.{secrets.token_hex(6)}"
         )
         try:
             os.rename(self.directory, trash)
@@ -1588,7 +1332,7 @@ class FileTreeStore(HiCacheStorage, Generic[O]):
     @override
     def close(self) -> None:
         self._io.close()
-        self._save_snapshot()
+        self._scanner.save(self._tracker, self.snapshot_min_objects)
         self._wait_for_reclaims()  # the files of cleared namespaces: gone when close returns
 
     # ------------------------------------------------------------------ introspection

@@ -230,10 +230,10 @@ def test_reopening_from_the_snapshot_accounts_exactly_what_is_there(tmp_path: Pa
     del other  # "killed": no close, so no snapshot of its own
     d = capped(root)
     fresh = d.usage()
-    d._scan_dirs.clear()
-    d._scan_cache = {}
+    d._scanner.quiet.clear()
+    d._scanner.cache = {}
     d._tracker.clear()
-    d._tracker.load(d._scan())
+    d._tracker.load(d._scanner.scan())
     assert fresh == d.usage()
     assert fresh["objects"] == 201
     d.close()
