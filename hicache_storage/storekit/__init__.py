@@ -13,6 +13,10 @@ module                 what it gives                                            
                        leading runs, per-item failures and error mapping
 ``filestore``          :class:`FileTreeStore`: pages as files in a directory         the store is a file system
                        tree (atomic publish, capacity, recycling, metadata cache)   (local disk, tmpfs, NFS)
+                       and its I/O hook ``move_payloads``; built from ``filetree``
+                       (what reads and writes share), ``filereads``,
+                       ``filewrites``, ``treescan`` and ``scansnapshot`` (the
+                       tree's scans) and ``spacelock`` (the free-space lock)
 ``header``             the 48-byte object header (magic, version, length,           every stored object, so a
                        checksum, name digest) and its checks                        truncated or foreign one is
                                                                                     a miss

@@ -310,7 +310,7 @@ def test_a_reader_that_opened_the_file_before_it_was_recycled_misses(
     longer leads to this file and report a miss, never k2's bytes as k0."""
     import fcntl
 
-    from hicache_storage.storekit import filestore
+    from hicache_storage.storekit import filereads
 
     writer = full_store(shm_dir, 2)
     reader = ShmBackend(StorageConfig(namespace=NS), root=shm_dir)
@@ -323,10 +323,10 @@ def test_a_reader_that_opened_the_file_before_it_was_recycled_misses(
             assert writer.set("k2", value_of(2))  # recycles k0's file under the reader
         real_flock(fd, op)
 
-    monkeypatch.setattr(filestore.fcntl, "flock", flock)  # type: ignore[attr-defined]
+    monkeypatch.setattr(filereads.fcntl, "flock", flock)  # type: ignore[attr-defined]
     assert reader.get("k0") is None
     assert fired and fired[0] == inode(writer, "k2")  # it really was the same file
-    monkeypatch.setattr(filestore.fcntl, "flock", real_flock)  # type: ignore[attr-defined]
+    monkeypatch.setattr(filereads.fcntl, "flock", real_flock)  # type: ignore[attr-defined]
     assert torch.equal(reader.get("k2"), value_of(2))
     writer.close()
     reader.close()

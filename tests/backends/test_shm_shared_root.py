@@ -274,13 +274,13 @@ def test_files_that_are_not_the_stores_are_never_counted_or_evicted(shm_dir: str
 KILLED_RECYCLER = textwrap.dedent("""
     import os, signal, sys
     from hicache_storage import KVCacheNamespace, StorageConfig
-    from hicache_storage.storekit import filestore
+    from hicache_storage.storekit import filetree
     from hicache_storage.backends import ShmBackend
 
     def die(fd, views):  # in _recycle: the evicted page is already a temporary
         os.kill(os.getpid(), signal.SIGKILL)
 
-    filestore.writev_all = die
+    filetree.writev_all = die  # the name move_payloads calls
     ns = KVCacheNamespace(model_id=sys.argv[2], dtype="bytes", page_size=1)
     b = ShmBackend(StorageConfig(namespace=ns), root=sys.argv[1], max_size=int(sys.argv[3]))
     b.set("intruder", b"\\x09" * int(sys.argv[4]))

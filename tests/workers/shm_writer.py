@@ -21,10 +21,10 @@ from typing import Any
 
 from hicache_storage import KVCacheNamespace, StorageConfig
 from hicache_storage.backends import ShmBackend
-from hicache_storage.storekit import filestore
+from hicache_storage.storekit import filewrites
 
 ENOSPC = [0]
-_real = filestore.from_os_error  # type: ignore[attr-defined]  # the name filestore calls
+_real = filewrites.from_os_error  # type: ignore[attr-defined]  # the name the writes call
 
 
 def counting_from_os_error(exc: OSError, what: str) -> Any:
@@ -33,7 +33,7 @@ def counting_from_os_error(exc: OSError, what: str) -> Any:
     return _real(exc, what)
 
 
-filestore.from_os_error = counting_from_os_error  # type: ignore[attr-defined]
+filewrites.from_os_error = counting_from_os_error  # type: ignore[attr-defined]
 
 
 def main() -> None:
