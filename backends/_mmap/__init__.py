@@ -35,16 +35,23 @@ The package, by format:
 
 ``arena.py``        the arena file: superblock and slot-table layout, slot states, the
                     mapping, and the copies in and out of slots
-``index_log.py``    the index log: header and record layout, reading, appending and
-                    compacting it, and the in-memory index built from it
-``backend.py``      :class:`MmapOptions` and :class:`MmapBackend`: lifecycle, locks, the
-                    slot allocator, the write pipeline and the protocol methods
+``log_format.py``   the index log's byte layout: header, records, BULK columns, and
+                    their encoding and decoding
+``index_log.py``    the index log: reading, appending and compacting it, and the
+                    in-memory index built from it
+``slots.py``        the slot table's bookkeeping: reserving slots (size classes, slabs
+                    cut into a class, orphans of dead writers), LRU eviction within and
+                    across classes, retirement, commits, repairs at open, slot locks
+``options.py``      :class:`MmapOptions`
+``backend.py``      :class:`MmapBackend`: lifecycle, the writer lock, the write pipeline,
+                    reads and the protocol methods
 
 Options and guarantees: ``docs/backends/mmap.md``.
 """
 
 from __future__ import annotations
 
-from hicache_storage.backends._mmap.backend import MmapBackend, MmapOptions
+from hicache_storage.backends._mmap.backend import MmapBackend
+from hicache_storage.backends._mmap.options import MmapOptions
 
 __all__ = ["MmapBackend", "MmapOptions"]

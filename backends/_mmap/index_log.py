@@ -1,43 +1,7 @@
 """The index log of the ``mmap`` backend (``<arena>.index``) and the index it builds.
 
-Integers are little-endian. The log starts with a header naming the arena it describes,
-so a log left by another arena is never applied to this one::
-
-    offset size field
-    0      8    magic         b"HCSMLOG1"
-    8      4    version       2 (1: written before BULK and CLEAR records; still read)
-    12     4    flags         0 (reserved)
-    16     8    nonce         the nonce in the superblock of the arena it describes
-    24     4    crc           CRC-32 of bytes 0..23
-
-Records follow, appended one after the other (36 bytes, a body, a CRC)::
-
-    offset  size  field
-    0       4     magic       b"HIDX"
-    4       1     kind        a RecordKind: 1 PUT, 2 DEL, 3 BULK, 4 CLEAR
-    5       1     algorithm   payload checksum algorithm (0 none, 1 xxh3-64)
-    6       2     name_len    bytes of the name
-    8       4     slot        the slot holding the object (the unit it starts at)
-    12      8     generation  the slot's generation when the object was written
-    20      8     length      payload bytes
-    28      8     checksum    payload checksum (0 without one)
-    36      n     name        the object's name, UTF-8 (n = name_len)
-    36+n    4     crc         CRC-32 of bytes 0..35+n
-
-A PUT makes the name live at (slot, generation), replacing its earlier incarnation and
-whatever other name that slot held; the slot's size class is not written, it follows from
-the length (the arena's slab table says which class each slab is cut into). A DEL
-removes the name only if it names the same (slot, generation). A CLEAR (``name`` a
-namespace prefix, the other fields 0) removes every name with that prefix put before it.
-A BULK record is many PUTs in columns, written by compaction so that a large index loads
-in a few vectorized passes: its ``slot`` field holds the number of entries *c*,
-``length`` the bytes of the body that follows (instead of a name; ``name_len``,
-``generation``, ``checksum`` and ``algorithm`` are 0), and the CRC covers the 36 bytes
-and the body. The body holds, column after column: ``slot`` (c x u32), ``generation``,
-``length``, ``checksum`` (c x u64 each), ``algorithm`` (c x u8), then the c names,
-UTF-8, joined by newlines (which object names never hold).
-
-A record is applied only if it is intact: magic, CRC, and fields that fit the arena. A
+The layout of the log, its header and its records are in
+:mod:`~hicache_storage.backends._mmap.log_format`. A record is applied only if it is intact: magic, CRC, and fields that fit the arena. A
 damaged record costs only itself (reading resumes at the next intact record; a damaged
 BULK record loses its entries); a bad record with no intact one after it is a torn or
 in-flight tail, left for a later read and cut by the next writer. The log is compacted
@@ -51,18 +15,36 @@ start.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import struct
 import threading
 import zlib
-from enum import IntEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hicache_storage.backends._mmap.arena import CRC, Arena, link_or_open
+from hicache_storage.backends._mmap.log_format import (
+    BULK,
+    CLEAR,
+    DEL,
+    LOG_HEAD,
+    PUT,
+    REC,
+    REC_MAGIC,
+    SLOT_MASK,
+    Columns,
+    Entry,
+    Record,
+    RecordKind,
+    decode_record,
+    encode_columns,
+    log_header,
+    log_nonce,
+    next_record,
+    pack,
+)
 from hicache_storage.errors import BackendError, ConfigError
 from hicache_storage.storekit.atomic import fsync_dir, temp_path, writev_all
-from hicache_storage.storekit.header import ALGORITHMS
 from hicache_storage.storekit.pathsafety import NotRegularFileError, check_file, open_regular
 
 if TYPE_CHECKING:
@@ -70,61 +52,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# magic, version, flags, arena nonce; a CRC-32 follows
-_LOG_HEAD = struct.Struct("<8sIIQ")
-_LOG_MAGIC = b"HCSMLOG1"
-_LOG_VERSION = 2
-_READABLE = (1, 2)  # version 1 logs hold PUT and DEL records only: a subset of version 2
 _ANCHOR = 8  # bytes before the read position re-checked on every read of the log
-# magic, kind, algorithm, name length, slot, generation, length, checksum
-_REC = struct.Struct("<4sBBHIQQQ")
-_REC_MAGIC = b"HIDX"
-# Bytes per entry of a BULK body's columns: slot, generation, length, checksum, algorithm.
-_BULK_ROW = 4 + 8 + 8 + 8 + 1
-_BULK_CHUNK = 1 << 16  # entries per BULK record: a damaged one loses at most these
 _LOOSE_MIN = 1 << 16  # records not in BULK form that never cause a compaction by themselves
-_ALGORITHM_IDS = sorted(set(ALGORITHMS.values()))
-
-
-class RecordKind(IntEnum):
-    """The ``kind`` of a log record."""
-
-    PUT = 1
-    DEL = 2
-    BULK = 3
-    CLEAR = 4
-
-
-# The kinds as plain ints, for the decoding loop (an enum lookup per record costs more
-# than decoding it).
-_PUT, _DEL, _BULK, _CLEAR = (int(k) for k in RecordKind)
-
-
-class Entry(NamedTuple):
-    """Where a live object is: slot, slot generation, length and payload checksum."""
-
-    slot: int
-    generation: int
-    length: int
-    checksum: int
-    algorithm: int
-
-
-NO_ENTRY = Entry(0, 0, 0, 0, 0)  # the fields of a CLEAR record
-_SLOT_MASK = 0xFFFFFFFF
-
-
-def pack(slot: int, generation: int) -> int:
-    """``(slot, generation)`` as one int: the value of a name in :attr:`IndexLog.index`."""
-    return slot | generation << 32
-
-
-def unpack(packed: int) -> tuple[int, int]:
-    """The ``(slot, generation)`` of a packed index value."""
-    return packed & _SLOT_MASK, packed >> 32
-
-
-Record = tuple[RecordKind, str, Entry]
 
 
 class _View(NamedTuple):
@@ -142,139 +71,6 @@ class _View(NamedTuple):
     lengths: Any
     checksums: Any
     algorithms: Any
-
-
-class _Columns(NamedTuple):
-    """The entries of a BULK record: their names, and numpy columns of their fields."""
-
-    names: list[str]
-    slots: Any
-    generations: Any
-    lengths: Any
-    checksums: Any
-    algorithms: Any
-
-
-def _log_header(nonce: int) -> bytes:
-    head = _LOG_HEAD.pack(_LOG_MAGIC, _LOG_VERSION, 0, nonce)
-    return head + CRC.pack(zlib.crc32(head))
-
-
-def _log_nonce(head: bytes) -> int | None:
-    """The arena nonce of a log header, or None if it is not a valid header."""
-    if len(head) < _LOG_HEAD.size + CRC.size:
-        return None
-    magic, version, _flags, nonce = _LOG_HEAD.unpack_from(head)
-    (crc,) = CRC.unpack_from(head, _LOG_HEAD.size)
-    if magic != _LOG_MAGIC or version not in _READABLE or zlib.crc32(head[: _LOG_HEAD.size]) != crc:
-        return None
-    return int(nonce)
-
-
-def _decode_record(
-    data: bytes, off: int, arena: Arena
-) -> tuple[int, str, Entry | _Columns, int] | None:
-    """The intact record at ``off``: (kind, name, entry or columns, end offset), or None.
-
-    Intact means: magic, CRC, and fields that make sense for this arena (a slot it has,
-    a length that fits in the slot's slab, a known record kind and checksum algorithm).
-    """
-    if off + _REC.size + CRC.size > len(data):
-        return None
-    magic, kind, algo, name_len, slot, gen, length, csum = _REC.unpack_from(data, off)
-    if magic != _REC_MAGIC:
-        return None
-    start = off + _REC.size
-    end = start + (length if kind == _BULK else name_len)
-    if end + CRC.size > len(data):
-        return None
-    (crc,) = CRC.unpack_from(data, end)
-    if zlib.crc32(memoryview(data)[off:end]) != crc:
-        return None
-    if kind == _BULK:
-        if name_len or gen or csum or algo:
-            return None
-        cols = _decode_columns(data, start, end, slot, arena)
-        return None if cols is None else (kind, "", cols, end + CRC.size)
-    try:
-        name = data[start:end].decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    if kind == _CLEAR:
-        if not name or slot or gen or length or csum or algo:
-            return None
-        return kind, name, NO_ENTRY, end + CRC.size
-    if kind not in (_PUT, _DEL) or slot >= arena.nslots or algo not in _ALGORITHM_IDS:
-        return None
-    if slot % arena.units * arena.unit + length > arena.slab_size:  # past its slab
-        return None
-    return kind, name, Entry(slot, gen, length, csum, algo), end + CRC.size
-
-
-def _decode_columns(data: bytes, start: int, end: int, count: int, arena: Arena) -> _Columns | None:
-    """The body of a BULK record of ``count`` entries at ``data[start:end]``, or None.
-
-    None if the body does not make sense for this arena (the CRC was right: written by
-    something else, or for another geometry).
-    """
-    import numpy as np
-
-    if not 0 < count <= arena.nslots or end - start < count * _BULK_ROW:
-        return None
-    off = start
-    columns = []
-    for dtype, width in (("<u4", 4), ("<u8", 8), ("<u8", 8), ("<u8", 8), ("u1", 1)):
-        columns.append(np.frombuffer(data, dtype, count, off))
-        off += count * width
-    slots, gens, lengths, csums, algos = columns
-    if int(slots.max()) >= arena.nslots:
-        return None
-    if int(((slots % arena.units) * arena.unit + lengths).max()) > arena.slab_size:
-        return None
-    if not np.isin(algos, _ALGORITHM_IDS).all():
-        return None
-    try:
-        names = data[off:end].decode("utf-8").split("\n")
-    except UnicodeDecodeError:
-        return None
-    if len(names) != count:
-        return None
-    return _Columns(names, slots, gens, lengths, csums, algos)
-
-
-def _encode_columns(names: list[str], slots: Any, log: IndexLog) -> bytes:
-    """BULK records holding the entries of ``names`` at ``slots`` (a numpy array).
-
-    Object names never hold a newline (keys are checked); if one did, the reader would
-    count one name too many and reject the record as damaged: misses, never wrong pages.
-    """
-    out = []
-    for lo in range(0, len(names), _BULK_CHUNK):
-        chunk = slots[lo : lo + _BULK_CHUNK]
-        text = "\n".join(names[lo : lo + _BULK_CHUNK])
-        body = b"".join(
-            [
-                chunk.astype("<u4").tobytes(),
-                log.generations[chunk].astype("<u8").tobytes(),
-                log.lengths[chunk].astype("<u8").tobytes(),
-                log.checksums[chunk].astype("<u8").tobytes(),
-                log.algorithms[chunk].astype("u1").tobytes(),
-                text.encode("utf-8"),
-            ]
-        )
-        head = _REC.pack(_REC_MAGIC, _BULK, 0, 0, len(chunk), 0, len(body), 0)
-        out.append(head + body + CRC.pack(zlib.crc32(body, zlib.crc32(head))))
-    return b"".join(out)
-
-
-def _next_record(data: bytes, start: int, arena: Arena) -> int:
-    """Offset of the next intact record at or after ``start``, or -1."""
-    pos = data.find(_REC_MAGIC, start)
-    while pos >= 0:
-        if _decode_record(data, pos, arena) is not None:
-            return pos
-        pos = data.find(_REC_MAGIC, pos + 1)
-    return -1
 
 
 class IndexLog:
@@ -341,9 +137,13 @@ class IndexLog:
             self.arena = arena
             self.reload()
 
-    def close(self) -> None:
-        """Close the log file; the index stays as it is until the next open."""
-        with self.lock:
+    def close(self, lock: bool = True) -> None:
+        """Close the log file; the index stays as it is until the next open.
+
+        ``lock=False``: without taking :attr:`lock` (a child after ``fork()``, where a
+        parent thread may have held it at the fork).
+        """
+        with self.lock if lock else contextlib.nullcontext():
             self.arena = None
             if self._fd >= 0:
                 os.close(self._fd)
@@ -355,7 +155,7 @@ class IndexLog:
         found = view.names.get(name)
         if found is None:
             return None
-        slot, gen = found & _SLOT_MASK, found >> 32
+        slot, gen = found & SLOT_MASK, found >> 32
         return Entry(
             slot,
             gen,
@@ -420,8 +220,8 @@ class IndexLog:
                 raise
             self._fd = fd
             self._ino = st.st_ino
-            head = os.pread(self._fd, _LOG_HEAD.size + CRC.size, 0)
-            if _log_nonce(head) != arena.nonce:
+            head = os.pread(self._fd, LOG_HEAD.size + CRC.size, 0)
+            if log_nonce(head) != arena.nonce:
                 if not arena.is_current():
                     self._detach(f"the arena {arena.path} was removed or replaced")
                     return
@@ -453,7 +253,7 @@ class IndexLog:
         tmp = temp_path(os.path.dirname(self.path))
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            writev_all(fd, [_log_header(arena.nonce)])
+            writev_all(fd, [log_header(arena.nonce)])
             if self.fsync:
                 os.fsync(fd)
             fd = link_or_open(tmp, fd, self.path)
@@ -473,7 +273,7 @@ class IndexLog:
         """
         arena = self.arena
         assert arena is not None
-        head = _log_header(arena.nonce)
+        head = log_header(arena.nonce)
         tmp = temp_path(os.path.dirname(self.path))
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -541,17 +341,17 @@ class IndexLog:
             assert arena is not None
             off = 0
             while off < len(data):
-                rec = _decode_record(data, off, arena)
+                rec = decode_record(data, off, arena)
                 if rec is None:
-                    nxt = _next_record(data, off + 1, arena)
+                    nxt = next_record(data, off + 1, arena)
                     if nxt < 0:
                         break  # a torn or in-flight tail
                     self._on_damage(nxt - off, self._pos + off)
                     off = nxt
                     continue
                 kind, name, found, off = rec
-                if kind == _BULK:
-                    assert isinstance(found, _Columns)
+                if kind == BULK:
+                    assert isinstance(found, Columns)
                     self.apply_columns(found)
                     self._records += len(found.names)
                     continue
@@ -564,16 +364,16 @@ class IndexLog:
             self._bad_tail = (size, fst.st_mtime_ns) if off < len(data) else None
 
     def _apply(self, kind: int, name: str, entry: Entry) -> None:
-        if kind == _CLEAR:
+        if kind == CLEAR:
             self.drop_prefix(name)
             return
         old = self.index.get(name)
-        if kind == _DEL and old != pack(entry.slot, entry.generation):
+        if kind == DEL and old != pack(entry.slot, entry.generation):
             return  # deletes another incarnation of the key (or none): not this one
         if old is not None:
             del self.index[name]
-            self.by_slot.pop(old & _SLOT_MASK, None)
-        if kind == _PUT:
+            self.by_slot.pop(old & SLOT_MASK, None)
+        if kind == PUT:
             slot = entry.slot
             stale = self.by_slot.pop(slot, None)
             if stale is not None:
@@ -586,7 +386,7 @@ class IndexLog:
             self.index[name] = pack(slot, entry.generation)
             self.by_slot[slot] = name
 
-    def apply_columns(self, cols: _Columns) -> None:
+    def apply_columns(self, cols: Columns) -> None:
         """Apply the PUTs of a BULK record, in a few vectorized passes when it can."""
         import numpy as np
 
@@ -609,7 +409,7 @@ class IndexLog:
             if len(self.index) != before + n:
                 # A name met twice (not what compaction writes): its later PUT won in
                 # the index, and the slot of the earlier one must not stay live.
-                self.by_slot = {p & _SLOT_MASK: name for name, p in self.index.items()}
+                self.by_slot = {p & SLOT_MASK: name for name, p in self.index.items()}
             return
         for i, name in enumerate(cols.names):  # one at a time, as PUT records
             entry = Entry(
@@ -619,7 +419,7 @@ class IndexLog:
                 int(cols.checksums[i]),
                 int(cols.algorithms[i]),
             )
-            self._apply(_PUT, name, entry)
+            self._apply(PUT, name, entry)
 
     def drop_prefix(self, prefix: str) -> list[int]:
         """Remove every entry whose name starts with ``prefix`` (a CLEAR record).
@@ -635,7 +435,7 @@ class IndexLog:
             self.dropped = []
             return self.dropped
         live = np.fromiter(self.by_slot, np.int64, len(self.by_slot))
-        kept = np.fromiter((p & _SLOT_MASK for p in keep.values()), np.int64, len(keep))
+        kept = np.fromiter((p & SLOT_MASK for p in keep.values()), np.int64, len(keep))
         dropped: list[int] = np.setdiff1d(live, kept, assume_unique=True).tolist()
         by_slot = self.by_slot
         if len(keep) * 2 > len(self.index):
@@ -643,7 +443,7 @@ class IndexLog:
             for slot in dropped:
                 del by_slot[slot]
         else:
-            by_slot = {p & _SLOT_MASK: n for n, p in keep.items()}
+            by_slot = {p & SLOT_MASK: n for n, p in keep.items()}
         self._set_index(keep)
         self.by_slot = by_slot
         self.dropped = dropped
@@ -658,8 +458,8 @@ class IndexLog:
     def encode(kind: RecordKind, name: str, e: Entry) -> bytes:
         """One PUT, DEL or CLEAR record, CRC included."""
         raw = name.encode("utf-8")
-        rec = _REC.pack(
-            _REC_MAGIC, kind, e.algorithm, len(raw), e.slot, e.generation, e.length, e.checksum
+        rec = REC.pack(
+            REC_MAGIC, kind, e.algorithm, len(raw), e.slot, e.generation, e.length, e.checksum
         )
         return rec + raw + CRC.pack(zlib.crc32(rec + raw))
 
@@ -710,6 +510,6 @@ class IndexLog:
         import numpy as np
 
         names = list(self.index)
-        slots = np.fromiter((p & _SLOT_MASK for p in self.index.values()), np.int64, len(names))
-        self._replace(_encode_columns(names, slots, self))
+        slots = np.fromiter((p & SLOT_MASK for p in self.index.values()), np.int64, len(names))
+        self._replace(encode_columns(names, slots, self))
         self.compactions += 1

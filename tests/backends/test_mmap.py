@@ -470,7 +470,8 @@ def test_an_error_while_reserving_leaks_no_slot(
     arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hicache_storage.backends._mmap.arena import SlotState
-    from hicache_storage.backends._mmap.index_log import IndexLog, RecordKind
+    from hicache_storage.backends._mmap.index_log import IndexLog
+    from hicache_storage.backends._mmap.log_format import RecordKind
 
     b = arena(max_size="64KiB", slot_size="4KiB", reuse_delay=0, max_concurrency=1)
     n = b.slots_for(1)
@@ -496,12 +497,12 @@ def test_an_error_while_reserving_leaks_no_slot(
 
 def test_the_on_disk_layout_is_the_one_the_docstrings_table() -> None:
     """Superblock, slab-table entry, slot-table row, log header and record: sizes, offsets
-    and enum values as tabled in arena.py and index_log.py (a change here is a new format
+    and enum values as tabled in arena.py and log_format.py (a change here is a new format
     version), and the size classes."""
     import numpy as np
 
     from hicache_storage.backends._mmap import arena as A
-    from hicache_storage.backends._mmap import index_log as L
+    from hicache_storage.backends._mmap import log_format as F
 
     assert A._SUPER.size + A.CRC.size == 76 and A._VERSION == 3
     assert np.dtype(A._SLAB_DTYPE).itemsize == 4
@@ -517,11 +518,11 @@ def test_the_on_disk_layout_is_the_one_the_docstrings_table() -> None:
                        "last_access": 32, "since": 40, "token": 48, "pad": 56}  # fmt: skip
     assert {s.name: int(s) for s in A.SlotState} == {
         "FREE": 0, "WRITING": 1, "COMMITTED": 2, "RETIRED": 3}  # fmt: skip
-    assert L._LOG_HEAD.size + A.CRC.size == 28
-    assert L._REC.size == 36
-    assert {k.name: int(k) for k in L.RecordKind} == {"PUT": 1, "DEL": 2, "BULK": 3, "CLEAR": 4}
-    assert L._LOG_VERSION == 2 and L._READABLE == (1, 2)
-    assert L._BULK_ROW == 29  # slot u32, generation/length/checksum u64 each, algorithm u8
+    assert F.LOG_HEAD.size + A.CRC.size == 28
+    assert F.REC.size == 36
+    assert {k.name: int(k) for k in F.RecordKind} == {"PUT": 1, "DEL": 2, "BULK": 3, "CLEAR": 4}
+    assert F.LOG_VERSION == 2 and F.READABLE == (1, 2)
+    assert F.BULK_ROW == 29  # slot u32, generation/length/checksum u64 each, algorithm u8
 
 
 # ---------------------------------------------------------------- size classes (issue 27, 19)

@@ -23,9 +23,11 @@ import pytest
 from hicache_storage import KVCacheNamespace, StorageConfig
 from hicache_storage.backends import MmapBackend
 from hicache_storage.backends._mmap import index_log as L
+from hicache_storage.backends._mmap import log_format as F
 from hicache_storage.backends._mmap.arena import CRC
+from hicache_storage.backends._mmap.slots import Slots
 
-HEAD = L._LOG_HEAD.size + CRC.size
+HEAD = F.LOG_HEAD.size + CRC.size
 # An arena with room for the 5,000-object stores of these tests (a log past the point
 # where close() compacts it).
 BIG = {"max_size": "24MiB", "slot_size": "4KiB", "prefault": False}
@@ -51,8 +53,8 @@ def records(index: Path) -> list[tuple[int, int, int]]:
     raw = index.read_bytes()
     out, off = [], HEAD
     while off < len(raw):
-        _m, kind, _a, name_len, _s, _g, length, _c = L._REC.unpack_from(raw, off)
-        size = L._REC.size + (length if kind == L._BULK else name_len) + CRC.size
+        _m, kind, _a, name_len, _s, _g, length, _c = F.REC.unpack_from(raw, off)
+        size = F.REC.size + (length if kind == F.BULK else name_len) + CRC.size
         out.append((kind, off, size))
         off += size
     return out
@@ -66,7 +68,7 @@ def test_close_rewrites_a_large_log_in_columns_and_the_next_open_loads_it(
     fill(b, keys)
     b.close()
     kinds = [k for k, _, _ in records(tmp_path / "arena.index")]
-    assert kinds and set(kinds) == {L._BULK}, kinds[:5]
+    assert kinds and set(kinds) == {F.BULK}, kinds[:5]
     again = arena(**BIG)
     assert again.usage()["objects"] == 5000
     assert again.batch_exists(keys) == 5000
@@ -88,20 +90,20 @@ def test_a_small_log_is_left_as_it_is_at_close(
     b.close()
     after = os.stat(tmp_path / "arena.index")
     assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
-    assert {k for k, _, _ in records(tmp_path / "arena.index")} == {L._PUT}
+    assert {k for k, _, _ in records(tmp_path / "arena.index")} == {F.PUT}
 
 
 def test_a_damaged_bulk_record_costs_only_its_own_entries(
     arena: Callable[..., MmapBackend], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(L, "_BULK_CHUNK", 1000)
+    monkeypatch.setattr(F, "BULK_CHUNK", 1000)
     b = arena(**BIG)
     keys = [f"k{i}" for i in range(5000)]
     fill(b, keys)
     b.close()
     index = tmp_path / "arena.index"
     recs = records(index)
-    assert [k for k, _, _ in recs] == [L._BULK] * 5
+    assert [k for k, _, _ in recs] == [F.BULK] * 5
     _, off, size = recs[2]
     raw = bytearray(index.read_bytes())
     raw[off + size - 100] ^= 0x5A  # inside the names of the third record
@@ -136,8 +138,8 @@ def test_clear_is_one_record_that_spares_other_namespaces(
     size = index.stat().st_size
     a.clear()
     prefix = config("a").namespace.digest + "/"
-    assert index.stat().st_size == size + L._REC.size + len(prefix) + CRC.size
-    assert records(index)[-1][0] == L._CLEAR
+    assert index.stat().st_size == size + F.REC.size + len(prefix) + CRC.size
+    assert records(index)[-1][0] == F.CLEAR
     assert a.batch_exists(keys) == 0
     assert not watcher.exists(keys[0])  # another instance applies the record
     assert watcher.batch_exists(keys) == 0
@@ -168,7 +170,7 @@ def test_slots_of_a_clear_whose_writer_died_before_retiring_them_are_reused(
     fill(a, keys)
     fill(other, keys, start=1000)
     # The CLEAR record is written, then the writer "dies": its slots stay committed.
-    monkeypatch.setattr(MmapBackend, "_retire", staticmethod(lambda arena, slots: None))
+    monkeypatch.setattr(Slots, "retire", staticmethod(lambda arena, slots: None))
     a.clear()
     monkeypatch.undo()
     a.close()
@@ -195,9 +197,9 @@ def test_a_log_of_the_first_format_version_is_still_read(
     b.close()
     index = tmp_path / "arena.index"
     raw = bytearray(index.read_bytes())
-    magic, version, flags, nonce = L._LOG_HEAD.unpack_from(raw)
+    magic, version, flags, nonce = F.LOG_HEAD.unpack_from(raw)
     assert version == 2
-    head = L._LOG_HEAD.pack(magic, 1, flags, nonce)
+    head = F.LOG_HEAD.pack(magic, 1, flags, nonce)
     raw[:HEAD] = head + struct.pack("<I", zlib.crc32(head))
     index.write_bytes(bytes(raw))
     again = arena(max_size="4MiB", slot_size="4KiB", prefault=False)
@@ -205,9 +207,9 @@ def test_a_log_of_the_first_format_version_is_still_read(
     assert bytes(again.get(keys[7]).numpy()) == value(7)
 
 
-def columns(names: list[str], slots: list[int], gens: list[int]) -> L._Columns:
+def columns(names: list[str], slots: list[int], gens: list[int]) -> F.Columns:
     n = len(names)
-    return L._Columns(
+    return F.Columns(
         names,
         np.array(slots, np.uint32),
         np.array(gens, np.uint64),
@@ -229,11 +231,11 @@ def test_bulk_entries_that_meet_earlier_ones_follow_the_put_rules() -> None:
     log.apply_columns(columns(["a", "b"], [0, 1], [5, 6]))
     # "a" again, in another slot: the later one wins and slot 0 is no longer live.
     log.apply_columns(columns(["a", "c"], [2, 3], [7, 8]))
-    assert log.index == {"a": L.pack(2, 7), "b": L.pack(1, 6), "c": L.pack(3, 8)}
+    assert log.index == {"a": F.pack(2, 7), "b": F.pack(1, 6), "c": F.pack(3, 8)}
     assert log.by_slot == {1: "b", 2: "a", 3: "c"}
     # Slot 1 taken by "d": the name it held ("b") is gone (the one-by-one path).
     log.apply_columns(columns(["d"], [1], [9]))
-    assert log.index == {"a": L.pack(2, 7), "c": L.pack(3, 8), "d": L.pack(1, 9)}
+    assert log.index == {"a": F.pack(2, 7), "c": F.pack(3, 8), "d": F.pack(1, 9)}
     assert log.by_slot == {1: "d", 2: "a", 3: "c"}
     entry = log.entry("d")
     assert entry is not None
@@ -244,7 +246,7 @@ def test_drop_prefix_removes_exactly_the_names_under_it() -> None:
     log = bare_log(8)
     log.apply_columns(columns(["p/x", "p/y", "q/x", "pq/z"], [0, 1, 2, 3], [1, 2, 3, 4]))
     assert sorted(log.drop_prefix("p/")) == [0, 1]
-    assert log.index == {"q/x": L.pack(2, 3), "pq/z": L.pack(3, 4)}
+    assert log.index == {"q/x": F.pack(2, 3), "pq/z": F.pack(3, 4)}
     assert log.by_slot == {2: "q/x", 3: "pq/z"}
     assert log.drop_prefix("zz/") == []
     assert sorted(log.drop_prefix("q")) == [2]
@@ -262,8 +264,10 @@ def test_a_batch_that_outruns_the_free_slot_hint_gets_distinct_slots(
     arena_ = b._arena
     assert arena_ is not None
     with b._writer_lock():
-        b._claim_slabs(arena_, 1, n // 4)  # free slots of the class, all in the hint
-    b._free_hint[1] = b._free_hint[1][-2:]  # as if other batches had used up all but two
+        b._slots.claim_slabs(arena_, 1, n // 4)  # free slots of the class, all in the hint
+    b._slots.free_hint[1] = b._slots.free_hint[1][
+        -2:
+    ]  # as if other batches had used up all but two
     keys = [f"b{i}" for i in range(n // 3)]
     fill(b, keys, start=100)
     slots = [b._log.index[b.object_path(k)] & 0xFFFFFFFF for k in keys]
@@ -284,7 +288,7 @@ def test_a_growing_store_is_compacted_as_it_grows_not_only_at_close(
     keys = [f"k{i}" for i in range(5000)]
     fill(b, keys)
     assert b.compactions >= 3  # 500, then each time the store grew by a third
-    loose = sum(1 for k, _, _ in records(tmp_path / "arena.index") if k == L._PUT)
+    loose = sum(1 for k, _, _ in records(tmp_path / "arena.index") if k == F.PUT)
     assert loose <= 5000 // 4 + 500
     again = arena(**BIG)  # b still open
     assert again.batch_exists(keys) == 5000
@@ -334,9 +338,9 @@ def test_a_failed_eviction_ahead_gives_back_the_slots_it_had_taken(
     assert b.batch_set([f"n{i}" for i in range(10)], [b"b" * 100] * 10) == [False] * 10
     monkeypatch.undo()
     table = b._arena.slots  # type: ignore[union-attr]
-    assert int(((table["state"] == 1) & (table["token"] == b._token)).sum()) == 0
+    assert int(((table["state"] == 1) & (table["token"] == b._slots.token)).sum()) == 0
     other = arena(max_size="1MiB", slot_size="4KiB", prefault=False)
-    assert not any(other._held_elsewhere(other._arena, s) for s in range(n))  # type: ignore[arg-type]
+    assert not any(other._slots.held_elsewhere(other._arena, s) for s in range(n))  # type: ignore[arg-type]
     assert b.set("after", b"x")
 
 
@@ -413,7 +417,7 @@ def test_a_failed_batch_gives_its_slots_back_under_the_writer_lock(
 
     b = arena(max_size="1MiB", slot_size="4KiB", prefault=False)
     real_copy = impl.copy_in  # type: ignore[attr-defined]
-    real_lock = MmapBackend._slot_lock
+    real_lock = Slots.slot_lock
     seen: list[bool] = []
 
     def failing_copy(a: object, slot: int, views: list[memoryview], ptrs: object) -> None:
@@ -421,18 +425,18 @@ def test_a_failed_batch_gives_its_slots_back_under_the_writer_lock(
             raise OSError(5, "injected EIO")
         real_copy(a, slot, views, ptrs)  # type: ignore[arg-type]
 
-    def watching_lock(self: MmapBackend, a: object, slot: int, take: bool) -> bool:
+    def watching_lock(self: Slots, a: object, slot: int, take: bool) -> bool:
         if not take:
-            seen.append(self._wlock.locked())  # every slot lock is dropped under the lock
+            seen.append(b._wlock.locked())  # every slot lock is dropped under the lock
         return real_lock(self, a, slot, take)  # type: ignore[arg-type]
 
     monkeypatch.setattr(impl, "copy_in", failing_copy)
-    monkeypatch.setattr(MmapBackend, "_slot_lock", watching_lock)
+    monkeypatch.setattr(Slots, "slot_lock", watching_lock)
     assert b.batch_set(["x", "y"], [b"BOOM" * 16, b"ok" * 32]) == [False, False]
     assert b.set("z", b"Z" * 64)
     assert seen
     assert all(seen)
     monkeypatch.undo()
     table = b._arena.slots  # type: ignore[union-attr]
-    assert int(((table["state"] == 1) & (table["token"] == b._token)).sum()) == 0
+    assert int(((table["state"] == 1) & (table["token"] == b._slots.token)).sum()) == 0
     assert bytes(b.get("z").numpy()) == b"Z" * 64

@@ -120,16 +120,16 @@ def record_offsets(index: Path, key: str) -> list[int]:
     by searching for the key's text: a text search also matched random bytes of other
     fields, or missed a name whose CRC happened to start with the byte it checked.
     """
-    from hicache_storage.backends._mmap.index_log import _REC, _REC_MAGIC
+    from hicache_storage.backends._mmap.log_format import REC, REC_MAGIC
     from hicache_storage.keys import DEFAULT_NAMESPACE, object_name
 
     name = object_name(DEFAULT_NAMESPACE.digest, key, None).path.encode()
     raw = index.read_bytes()
     out, pos = [], raw.find(name)
     while pos >= 0:
-        start = pos - _REC.size
-        if start >= 0 and raw[start : start + 4] == _REC_MAGIC:
-            fields = _REC.unpack_from(raw, start)
+        start = pos - REC.size
+        if start >= 0 and raw[start : start + 4] == REC_MAGIC:
+            fields = REC.unpack_from(raw, start)
             if fields[3] == len(name):  # the record's name length: this whole name
                 out.append(pos + len(name) - 1)
         pos = raw.find(name, pos + 1)
