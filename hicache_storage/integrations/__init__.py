@@ -38,5 +38,13 @@ SGLANG_ADAPTER_KEYS = frozenset(
 #: buffer) and ``staging_blocks`` (its size in blocks); ``engine_timeout`` (the longest
 #: a vLLM thread waits for the store in one call). See ``ConnectorOptions`` there.
 VLLM_ADAPTER_KEYS = frozenset(
-    {"model_id", "tenant", "weights_fingerprint", "staging", "staging_blocks", "engine_timeout"}
+    {
+        "model_id",
+        "tenant",
+        "weights_fingerprint",
+        "staging",
+        "staging_blocks",
+        "engine_timeout",
+        "store_output_tokens",
+    }
 )

@@ -122,13 +122,15 @@ def engine(
         gc.collect()
 
 
-def generate(llm: Any, prompts: list[list[int]]) -> list[dict[str, Any]]:
+def generate(
+    llm: Any, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+) -> list[dict[str, Any]]:
     """Greedy outputs of ``prompts``: per prompt ``cached`` tokens, ``tokens``, ``finish``."""
     from vllm import SamplingParams
 
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
         use_tqdm=False,
     )
     return [

@@ -33,6 +33,9 @@ class ConnectorOptions:
         staging_blocks: blocks per staging lane (loads and stores each have one).
         engine_timeout: seconds a vLLM thread waits for the store in one call (a lookup,
             a step's loads, a step's stores); 0 waits as long as the store takes.
+        store_output_tokens: the most generated tokens of one request whose full blocks
+            are stored (so a chat's next turn, whose prompt holds this answer, hits
+            through it); 0 stores prompt blocks only.
     """
 
     model_id: str | None = None
@@ -41,6 +44,7 @@ class ConnectorOptions:
     staging: bool | None = None
     staging_blocks: int = 16
     engine_timeout: float = 5.0
+    store_output_tokens: int = 8192
 
     def __post_init__(self) -> None:
         """Check the options; :class:`ConfigError` says what is allowed."""
@@ -53,6 +57,11 @@ class ConnectorOptions:
             raise ConfigError(
                 f"engine_timeout={self.engine_timeout} must be from 0 to "
                 f"{threading.TIMEOUT_MAX:g} seconds (0: no deadline)"
+            )
+        if not 0 <= self.store_output_tokens <= 1 << 30:
+            raise ConfigError(
+                f"store_output_tokens={self.store_output_tokens} must be a whole number of "
+                "tokens from 0 (prompt blocks only) to 2**30"
             )
         if self.staging is False and self.engine_timeout > 0:
             raise ConfigError(

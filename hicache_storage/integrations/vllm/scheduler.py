@@ -1,9 +1,14 @@
 """The scheduler side of the vLLM connector: lookups, and each step's plan for the workers.
 
 It runs in vLLM's scheduler process. For every request it asks the store for the leading
-run of the prompt's blocks (:meth:`SchedulerSide.get_num_new_matched_tokens`), notes the
+run of the request's blocks (:meth:`SchedulerSide.get_num_new_matched_tokens`), notes the
 blocks vLLM allocated for them, and each step tells the workers which blocks to load and
-which newly computed full blocks to store (:meth:`SchedulerSide.build_connector_meta`).
+which newly computed full blocks to store (:meth:`SchedulerSide.build_connector_meta`):
+the prompt's, and as the answer grows, the generated tokens' (up to
+``store_output_tokens``), so that the next turn of a chat, whose prompt holds this
+answer, hits through it. A hit covers every token but the last when the store holds all
+of them: the block holding the last prompt token is loaded whole, and vLLM computes that
+one token instead of the block.
 It holds one backend per distinct shard, only to ask what is stored.
 """
 
@@ -34,9 +39,11 @@ __all__ = ["SchedulerSide"]
 class _Req:
     """Scheduler-side state of one request."""
 
-    keys: list[str]  # one per full prompt block
+    keys: list[str]  # one per full block of its tokens (prompt, then output), as known
     prompt_len: int
     stored: int  # leading blocks known to be in the store (or sent to be stored)
+    request: Any = None  # vLLM's Request: its token ids grow as it generates
+    seed: str | None = None  # the chain's namespace seed
     local_blocks: int = 0  # vLLM's own prefix hit, in blocks, at the lookup
     load: tuple[int, int] | None = None  # blocks [start, end) to load
     block_ids: list[int] = field(default_factory=list)
@@ -101,14 +108,40 @@ class SchedulerSide(ConnectorSide):
             return None
         return page_hashes(tokens, self.block_size, namespace_seed=seed)
 
+    @staticmethod
+    def _tokens(state: _Req) -> Any:
+        """The request's token ids so far (prompt and output), or the prompt's alone."""
+        tokens = getattr(state.request, "all_token_ids", None)
+        return tokens if tokens is not None else state.request.prompt_token_ids
+
+    def _known_tokens(self, state: _Req) -> int:
+        """How many of the request's tokens have keys: its tokens, up to the output cap."""
+        cap = state.prompt_len + self.settings.options.store_output_tokens
+        return min(len(self._tokens(state)), cap)
+
+    def _extend_keys(self, state: _Req) -> None:
+        """Key the request's full blocks of generated tokens known by now (chained on)."""
+        bs = self.block_size
+        have = len(state.keys)
+        want = self._known_tokens(state) // bs
+        if want <= have:
+            return
+        tokens = self._tokens(state)[have * bs : want * bs]
+        prior = state.keys[-1] if state.keys else None
+        state.keys.extend(
+            page_hashes(list(tokens), bs, prior_hash=prior, namespace_seed=state.seed)
+        )
+
     @failsafe(lambda self, args: (0, False))
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` that the store holds, block aligned.
+        """Tokens beyond ``num_computed_tokens`` that the store holds.
 
-        The store's leading run of the prompt's blocks, at most ``len(prompt) - 1``
-        tokens; 0 when the run does not go beyond vLLM's own hit. Synchronous loads.
+        The store's leading run of the request's blocks, at most all its tokens but the
+        last (vLLM computes that one: with every block stored, the hit is not block
+        aligned, and the block holding the last token is loaded whole); 0 when the run
+        does not go beyond vLLM's own hit. Synchronous loads.
         """
         req_id = request.request_id
         state = self._reqs.get(req_id)
@@ -117,16 +150,27 @@ class SchedulerSide(ConnectorSide):
             if keys is None:
                 self._reqs.pop(req_id, None)
                 return 0, False
-            state = _Req(keys=keys, prompt_len=len(request.prompt_token_ids), stored=0)
+            _, seed = request_seed(request)
+            state = _Req(
+                keys=keys,
+                prompt_len=len(request.prompt_token_ids),
+                stored=0,
+                request=request,
+                seed=seed,
+            )
             self._reqs[req_id] = state
+        state.request = request
         state.load = None
         state.done = None
+        # A resumed request has output tokens: its blocks are keyed too.
+        self._extend_keys(state)
         local = int(num_computed_tokens) // self.block_size
         state.local_blocks = local
         state.computed_from = local
         # The store's leading run over every full block (what need not be stored again),
-        # of which at most len(prompt) - 1 tokens are a hit: vLLM computes the last one.
-        limit = (state.prompt_len - 1) // self.block_size
+        # of which every token but the last is a hit (num_tokens - 1, in blocks rounded up).
+        num_tokens = len(self._tokens(state))
+        limit = -(-(num_tokens - 1) // self.block_size)
         stored = 0
         if self.settings.load_on and state.keys and self.ready():
             t0 = time.perf_counter()
@@ -149,10 +193,10 @@ class SchedulerSide(ConnectorSide):
                 lookup_seconds=time.perf_counter() - t0,
             )
         state.stored = stored
-        hit = min(stored, limit)
-        if hit <= local:
+        hit_tokens = min(min(stored, limit) * self.block_size, num_tokens - 1)
+        if hit_tokens <= local * self.block_size:
             return 0, False
-        return (hit - local) * self.block_size, False
+        return hit_tokens - local * self.block_size, False
 
     @failsafe(lambda self, args: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -163,8 +207,10 @@ class SchedulerSide(ConnectorSide):
                 state.load = None
             return
         start = state.local_blocks
-        end = start + int(num_external_tokens) // self.block_size
-        end = min(end, state.stored, (state.prompt_len - 1) // self.block_size)
+        # Blocks holding the hit: the last one may hold the token vLLM computes, and is
+        # loaded whole (vLLM writes that token's KV over its slot afterwards).
+        end = start + -(-int(num_external_tokens) // self.block_size)
+        end = min(end, state.stored, len(state.keys))
         state.load = (start, end)
         state.computed_from = end
 
@@ -248,8 +294,11 @@ class SchedulerSide(ConnectorSide):
         state.done = num_computed + int(scheduled.get(req_id, 0))
         if not self.settings.save_on:
             return
+        # Blocks whose KV exists once this step has run and whose tokens are known (not
+        # draft tokens, which may be rejected), up to the output cap.
+        self._extend_keys(state)
         full = min(
-            min(state.done, state.prompt_len) // self.block_size,
+            min(state.done, self._known_tokens(state)) // self.block_size,
             len(state.keys),
             len(state.block_ids),
         )

@@ -72,18 +72,65 @@ def test_second_prompt_is_served_from_the_store(
         assert b["cached"] == BLOCK and b["tokens"] == expected["B"]
         assert totals(llm)["load_blocks"] == 3 and totals(llm)["save_blocks"] == 3
 
-        # A prompt of exactly two blocks: both are stored, but a hit never covers the
-        # last prompt token, so only the first block is loaded.
+        # A prompt of exactly two blocks, all stored: both are loaded, and the hit is every
+        # token but the last, which vLLM computes (one token, not the last block).
         c1, c2 = generate(llm, [C]), generate(llm, [C])
-        assert c1[0]["cached"] == 0 and c2[0]["cached"] == BLOCK
+        assert c1[0]["cached"] == 0 and c2[0]["cached"] == 2 * BLOCK - 1
         assert c1[0]["tokens"] == c2[0]["tokens"] == expected["C"]
         assert totals(llm)["save_blocks"] == 5
+        assert totals(llm)["load_blocks"] == 5
 
         # Several requests in one step: hits and misses side by side.
         outs = generate(llm, [A, D, B])
         assert [o["cached"] for o in outs] == [2 * BLOCK, 0, 2 * BLOCK]
         assert [o["tokens"] for o in outs] == [expected["A"], expected["D"], expected["B"]]
         assert totals(llm)["hook_errors"] == 0
+
+
+# A chat: turn 1's prompt (70 tokens) and 60 generated tokens hold 4 full blocks (the KV
+# of all but the last generated token is computed); turn 2 is all of it and 10 new tokens.
+TURN1 = list(range(40, 110))
+TURN1_OUT = 60
+
+
+def test_the_next_turn_hits_through_the_previous_answer(tiny_model: Path, tmp_path: Path) -> None:
+    with engine(tiny_model, None) as llm:
+        answer = generate(llm, [TURN1], max_tokens=TURN1_OUT)[0]["tokens"]
+        turn2 = TURN1 + answer + list(range(900, 910))
+        want = generate(llm, [turn2])[0]["tokens"]
+    runs = {}
+    for cap in (8192, 0):
+        root = tmp_path / f"kv-{cap}"
+        opts = {"root": str(root), "store_output_tokens": cap}
+        with engine(tiny_model, "file", opts) as llm:
+            first = generate(llm, [TURN1], max_tokens=TURN1_OUT)[0]
+            assert first["tokens"] == answer
+            stored = totals(llm)["save_blocks"]
+        with engine(tiny_model, "file", opts) as llm:  # a new engine: only the store helps
+            runs[cap] = (stored, generate(llm, [turn2])[0])
+    stored, out = runs[8192]
+    assert stored == 4  # 2 prompt blocks, and 2 blocks of the answer
+    assert out["cached"] == 4 * BLOCK and out["tokens"] == want
+    stored, out = runs[0]  # prompt blocks only: the answer is recomputed
+    assert stored == 2
+    assert out["cached"] == 2 * BLOCK and out["tokens"] == want
+
+
+def test_a_full_hit_computes_one_token_and_the_output_is_unchanged(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Every block of a block-aligned prompt in the store: vLLM computes only its last token."""
+    prompt = list(range(20, 20 + 4 * BLOCK))
+    with engine(tiny_model, None) as llm:
+        want = generate(llm, [prompt], max_tokens=16)[0]["tokens"]
+    opts = {"root": str(tmp_path / "kv")}
+    with engine(tiny_model, "file", opts) as llm:
+        assert generate(llm, [prompt], max_tokens=16)[0]["cached"] == 0
+    with engine(tiny_model, "file", opts) as llm:
+        out = generate(llm, [prompt], max_tokens=16)[0]
+        t = totals(llm)
+    assert out["cached"] == 4 * BLOCK - 1 and out["tokens"] == want
+    assert t["load_blocks"] == 4 and t["load_failed_blocks"] == 0
 
 
 def _options(

@@ -189,6 +189,74 @@ def test_chunked_prefill_stores_each_block_once_then_a_new_request_loads_them(co
     assert sched.totals["lookup_hit_blocks"] == 3
 
 
+def test_generated_blocks_are_stored_once_their_kv_and_tokens_exist(config: Any) -> None:
+    """Decode steps store the answer's full blocks; the next turn's prompt hits them."""
+    sched, worker, kv = pair(config, seed=11)
+    prompt = PROMPT[:60]  # 1 full block and 28 tokens
+    r = request("a", prompt, all_token_ids=list(prompt))
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    m = run_step(sched, worker, step([new_req("a", [1, 2], 0)], scheduled={"a": 60}))
+    assert [s.block_ids for s in m.saves] == [[1]]
+    computed = 60
+    saves = []
+    for tok in range(1000, 1010):  # decode: the token sampled last step is fed now
+        r.all_token_ids.append(tok)
+        m = run_step(sched, worker, step(cached=[("a", None, computed, False)], scheduled={"a": 1}))
+        saves.append([s.block_ids for s in m.saves])
+        computed += 1
+    # Block 2 (tokens 32..63) is full once token 63's KV is computed: the 4th decode step.
+    assert saves == [[], [], [], [[2]], [], [], [], [], [], []]
+    # Draft tokens (scheduled, not yet accepted: not in the token ids) are never stored.
+    r.all_token_ids.extend(range(2000, 2021))  # 91 tokens known, block 3 not full yet
+    m = run_step(sched, worker, step(cached=[("a", [3], computed, False)], scheduled={"a": 40}))
+    assert m.saves == []
+    assert worker.totals["save_blocks"] == 2
+    answer = list(r.all_token_ids)
+    sched.request_finished(r, [1, 2, 3])
+
+    # The next turn: the whole conversation and new tokens; both blocks from the store.
+    nxt = answer + list(range(3000, 3010))
+    r2 = request("b", nxt, all_token_ids=list(nxt))
+    assert sched.get_num_new_matched_tokens(r2, 0) == (2 * BLOCK, False)
+    sched.update_state_after_alloc(r2, None, 2 * BLOCK)
+    m = run_step(sched, worker, step([new_req("b", [7, 8, 9, 10], 64)], scheduled={"b": 37}))
+    assert [s.block_ids for s in m.loads] == [[7, 8]]
+    assert same(block(kv, 8), block(kv, 2))
+
+
+def test_the_output_cap_bounds_what_is_stored(config: Any) -> None:
+    ktc = config.kv_transfer_config
+    ktc.kv_connector_extra_config["store_output_tokens"] = BLOCK
+    sched, worker, _ = pair(config, seed=12)
+    r = request("a", PROMPT[:32], all_token_ids=list(PROMPT[:32]))
+    sched.get_num_new_matched_tokens(r, 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3], 0)], scheduled={"a": 32}))
+    r.all_token_ids.extend(range(1000, 1000 + 3 * BLOCK))  # 3 blocks of answer
+    m = run_step(sched, worker, step(cached=[("a", None, 32, False)], scheduled={"a": 96}))
+    # The prompt's block, then 32 output tokens: one more block, not three.
+    assert [s.block_ids for s in m.saves] == [[2]]
+    assert worker.totals["save_blocks"] == 2
+
+
+def test_a_full_hit_loads_the_last_block_and_leaves_one_token(config: Any) -> None:
+    sched, worker, kv = pair(config, seed=13)
+    prompt = PROMPT[: 3 * BLOCK]
+    sched.get_num_new_matched_tokens(request("a", prompt), 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3], 0)], scheduled={"a": 96}))
+    r = request("b", prompt)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK - 1, False)
+    sched.update_state_after_alloc(r, None, 3 * BLOCK - 1)
+    m = run_step(sched, worker, step([new_req("b", [7, 8, 9], 95)], scheduled={"b": 1}))
+    assert [s.block_ids for s in m.loads] == [[7, 8, 9]] and m.saves == []
+    assert same(block(kv, 9), block(kv, 3))
+    # vLLM's own hit of two blocks: the store adds the third, less the last token.
+    r = request("c", prompt)
+    assert sched.get_num_new_matched_tokens(r, 2 * BLOCK) == (BLOCK - 1, False)
+    sched.update_state_after_alloc(r, None, BLOCK - 1)
+    m = run_step(sched, worker, step([new_req("c", [1, 2, 12], 95)], scheduled={"c": 1}))
+    assert [s.block_ids for s in m.loads] == [[12]]
+
+
 def test_only_blocks_beyond_vllms_own_hit_are_loaded(config: Any) -> None:
     sched, worker, kv = pair(config, seed=2)
     first = request("a", PROMPT)
