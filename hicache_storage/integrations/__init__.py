@@ -46,5 +46,6 @@ VLLM_ADAPTER_KEYS = frozenset(
         "staging_blocks",
         "engine_timeout",
         "store_output_tokens",
+        "async_saves",
     }
 )

@@ -27,12 +27,12 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from typing import TYPE_CHECKING, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["Job", "Lane", "Outcome", "call_with_deadline"]
+__all__ = ["Background", "Job", "Lane", "Outcome", "call_with_deadline"]
 
 T = TypeVar("T")
 
@@ -67,6 +67,23 @@ class Job(Generic[T]):
         """
         with self._lock:
             yield not self._cut
+
+    @property
+    def finished(self) -> bool:
+        """True once the call returned (or raised)."""
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Cut the job now: once this returns it never enters :meth:`commit` again.
+
+        Waits only for a copy inside the gate to end (never for the store's call).
+        """
+        with self._lock:
+            self._cut = True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the call to return, at most ``timeout`` seconds; True if it did."""
+        return self._done.wait(None if timeout is None else min(timeout, threading.TIMEOUT_MAX))
 
     def _run(self, before_done: Callable[[], None] | None = None) -> None:
         """Run the call; ``before_done`` runs after it and before a waiter wakes."""
@@ -152,6 +169,67 @@ class Lane:
 
     def close(self) -> None:
         """Stop the thread once its job (if any) returns; later jobs are refused."""
+        with self._lock:
+            self._closed = True
+        self._jobs.put(None)
+
+
+class Background:
+    """A daemon thread that runs submitted jobs in order; nobody waits for them.
+
+    For transfers off the engine's critical path: :meth:`submit` queues a job and
+    returns it at once. The engine learns of its end through :attr:`Job.finished`
+    (or its ``on_done`` callback), and keeps its memory safe by cutting a job
+    (:meth:`Job.cancel`) before it reuses what the job reads or writes: the job copies
+    to or from the engine's memory only inside :meth:`Job.commit`.
+
+    Args:
+        name: the thread's name (shown in stack dumps).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Job[Any], Callable[[], None] | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(
+        self, fn: Callable[[Job[T]], T], on_done: Callable[[Job[T]], None] | None = None
+    ) -> Job[T]:
+        """Queue ``fn(job)``; ``on_done(job)`` runs on the thread after it, before waiters wake.
+
+        After :meth:`close` the job is returned cut and finished, never run (``on_done``
+        still runs, on this thread).
+        """
+        job: Job[T] = Job(fn)
+        after = (lambda: on_done(job)) if on_done is not None else None
+        with self._lock:
+            closed = self._closed
+            if not closed and self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            if not closed:
+                self._jobs.put((job, after))
+        if closed:
+            job._cut = True
+            if after is not None:
+                after()
+            job._done.set()
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, after = item
+            job._run(before_done=after)
+
+    def close(self) -> None:
+        """Stop the thread after the queued jobs; later jobs are not run."""
         with self._lock:
             self._closed = True
         self._jobs.put(None)

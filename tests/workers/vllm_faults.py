@@ -12,7 +12,8 @@
 * ``"raise"``: every call raises (the SDK's guard turns that into failure results);
 * ``"nosave"``: stores fail;
 * ``"hang"``: every call waits for :data:`RELEASE` (a store that hangs), then goes on;
-* ``"hangread"``: reads wait for :data:`RELEASE`, lookups and stores do not.
+* ``"hangread"``: reads wait for :data:`RELEASE`, lookups and stores do not;
+* ``"hangwrite"``: stores wait for :data:`RELEASE`, lookups and reads do not.
 
 Loaded by the connector as ``backend_name="vllm_faults:FlakyFile"``.
 """
@@ -62,7 +63,7 @@ class FlakyFile(FileBackend):
         return super().batch_exists(keys, extra_info)
 
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        _hang("hang")
+        _hang("hang", "hangwrite")
         if MODE[0] == "raise":
             raise RuntimeError("injected write fault")
         if MODE[0] == "nosave":

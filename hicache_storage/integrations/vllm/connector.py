@@ -176,6 +176,22 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         return meta if isinstance(meta, HiCacheConnectorMetadata) else None
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Take the step's metadata; then see :meth:`WorkerSide.before_step`.
+
+        vLLM binds it before the forward pass in every step, with or without loads
+        (``start_load_kv`` may come after the forward pass when nothing loads).
+        """
+        super().bind_connector_metadata(connector_metadata)
+        meta = self._meta()
+        if meta is not None and self.connector_worker is not None:
+            self.connector_worker.before_step_safely(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        """See :meth:`WorkerSide.get_finished` (finished stores; loads are synchronous)."""
+        done = self._worker().get_finished_safely(self._meta(), set(finished_req_ids or ()))
+        return (done or None), None
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """See :meth:`WorkerSide.start_load_kv`."""
         meta = self._meta()

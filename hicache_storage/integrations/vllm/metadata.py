@@ -36,6 +36,7 @@ COUNTERS = (
     "save_bytes",
     "save_seconds",
     "save_skipped_blocks",
+    "save_cut_blocks",
     "lookup_timeouts",
     "load_timeouts",
     "save_timeouts",
@@ -76,9 +77,13 @@ class HiCacheConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    #: Blocks handed to a request afresh in this step (their old taint is void).
+    #: Blocks handed to a request afresh in this step (their old taint is void, and a
+    #: store still reading them is cut before the forward pass writes them).
     fresh_blocks: list[int] = field(default_factory=list)
     fresh_done: bool = False
+    #: Finished requests whose blocks vLLM keeps until their stores have read them
+    #: (``request_finished`` answered True): the workers report each in ``get_finished``.
+    delayed_frees: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -36,6 +36,10 @@ class ConnectorOptions:
         store_output_tokens: the most generated tokens of one request whose full blocks
             are stored (so a chat's next turn, whose prompt holds this answer, hits
             through it); 0 stores prompt blocks only.
+        async_saves: store off the critical path: the step does not wait for its
+            stores, and a finished request's blocks are freed once its stores have read
+            them (or ``engine_timeout`` after it finished); ``False`` stores within the
+            step, before vLLM can free the blocks.
     """
 
     model_id: str | None = None
@@ -45,6 +49,7 @@ class ConnectorOptions:
     staging_blocks: int = 16
     engine_timeout: float = 5.0
     store_output_tokens: int = 8192
+    async_saves: bool = True
 
     def __post_init__(self) -> None:
         """Check the options; :class:`ConfigError` says what is allowed."""

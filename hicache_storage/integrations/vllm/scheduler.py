@@ -49,6 +49,7 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     computed_from: int = 0  # first block this request computes (after hits and loads)
     done: int | None = None  # tokens computed once the last planned step has run
+    saves_sent: bool = False  # a store of its blocks was planned (async: may still read them)
 
 
 class SchedulerSide(ConnectorSide):
@@ -57,6 +58,8 @@ class SchedulerSide(ConnectorSide):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self._reqs: dict[str, _Req] = {}
+        #: Finished requests whose free vLLM delays, for the next step's metadata.
+        self._delayed: list[str] = []
         #: One backend per distinct shard: a block is a hit only if every rank's is stored.
         self.lookup_backends: list[HiCacheStorage] = []
         self._lookup_lane = Lane("hicache-vllm-lookup")
@@ -243,6 +246,8 @@ class SchedulerSide(ConnectorSide):
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
             self._plan_safely(meta, req_id, state, cached.num_computed_tokens[i], scheduled)
+        # Last, once nothing can raise: a delayed free is announced exactly once.
+        meta.delayed_frees, self._delayed = self._delayed, []
         return meta
 
     def _plan_safely(
@@ -314,11 +319,21 @@ class SchedulerSide(ConnectorSide):
                 )
             )
             state.stored = full
+            state.saves_sent = True
 
     @failsafe(lambda self, args: (False, None))
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Forget ``request``; its blocks can be freed now (stores are synchronous)."""
-        self._reqs.pop(request.request_id, None)
+        """Forget ``request``; True: vLLM keeps its blocks until the workers report it.
+
+        With ``async_saves``, a request some of whose blocks were sent to be stored is
+        freed only once the workers' stores have read them (:meth:`WorkerSide.get_finished`);
+        it is announced to them in the next step's metadata.
+        """
+        req_id = request.request_id
+        state = self._reqs.pop(req_id, None)
+        if state is not None and state.saves_sent and self.settings.options.async_saves:
+            self._delayed.append(req_id)
+            return True, None
         return False, None

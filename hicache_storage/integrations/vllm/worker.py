@@ -2,22 +2,35 @@
 
 vLLM's KV tensors become the backend's page pool
 (:mod:`hicache_storage.integrations.kvblocks`); before the forward pass the step's blocks
-are read into them (:meth:`WorkerSide.start_load_kv`), after it the step's new full
-blocks are stored (:meth:`WorkerSide.wait_for_save`), each through a lane with the
-connector's deadline. A block whose load failed is reported to vLLM, and nothing
-computed over it is stored (the taint rule: :meth:`WorkerSide._clean_blocks`).
+are read into them (:meth:`WorkerSide.start_load_kv`, through a lane with the
+connector's deadline), after it the step's new full blocks are stored
+(:meth:`WorkerSide.wait_for_save`). A block whose load failed is reported to vLLM, and
+nothing computed over it is stored (the taint rule: :meth:`WorkerSide._clean_blocks`).
+
+**Stores off the critical path** (``async_saves``, the default): a step's stores are
+queued on a background thread and the step goes on. vLLM's blocks stay what the store
+reads until it has read them: a finished request's blocks are freed only once its stores
+are done (:meth:`WorkerSide.get_finished`; or ``engine_timeout`` after it finished, when
+what is left is cut), and a block vLLM hands to a request afresh (after a preemption)
+cuts every store still to read it before the forward pass writes it
+(:meth:`WorkerSide.before_step`). A staged store reads vLLM's KV only inside its job's
+gate, so a cut store never reads it again; a direct one (no staging, ``engine_timeout``
+0) is waited for instead.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
 from hicache_storage.errors import ConfigError
-from hicache_storage.integrations.deadline import Lane
-from hicache_storage.integrations.kvblocks import KVBlockMover, kv_blocks
+from hicache_storage.integrations.deadline import Background, Job, Lane
+from hicache_storage.integrations.kvblocks import KVBlockMover, StagedKVBlocks, kv_blocks
 from hicache_storage.integrations.vllm.side import ConnectorSide, Settings, logger
 from hicache_storage.keys import normalize_dtype
 from hicache_storage.registry import create_backend
@@ -25,7 +38,6 @@ from hicache_storage.registry import create_backend
 if TYPE_CHECKING:
     import torch
 
-    from hicache_storage.integrations.deadline import Job
     from hicache_storage.integrations.vllm.metadata import (
         HiCacheConnectorMetadata,
         LoadSpec,
@@ -34,6 +46,23 @@ if TYPE_CHECKING:
     from hicache_storage.protocol import HiCacheStorage
 
 __all__ = ["WorkerSide"]
+
+#: Finished request ids remembered, to report a delayed free only once vLLM told of it.
+_RECENT_FINISHED = 4096
+#: Stores queued at most (one per step): past it the store is behind (hung or slower
+#: than vLLM), and a step's stores are dropped (counted as ``save_timeouts``).
+MAX_QUEUED_STORES = 256
+
+
+@dataclass(eq=False)
+class _Store:
+    """A store queued or running in the background: what it reads, for whom."""
+
+    req_ids: set[str]
+    blocks: set[int]
+    job: Job[Any] | None = None
+    keys: int = 0
+    started: float = field(default_factory=time.perf_counter)
 
 
 class WorkerSide(ConnectorSide):
@@ -55,6 +84,12 @@ class WorkerSide(ConnectorSide):
         self.tainted: set[int] = set()
         self._load_lane = Lane("hicache-vllm-load")
         self._save_lane = Lane("hicache-vllm-save")
+        self._saver = Background("hicache-vllm-store")
+        #: Stores not finished yet (this thread adds, the background thread removes).
+        self._stores: list[_Store] = []
+        #: Finished requests whose blocks vLLM keeps for us: request id -> deadline.
+        self._awaiting: dict[str, float] = {}
+        self._finished_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ ConnectorSide
 
@@ -75,6 +110,23 @@ class WorkerSide(ConnectorSide):
     @override
     def _lanes(self) -> list[Lane]:
         return [self._load_lane, self._save_lane]
+
+    @override
+    def shutdown(self) -> None:
+        """Finish the queued stores (within ``engine_timeout``; cut what is left), then close.
+
+        vLLM's KV is still there while it shuts down, so what was sent to be stored is
+        stored, as with stores within the step; see :class:`ConnectorSide` for the rest.
+        """
+        timeout = self.settings.options.engine_timeout
+        self.flush(timeout if timeout > 0 else None)
+        with self._lock:
+            stores = list(self._stores)
+        for st in stores:
+            if st.job is not None:
+                st.job.cancel()
+        self._saver.close()
+        super().shutdown()
 
     # ------------------------------------------------------------------ attaching
 
@@ -267,6 +319,9 @@ class WorkerSide(ConnectorSide):
         blocks = [b for s in specs for b in s.block_ids]
         if not keys:
             return
+        if self.settings.options.async_saves:
+            self._store_in_background(specs, keys, blocks)
+            return
         t0 = time.perf_counter()
         mover = self.mover if self.ready() else None
 
@@ -291,6 +346,160 @@ class WorkerSide(ConnectorSide):
             save_bytes=good * self.pool.page_bytes,
             save_seconds=time.perf_counter() - t0,
         )
+
+    def _store_in_background(
+        self, specs: list[SaveSpec], keys: list[str], blocks: list[int]
+    ) -> None:
+        """Queue the step's stores on the background thread (see the module docs)."""
+        with self._lock:
+            behind = len(self._stores) >= MAX_QUEUED_STORES
+        if behind:
+            self.count(save_timeouts=1, save_failed_blocks=len(keys))
+            self._log(
+                "deadline:save",
+                "HiCacheKVConnector: %d stores are still queued (the store hangs or is "
+                "slower than vLLM); this step's are dropped",
+                MAX_QUEUED_STORES,
+            )
+            return
+        mover = self.mover if self.ready() else None
+        staged = isinstance(self.pool, StagedKVBlocks)
+        page_bytes = self.pool.page_bytes if self.pool is not None else 0
+        st = _Store({s.req_id for s in specs}, set(blocks), keys=len(keys))
+
+        def save(job: Job[Any]) -> list[bool]:
+            if mover is None or job.cut:
+                return [False] * len(keys)
+            # Staged: every copy from vLLM's KV inside the job's gate. Direct: the store
+            # reads vLLM's KV itself, and before_step waits for it instead.
+            return mover.save(keys, blocks, job if staged else None)
+
+        def done(job: Job[Any]) -> None:
+            ok = list(job.result) if job.error is None and job.result is not None else []
+            ok += [False] * (len(keys) - len(ok))
+            good = sum(ok)
+            if job.error is not None:
+                self.count(hook_errors=1)
+                self._log(
+                    "save", "HiCacheKVConnector: a store failed (%s)", self.failure(job.error)
+                )
+            self.count(
+                save_blocks=good,
+                save_failed_blocks=len(ok) - good if not job.cut else 0,
+                save_cut_blocks=len(ok) - good if job.cut else 0,
+                save_bytes=good * page_bytes,
+                save_seconds=time.perf_counter() - st.started,
+            )
+            with self._lock:
+                self._stores.remove(st)
+
+        with self._lock:
+            self._stores.append(st)
+        st.job = self._saver.submit(save, done)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every store queued so far has ended; False if ``timeout`` passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            stores = list(self._stores)
+        for st in stores:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if st.job is not None and not st.job.wait(left):
+                return False
+        return True
+
+    def before_step_safely(self, meta: HiCacheConnectorMetadata) -> None:
+        """:meth:`before_step`; a failure waits for every store instead (never raises)."""
+        try:
+            self.before_step(meta)
+        except Exception as exc:  # noqa: BLE001 - vLLM's step must go on, its KV safe
+            self._hook_failed("before_step", exc)
+            with self._lock:
+                stores = list(self._stores)
+            for st in stores:
+                if st.job is not None:
+                    st.job.cancel()
+                    if not isinstance(self.pool, StagedKVBlocks):
+                        st.job.wait()
+
+    def get_finished_safely(
+        self, meta: HiCacheConnectorMetadata | None, finished_req_ids: set[str]
+    ) -> set[str]:
+        """:meth:`get_finished`; a failure reports nothing this step (never raises)."""
+        try:
+            return self.get_finished(meta, finished_req_ids)
+        except Exception as exc:  # noqa: BLE001 - reported again at the next step
+            self._hook_failed("get_finished", exc)
+            return set()
+
+    def before_step(self, meta: HiCacheConnectorMetadata) -> None:
+        """Before the forward pass: no store may still read a block handed out afresh.
+
+        vLLM writes those blocks in this step (a preempted request's blocks given to
+        another). A staged store still to read one is cut (what it copied is stored, the
+        rest dropped and counted as ``save_cut_blocks``); a direct store is waited for.
+        """
+        if not meta.fresh_blocks:
+            return
+        fresh = set(meta.fresh_blocks)
+        with self._lock:
+            hit = [st for st in self._stores if st.blocks & fresh and st.job is not None]
+        staged = isinstance(self.pool, StagedKVBlocks)
+        for st in hit:
+            assert st.job is not None
+            if staged:
+                st.job.cancel()
+            else:
+                st.job.wait()
+
+    def get_finished(
+        self, meta: HiCacheConnectorMetadata | None, finished_req_ids: set[str]
+    ) -> set[str]:
+        """Requests whose delayed free can happen now: their stores have read their blocks.
+
+        vLLM keeps a finished request's blocks when the scheduler side says so (the
+        request's id comes in ``meta.delayed_frees``). Once no store of it is queued or
+        running, or ``engine_timeout`` after it finished (its stores are cut then: they
+        never read vLLM's KV again), it is reported, once.
+        """
+        for r in finished_req_ids:
+            self._finished_ids[r] = None
+        while len(self._finished_ids) > _RECENT_FINISHED:
+            self._finished_ids.popitem(last=False)
+        now = time.monotonic()
+        timeout = self.settings.options.engine_timeout
+        staged = isinstance(self.pool, StagedKVBlocks)
+        for r in meta.delayed_frees if meta is not None else ():
+            self._awaiting.setdefault(r, now + timeout if timeout > 0 else math.inf)
+        if not self._awaiting:
+            return set()
+        with self._lock:
+            busy: dict[str, list[_Store]] = {}
+            for st in self._stores:
+                for r in st.req_ids:
+                    busy.setdefault(r, []).append(st)
+        out = set()
+        for r, deadline in list(self._awaiting.items()):
+            if r not in self._finished_ids:
+                continue
+            stores = busy.get(r)
+            if stores and now >= deadline and staged:
+                for st in stores:
+                    if st.job is not None:
+                        st.job.cancel()
+                self.count(save_timeouts=1)
+                self._log(
+                    "deadline:free",
+                    "HiCacheKVConnector: stores of a finished request still running "
+                    "engine_timeout (%g s) after it finished; cut, its blocks freed",
+                    timeout,
+                )
+                stores = None
+            if not stores:
+                out.add(r)
+                del self._awaiting[r]
+                self._finished_ids.pop(r, None)
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes or fails them)."""

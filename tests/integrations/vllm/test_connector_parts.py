@@ -140,12 +140,26 @@ def step(
     )
 
 
-def run_step(sched: HiCacheKVConnector, worker: HiCacheKVConnector, out: Any) -> Any:
-    """What vLLM does with one step: build the metadata, load, forward, save."""
+def run_step(
+    sched: HiCacheKVConnector,
+    worker: HiCacheKVConnector,
+    out: Any,
+    finished: set[str] = frozenset(),  # type: ignore[assignment]
+    flush: bool = True,
+) -> Any:
+    """What vLLM does with one step: build the metadata, load, forward, save, report.
+
+    With ``flush`` the step's background stores are waited for (as if they finished
+    before the next step), so a test sees their effect; ``meta.sent`` holds what
+    ``get_finished`` reported.
+    """
     meta = sched.build_connector_meta(out)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     worker.wait_for_save()
+    if flush:
+        assert wside(worker).flush(30)
+    meta.sent = worker.get_finished(set(finished))[0]
     worker.clear_connector_metadata()
     return meta
 
@@ -175,13 +189,17 @@ def test_chunked_prefill_stores_each_block_once_then_a_new_request_loads_them(co
     assert not any(m.loads for m in (m1, m2, m3, m4))
     assert worker.totals["save_blocks"] == 3 and worker.totals["save_failed_blocks"] == 0
     stored = [block(kv, b) for b in (5, 9, 12)]
-    assert sched.request_finished(r, [5, 9, 12, 13]) == (False, None)
+    # Stores run in the background: vLLM keeps the blocks until the worker says the
+    # request's stores are done (here at once: they are), in the next step.
+    assert sched.request_finished(r, [5, 9, 12, 13]) == (True, None)
 
     # A second request with the same prompt: 3 blocks (96 <= 99 tokens) from the store.
     r2 = request("r2", PROMPT)
     assert sched.get_num_new_matched_tokens(r2, 0) == (3 * BLOCK, False)
     sched.update_state_after_alloc(r2, None, 3 * BLOCK)
-    m = run_step(sched, worker, step([new_req("r2", [20, 21, 22, 23], 96)], scheduled={"r2": 4}))
+    m = run_step(sched, worker, step([new_req("r2", [20, 21, 22, 23], 96)], scheduled={"r2": 4}),
+                 finished={"r1"})  # fmt: skip
+    assert m.delayed_frees == ["r1"] and m.sent == {"r1"}
     assert [(s.block_ids, len(s.keys)) for s in m.loads] == [([20, 21, 22], 3)]
     assert m.saves == []  # every full block is already stored
     assert all(same(block(kv, b), s) for b, s in zip((20, 21, 22), stored, strict=True))
@@ -704,12 +722,131 @@ def test_a_hung_store_costs_each_vllm_call_one_deadline_at_most(config: Any, hun
     assert sched.totals["lookup_timeouts"] == 1
     other = list(range(500, 600))
     sched.get_num_new_matched_tokens(request("e", other), 0)
-    run_step(sched, worker, step([new_req("e", [13, 14, 15, 16], 0)], scheduled={"e": 100}))
-    assert worker.totals["save_timeouts"] == 1 and worker.totals["save_failed_blocks"] == 3
+    # A store that hangs never holds up the step (it runs in the background): the
+    # request finishes, vLLM keeps its blocks, and engine_timeout after it finished
+    # the store is cut and the blocks are freed, while the store still hangs.
+    t0 = time.monotonic()
+    run_step(sched, worker, step([new_req("e", [13, 14, 15, 16], 0)], scheduled={"e": 100}),
+             flush=False)  # fmt: skip
+    assert time.monotonic() - t0 < 0.5  # the step never waited (well under the deadline)
+    assert sched.request_finished(request("e", other), [13, 14, 15, 16]) == (True, None)
+    m = run_step(sched, worker, step(), finished={"e"}, flush=False)
+    assert m.delayed_frees == ["e"] and m.sent is None  # its store still runs
+    time.sleep(0.6)
+    m = run_step(sched, worker, step(), flush=False)
+    assert m.sent == {"e"} and worker.totals["save_timeouts"] == 1
     assert worker.totals["hook_errors"] == 0 and sched.totals["hook_errors"] == 0
+    before = [block(kv, b) for b in (13, 14, 15)]
+    for t in kv.values():  # freed: vLLM reuses the blocks
+        t[13:16].fill_(-3.0)
+    hung.MODE[0] = "ok"
     hung.RELEASE.set()
+    assert wside(worker).flush(30)
+    # The hung store had copied its chunk before the cut: it stored those bytes, never
+    # what vLLM wrote into the blocks after they were freed.
+    assert worker.totals["save_blocks"] == 6
+    r = request("f", other)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, False)
+    sched.update_state_after_alloc(r, None, 3 * BLOCK)
+    run_step(sched, worker, step([new_req("f", [20, 21, 22, 23], 96)], scheduled={"f": 4}))
+    assert all(same(block(kv, b), w) for b, w in zip((20, 21, 22), before, strict=True))
     for c in (sched, worker):
         c.shutdown()
+
+
+def test_a_block_handed_out_afresh_cuts_a_store_still_to_read_it(config: Any, hung: Any) -> None:
+    """A preempted request's blocks go to another request: a background store that has
+    not read them yet never stores what the other request writes there."""
+    sched, worker, kv = pair(config, seed=21)
+    hung.MODE[0] = "hangwrite"
+    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(
+        sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}), flush=False
+    )  # fmt: skip  (a's store hangs: the background thread is busy)
+    other = list(range(500, 600))
+    sched.get_num_new_matched_tokens(request("b", other), 0)
+    run_step(
+        sched, worker, step([new_req("b", [5, 6, 7, 8], 0)], scheduled={"b": 100}), flush=False
+    )  # fmt: skip  (b's store is queued behind it)
+    # b is preempted; its block 6 goes to c, whose forward pass will write it.
+    sched.get_num_new_matched_tokens(request("c", list(range(700, 740))), 0)
+    m = run_step(sched, worker, step([new_req("c", [6, 9], 0)], scheduled={"c": 40}),
+                 flush=False)  # fmt: skip
+    assert 6 in m.fresh_blocks
+    for t in kv.values():
+        t[6].fill_(7.0)  # c's forward pass
+    hung.MODE[0] = "ok"
+    hung.RELEASE.set()
+    assert wside(worker).flush(30)
+    t = worker.totals
+    assert t["save_cut_blocks"] == 3  # all of b's store: cut before it read anything
+    assert t["save_blocks"] == 3 + 1  # a's blocks, and c's one full block
+    assert sched.get_num_new_matched_tokens(request("d", other), 0) == (0, False)  # none of b's
+    assert sched.get_num_new_matched_tokens(request("e", PROMPT), 0) == (3 * BLOCK, False)
+
+
+def test_stores_queue_up_to_a_bound_behind_a_hung_store(
+    config: Any, hung: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hicache_storage.integrations.vllm import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "MAX_QUEUED_STORES", 2)
+    sched, worker, _ = pair(config, seed=24)
+    hung.MODE[0] = "hangwrite"
+    for i, blocks in enumerate(([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12])):
+        rid = f"r{i}"
+        sched.get_num_new_matched_tokens(request(rid, [i * 1000 + x for x in PROMPT]), 0)
+        run_step(sched, worker, step([new_req(rid, blocks, 0)], scheduled={rid: 100}),
+                 flush=False)  # fmt: skip
+    assert len(wside(worker)._stores) == 2  # the third step's stores were dropped
+    assert worker.totals["save_timeouts"] == 1 and worker.totals["save_failed_blocks"] == 3
+    hung.MODE[0] = "ok"
+    hung.RELEASE.set()
+    assert wside(worker).flush(30)
+    assert worker.totals["save_blocks"] == 6
+
+
+def test_without_staging_a_store_reading_a_fresh_block_is_waited_for(config: Any) -> None:
+    """No staging (engine_timeout 0): the store reads vLLM's KV itself, so a block
+    handed out afresh waits for it before the forward pass."""
+    import threading
+
+    import vllm_faults
+
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    extra.update(backend_name="vllm_faults:FlakyFile", engine_timeout=0, staging=False)
+    vllm_faults.MODE[0] = "hangwrite"
+    vllm_faults.RELEASE.clear()
+    try:
+        sched, worker, _ = pair(config, seed=22)
+        assert type(wside(worker).pool).__name__ == "PagedKVBlocks"
+        sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+        run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}),
+                 flush=False)  # fmt: skip
+        release = threading.Timer(0.3, vllm_faults.RELEASE.set)
+        release.start()
+        sched.get_num_new_matched_tokens(request("b", list(range(700, 740))), 0)
+        meta = sched.build_connector_meta(step([new_req("b", [2, 9], 0)], scheduled={"b": 40}))
+        worker.bind_connector_metadata(meta)  # block 2 is a's: wait for a's store
+        assert vllm_faults.RELEASE.is_set() and not wside(worker)._stores
+        assert worker.totals["save_blocks"] == 3 and worker.totals["save_cut_blocks"] == 0
+        worker.clear_connector_metadata()
+        for c in (sched, worker):
+            c.shutdown()
+    finally:
+        vllm_faults.MODE[0] = "ok"
+        vllm_faults.RELEASE.set()
+
+
+def test_stores_within_the_step_when_async_saves_is_off(config: Any) -> None:
+    config.kv_transfer_config.kv_connector_extra_config["async_saves"] = False
+    sched, worker, _ = pair(config, seed=23)
+    r = request("a", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}),
+             flush=False)  # fmt: skip
+    assert worker.totals["save_blocks"] == 3 and not wside(worker)._stores
+    assert sched.request_finished(r, [1, 2, 3, 4]) == (False, None)
 
 
 def test_connector_options_are_checked(config: Any) -> None:
