@@ -143,9 +143,16 @@ def generate(
     ]
 
 
-def totals(llm: Any) -> dict[str, float]:
-    """The counters of ``llm``'s connectors, scheduler's and worker's together."""
+def totals(llm: Any, settle: bool = True) -> dict[str, float]:
+    """The counters of ``llm``'s connectors, scheduler's and worker's together.
+
+    With ``settle`` the stores still running in the background are waited for first, so
+    the counters hold every store of the requests generated so far.
+    """
     out: dict[str, float] = {}
+    for c in llm.hicache_connectors.values():
+        if settle and c.connector_worker is not None:
+            assert c.connector_worker.flush(60), "a background store is still running"
     for c in llm.hicache_connectors.values():
         for k, v in c.totals.items():
             out[k] = out.get(k, 0) + v

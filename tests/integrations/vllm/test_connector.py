@@ -420,7 +420,7 @@ def test_a_hung_store_never_stalls_vllm(
             outs = generate(llm, [A, B, F])
             assert [o["tokens"] for o in outs] == [expected[n] for n in "ABF"]
             assert [o["cached"] for o in outs] == [0, 0, 0]
-            t = totals(llm)
+            t = totals(llm, settle=False)  # (the stores hang in the background)
             vllm_faults.RELEASE.set()
     finally:
         vllm_faults.MODE[0] = "ok"
