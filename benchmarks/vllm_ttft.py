@@ -8,19 +8,23 @@ help is the store (vLLM's own prefix cache is off where the connector is on). On
 
 * **A** (no connector, vLLM's prefix cache on): ``cold``, the prompt computed; then
   ``vllm prefix hit``, the same prompt again in the same process (vLLM recomputes its
-  last block); then ``one token``, the prompt and one more token (vLLM's cache holds
-  every block: one token computed), the floor of a full hit.
+  last block).
 * **B** (connector, empty store): ``cold, storing``, the prompt computed and stored;
   then the first turn of a chat: the prompt and ``--answer`` generated tokens.
 * **C1** (new process): ``full hit``, the prompt from the store.
+* **C1'** (new process): ``one token``, the prompt and one more token: every block of
+  the prompt from the store, one token computed (the floor of a full hit).
 * **C2** (new process): ``second turn``, the first turn's prompt, its answer and
   ``--new`` more tokens, from the store (the answer's blocks were stored as it grew).
 * **D** (new process): ``second turn, all stored``, the same prompt again once every
   block of it is stored (C2 stored the rest): the floor of a second turn.
+* **B0, C0** (another store, ``store_output_tokens: 0``): the first turn storing its
+  prompt blocks only, then ``second turn, prompt blocks only`` in a new process (what
+  the connector did before generated blocks were stored).
 
 Medians over ``--rounds`` rounds (a fresh store each round); the ratios are the issue's
 targets (second turn / all stored; full hit / one token; full hit / vLLM prefix hit;
-cold storing / cold).
+cold storing / cold), and second turn / prompt blocks only.
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_ttft.py --tokens 4096 --rounds 3
 """
@@ -114,23 +118,35 @@ def _spawn(plan: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def one_round(args: argparse.Namespace, model: Path, root: Path) -> dict[str, dict[str, Any]]:
+def _location(backend: str, root: Path) -> dict[str, Any]:
+    return {"root": str(root)}
+
+
+def one_round(
+    args: argparse.Namespace, model: Path, root: Path, root0: Path
+) -> dict[str, dict[str, Any]]:
     n = args.tokens
     prompt = [10 + (i * 7) % 980 for i in range(n)]
     max_len = n + args.answer + args.new + 64
     base = {"model": str(model), "max_len": max_len, "kv_bytes": args.kv_mib << 20}
-    options = {"root": str(root)} if args.backend in ("file", "shm") else {"path": str(root)}
-    conn = {**base, "backend": args.backend, "options": options}
+    conn = {**base, "backend": args.backend, "options": _location(args.backend, root)}
+    prompt_only = {
+        **base, "backend": args.backend,
+        "options": {**_location(args.backend, root0), "store_output_tokens": 0},
+    }  # fmt: skip
     a = _spawn({**base, "prefix_cache": True, "steps": [
-        ("cold", prompt, 1), ("vllm prefix hit", prompt, 1), ("one token", [*prompt, 5], 1),
+        ("cold", prompt, 1), ("vllm prefix hit", prompt, 1),
     ]})  # fmt: skip
     b = _spawn({**conn, "steps": [("cold, storing", prompt, 1), ("turn 1", prompt, args.answer)]})
     answer = b["turn 1"]["tokens"]
     turn2 = prompt + answer + [20 + i for i in range(args.new)]
     c1 = _spawn({**conn, "steps": [("full hit", prompt, 1)]})
+    c1b = _spawn({**conn, "steps": [("one token", [*prompt, 5], 1)]})
     c2 = _spawn({**conn, "steps": [("second turn", turn2, 1)]})
     d = _spawn({**conn, "steps": [("second turn, all stored", turn2, 1)]})
-    got = {**a, **b, **c1, **c2, **d}
+    _spawn({**prompt_only, "steps": [("turn 1, prompt blocks only", prompt, args.answer)]})
+    c0 = _spawn({**prompt_only, "steps": [("second turn, prompt blocks only", turn2, 1)]})
+    got = {**a, **b, **c1, **c1b, **c2, **d, **c0}
     if got["full hit"]["tokens"] != got["cold"]["tokens"]:
         raise SystemExit("the full hit changed the first token")
     return got
@@ -142,7 +158,7 @@ def main() -> int:
     p.add_argument("--answer", type=int, default=256, help="tokens generated in turn 1")
     p.add_argument("--new", type=int, default=64, help="new tokens in turn 2")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--backend", default="shm", choices=["shm", "file", "mmap"])
+    p.add_argument("--backend", default="shm", choices=["shm", "file"])
     p.add_argument("--kv-mib", type=int, default=1024, help="vLLM's KV cache, MiB")
     p.add_argument("--json", action="store_true")
     p.add_argument("--engine", help=argparse.SUPPRESS)
@@ -158,8 +174,9 @@ def main() -> int:
         store_dir = "/dev/shm" if args.backend == "shm" else tmp
         for i in range(args.rounds):
             with tempfile.TemporaryDirectory(prefix="hicache-ttft-kv-", dir=store_dir) as kv:
-                root = Path(kv) / ("arena" if args.backend == "mmap" else "kv")
-                rounds.append(one_round(args, model, root))
+                name = "kv"
+                root, root0 = Path(kv) / name, Path(kv) / "prompt-only" / name
+                rounds.append(one_round(args, model, root, root0))
             print(f"round {i + 1}: " + ", ".join(
                 f"{k} {v['seconds'] * 1e3:.0f} ms" for k, v in rounds[-1].items()
                 if k != "turn 1"), file=sys.stderr)  # fmt: skip
@@ -173,6 +190,8 @@ def main() -> int:
         "full hit / one token": med["full hit"] / med["one token"],
         "full hit / vllm prefix hit": med["full hit"] / med["vllm prefix hit"],
         "cold, storing / cold": med["cold, storing"] / med["cold"],
+        "second turn / second turn, prompt blocks only": med["second turn"]
+        / med["second turn, prompt blocks only"],
     }
     if args.json:
         print(json.dumps({"ttft_ms": {k: round(v * 1e3, 1) for k, v in med.items()},

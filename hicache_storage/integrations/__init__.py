@@ -47,5 +47,6 @@ VLLM_ADAPTER_KEYS = frozenset(
         "engine_timeout",
         "store_output_tokens",
         "async_saves",
+        "async_loads",
     }
 )

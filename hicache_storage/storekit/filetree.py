@@ -62,7 +62,9 @@ if TYPE_CHECKING:
 
 __all__ = ["FileTreeCore", "FileTreeOptions", "O", "PayloadMove"]
 
-logger = logging.getLogger(__name__)
+# The store's logger keeps the name it had before the store was split into modules
+# (filetree, filereads, filewrites): operators' logging settings name it.
+logger = logging.getLogger("hicache_storage.storekit.filestore")
 
 #: A read refreshes a file's mtime (its recency after a restart or a re-scan) only when the
 #: mtime is older than this many seconds: one inode update per page per second at most.

@@ -52,6 +52,8 @@ def test_three_hundred_corrupt_reads_give_a_handful_of_warnings(
     assert all(b.get(f"k{i}") is None for i in range(300))
     assert b.get_stats().corrupt_objects == 300  # every one counted
     assert len(warnings_of(caplog)) <= 3, [r.getMessage() for r in warnings_of(caplog)]
+    # The store's warnings keep their logger's name (operators' settings name it).
+    assert {r.name for r in warnings_of(caplog)} == {"hicache_storage.storekit.filestore"}
     b.close()
 
 

@@ -143,6 +143,42 @@ def generate(
     ]
 
 
+def run_streams(llm: Any, streams: list[tuple[list[int], int, int]]) -> list[dict[str, Any]]:
+    """Requests that arrive while others run: ``(prompt, max_tokens, arrival step)`` each.
+
+    Steps vLLM's engine by hand, adding each request at its step. Per request: its
+    output ``tokens``, ``cached`` tokens, and ``times``: when each output token came
+    (``time.perf_counter``), from which inter-token latencies follow.
+    """
+    import time
+
+    from vllm import SamplingParams
+
+    engine_ = llm.llm_engine
+    results: dict[str, dict[str, Any]] = {}
+    step = 0
+    pending = sorted(enumerate(streams), key=lambda x: x[1][2])
+    while pending or engine_.has_unfinished_requests():
+        while pending and pending[0][1][2] <= step:
+            i, (prompt, max_tokens, _) = pending.pop(0)
+            rid = f"stream-{i}-{id(llm)}"
+            results[rid] = {"index": i, "tokens": [], "times": [], "cached": 0}
+            engine_.add_request(
+                rid,
+                {"prompt_token_ids": prompt},
+                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            )
+        for out in engine_.step():
+            r = results[out.request_id]
+            now = time.perf_counter()
+            new = list(out.outputs[0].token_ids)[len(r["tokens"]) :]
+            r["tokens"].extend(new)
+            r["times"].extend([now] * len(new))
+            r["cached"] = int(out.num_cached_tokens or 0)
+        step += 1
+    return sorted(results.values(), key=lambda r: r["index"])
+
+
 def totals(llm: Any, settle: bool = True) -> dict[str, float]:
     """The counters of ``llm``'s connectors, scheduler's and worker's together.
 

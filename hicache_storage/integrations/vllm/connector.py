@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 from hicache_storage.errors import ConfigError
@@ -187,10 +188,23 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if meta is not None and self.connector_worker is not None:
             self.connector_worker.before_step_safely(meta)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        """See :meth:`WorkerSide.get_finished` (finished stores; loads are synchronous)."""
-        done = self._worker().get_finished_safely(self._meta(), set(finished_req_ids or ()))
-        return (done or None), None
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose stores are done (delayed frees) and whose background loads are."""
+        results = self.get_transfer_results(finished_req_ids)
+        return (results.finished_sending or None), (results.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """See :meth:`WorkerSide.get_finished` and :meth:`WorkerSide.finished_loads`.
+
+        A background load that could not be planned is also in ``failed_recving``: vLLM
+        recomputes its request as a whole.
+        """
+        worker = self._worker()
+        sent = worker.get_finished_safely(self._meta(), set(finished_req_ids or ()))
+        loaded, failed = worker.finished_loads_safely()
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=loaded, failed_recving=failed
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """See :meth:`WorkerSide.start_load_kv`."""

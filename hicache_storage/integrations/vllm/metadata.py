@@ -31,6 +31,7 @@ COUNTERS = (
     "load_failed_blocks",
     "load_bytes",
     "load_seconds",
+    "background_loads",
     "save_blocks",
     "save_failed_blocks",
     "save_bytes",
@@ -46,11 +47,18 @@ COUNTERS = (
 
 @dataclass
 class LoadSpec:
-    """Blocks of one request to read from the store before the forward pass."""
+    """Blocks of one request to read from the store.
+
+    Before the forward pass, or with ``background`` while vLLM runs other requests (the
+    request waits for it; the workers report it in ``get_finished``). ``failed``: a
+    background load that could not be planned, reported as failed at once.
+    """
 
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    background: bool = False
+    failed: bool = False
 
 
 @dataclass

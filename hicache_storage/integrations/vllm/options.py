@@ -40,6 +40,12 @@ class ConnectorOptions:
             stores, and a finished request's blocks are freed once its stores have read
             them (or ``engine_timeout`` after it finished); ``False`` stores within the
             step, before vLLM can free the blocks.
+        async_loads: ``True``: a hit is loaded in the background while vLLM runs other
+            requests (the request waits for it; vLLM's ``WAITING_FOR_REMOTE_KVS``);
+            ``False``: loaded before the forward pass of its first step; unset: in the
+            background while other requests run (so a large load never stalls their
+            decoding), else before the forward pass (the lowest TTFT for a lone
+            request), and always before it with tensor parallelism.
     """
 
     model_id: str | None = None
@@ -50,6 +56,7 @@ class ConnectorOptions:
     engine_timeout: float = 5.0
     store_output_tokens: int = 8192
     async_saves: bool = True
+    async_loads: bool | None = None
 
     def __post_init__(self) -> None:
         """Check the options; :class:`ConfigError` says what is allowed."""
@@ -78,10 +85,10 @@ class ConnectorOptions:
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:
         """The options in vLLM's extra config; :class:`ConfigError` says what is allowed."""
-        # (a key given as null, or staging as "", is unset: its default)
+        # (a key given as null, or staging or async_loads as "", is unset: its default)
         given = {
             k: extra[k]
             for k in ADAPTER_KEYS
-            if extra.get(k) is not None and not (k == "staging" and extra[k] == "")
+            if extra.get(k) is not None and not (k in ("staging", "async_loads") and extra[k] == "")
         }
         return parse_options(cls, "vllm-connector", given)

@@ -50,6 +50,7 @@ class _Req:
     computed_from: int = 0  # first block this request computes (after hits and loads)
     done: int | None = None  # tokens computed once the last planned step has run
     saves_sent: bool = False  # a store of its blocks was planned (async: may still read them)
+    background_load: bool = False  # its hit loads while vLLM runs others (async load)
 
 
 class SchedulerSide(ConnectorSide):
@@ -60,6 +61,8 @@ class SchedulerSide(ConnectorSide):
         self._reqs: dict[str, _Req] = {}
         #: Finished requests whose free vLLM delays, for the next step's metadata.
         self._delayed: list[str] = []
+        #: Background loads planned since the last step (their requests wait for them).
+        self._background_loads: list[LoadSpec] = []
         #: One backend per distinct shard: a block is a hit only if every rank's is stored.
         self.lookup_backends: list[HiCacheStorage] = []
         self._lookup_lane = Lane("hicache-vllm-lookup")
@@ -199,12 +202,45 @@ class SchedulerSide(ConnectorSide):
         hit_tokens = min(min(stored, limit) * self.block_size, num_tokens - 1)
         if hit_tokens <= local * self.block_size:
             return 0, False
-        return hit_tokens - local * self.block_size, False
+        state.background_load = self._load_in_background(req_id)
+        return hit_tokens - local * self.block_size, state.background_load
 
-    @failsafe(lambda self, args: None)
+    def _load_in_background(self, req_id: str) -> bool:
+        """Whether a hit loads in the background (see ``async_loads``).
+
+        Unset: when another request is running (its decoding never waits for this load),
+        not for a lone request (loaded before the forward pass, its lowest TTFT), and
+        never with tensor parallelism (the ranks share a step's load failures before
+        anything computed over them is stored: the synchronous path).
+        """
+        choice = self.settings.options.async_loads
+        if choice is not None:
+            return choice
+        if self.settings.tp_size > 1:
+            return False
+        return any(r != req_id and st.done is not None for r, st in self._reqs.items())
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Note the blocks to load for ``request`` (``num_external_tokens`` of them)."""
+        """Note the blocks to load for ``request`` (``num_external_tokens`` of them).
+
+        Never raises. A background load that cannot be planned is sent as failed, so
+        the request (which vLLM holds until its load is reported) is recomputed, never
+        left waiting.
+        """
         state = self._reqs.get(request.request_id)
+        background = state is not None and state.background_load and num_external_tokens > 0
+        try:
+            self._note_load(request, state, blocks, num_external_tokens)
+        except Exception as exc:  # noqa: BLE001 - vLLM's scheduler must not see it
+            self._hook_failed("update_state_after_alloc", exc)
+            if background:
+                self._background_loads.append(
+                    LoadSpec(request.request_id, [], [], background=True, failed=True)
+                )
+
+    def _note_load(
+        self, request: Any, state: _Req | None, blocks: Any, num_external_tokens: int
+    ) -> None:
         if state is None or num_external_tokens <= 0:
             if state is not None:
                 state.load = None
@@ -214,8 +250,17 @@ class SchedulerSide(ConnectorSide):
         # loaded whole (vLLM writes that token's KV over its slot afterwards).
         end = start + -(-int(num_external_tokens) // self.block_size)
         end = min(end, state.stored, len(state.keys))
-        state.load = (start, end)
         state.computed_from = end
+        if state.background_load:
+            # The request is not scheduled until its load is reported: its blocks are
+            # known now, and the load goes to the workers with the next step.
+            ids = list(blocks.get_block_ids()[0])
+            self._background_loads.append(
+                LoadSpec(request.request_id, state.keys[start:end], ids[start:end], True)
+            )
+            state.load = None
+            return
+        state.load = (start, end)
 
     @failsafe(lambda self, args: HiCacheConnectorMetadata())
     def build_connector_meta(self, scheduler_output: Any) -> HiCacheConnectorMetadata:
@@ -246,8 +291,11 @@ class SchedulerSide(ConnectorSide):
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
             self._plan_safely(meta, req_id, state, cached.num_computed_tokens[i], scheduled)
-        # Last, once nothing can raise: a delayed free is announced exactly once.
+        # Last, once nothing can raise: a delayed free and a background load are each
+        # sent exactly once (a request waits for both).
         meta.delayed_frees, self._delayed = self._delayed, []
+        meta.loads.extend(self._background_loads)
+        self._background_loads = []
         return meta
 
     def _plan_safely(

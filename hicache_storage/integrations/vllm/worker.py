@@ -55,6 +55,17 @@ MAX_QUEUED_STORES = 256
 
 
 @dataclass(eq=False)
+class _Load:
+    """A background load: the request waiting for it, and the blocks it writes."""
+
+    req_id: str
+    block_ids: list[int]
+    job: Job[Any] | None = None
+    started: float = field(default_factory=time.monotonic)
+    reported: bool = False  # told to vLLM (done, or cut at its deadline)
+
+
+@dataclass(eq=False)
 class _Store:
     """A store queued or running in the background: what it reads, for whom."""
 
@@ -90,6 +101,12 @@ class WorkerSide(ConnectorSide):
         #: Finished requests whose blocks vLLM keeps for us: request id -> deadline.
         self._awaiting: dict[str, float] = {}
         self._finished_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._loader = Background("hicache-vllm-loader")
+        #: Background loads not reported yet, and the requests whose load is reported
+        #: next (``_recv_failed``: as failed as a whole, so vLLM recomputes them).
+        self._bg_loads: list[_Load] = []
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
 
     # ------------------------------------------------------------------ ConnectorSide
 
@@ -125,7 +142,13 @@ class WorkerSide(ConnectorSide):
         for st in stores:
             if st.job is not None:
                 st.job.cancel()
+        with self._lock:
+            loads = list(self._bg_loads)
+        for ld in loads:
+            if ld.job is not None:
+                ld.job.cancel()
         self._saver.close()
+        self._loader.close()
         super().shutdown()
 
     # ------------------------------------------------------------------ attaching
@@ -201,9 +224,13 @@ class WorkerSide(ConnectorSide):
         is not stored from, nor is anything computed over it (see :meth:`wait_for_save`).
         """
         self._fresh(meta)
-        if not meta.loads:
+        background = [s for s in meta.loads if s.background]
+        if background:
+            self._load_in_background(background)
+        specs = [s for s in meta.loads if not s.background]
+        if not specs:
             return
-        failed, loaded = self._load(meta.loads)
+        failed, loaded = self._load(specs)
         if self.tp_size > 1:
             # A rank's failed block poisons every rank's later KV (the layers mix the
             # heads): each rank learns every rank's failures before anything is stored.
@@ -212,6 +239,116 @@ class WorkerSide(ConnectorSide):
             self._load_errors.update(failed)
             self.tainted.difference_update(loaded - failed)
             self.tainted.update(failed)
+
+    def _load_in_background(self, specs: list[LoadSpec]) -> None:
+        """Queue loads whose requests wait for them (see :meth:`get_finished`).
+
+        Each request's load is a job of its own on the loader thread. A store still to
+        read one of its blocks (freed by a preempted request) is cut first, as for a
+        block handed out afresh. A load cut at ``engine_timeout`` never writes into
+        vLLM's KV again (staged), and its blocks are reported failed.
+        """
+        staged = isinstance(self.pool, StagedKVBlocks)
+        self.count(background_loads=len(specs))
+        self._guard_stores({b for s in specs for b in s.block_ids}, staged)
+        mover = self.mover if self.ready() else None
+        page_bytes = self.pool.page_bytes if self.pool is not None else 0
+        for spec in specs:
+            if spec.failed or not spec.block_ids:
+                with self._lock:
+                    self._recv_done.add(spec.req_id)
+                    if spec.failed:
+                        self._recv_failed.add(spec.req_id)
+                continue
+            ld = _Load(spec.req_id, list(spec.block_ids))
+
+            def load(job: Job[Any], spec: LoadSpec = spec) -> list[bool]:
+                if mover is None or job.cut:
+                    return [False] * len(spec.block_ids)
+                return mover.load(spec.keys, spec.block_ids, job if staged else None)
+
+            def done(job: Job[Any], ld: _Load = ld) -> None:
+                ok = list(job.result) if job.error is None and job.result is not None else []
+                ok += [False] * (len(ld.block_ids) - len(ok))
+                if job.error is not None:
+                    self.count(hook_errors=1)
+                    self._log(
+                        "load",
+                        "HiCacheKVConnector: a load failed (%s); vLLM recomputes",
+                        self.failure(job.error),
+                    )
+                good = sum(ok)
+                self.count(
+                    load_blocks=good,
+                    load_failed_blocks=len(ok) - good,
+                    load_bytes=good * page_bytes,
+                    load_seconds=time.monotonic() - ld.started,
+                )
+                failed = {b for b, x in zip(ld.block_ids, ok, strict=True) if not x}
+                with self._lock:
+                    self._bg_loads.remove(ld)
+                    if not ld.reported:
+                        ld.reported = True
+                        self._settle_load(ld, failed)
+
+            with self._lock:
+                self._bg_loads.append(ld)
+            ld.job = self._loader.submit(load, done)
+
+    def _settle_load(self, ld: _Load, failed: set[int]) -> None:
+        """Report ``ld``'s request as loaded, ``failed`` blocks as load errors (lock held)."""
+        self._load_errors.update(failed)
+        self.tainted.difference_update(set(ld.block_ids) - failed)
+        self.tainted.update(failed)
+        self._recv_done.add(ld.req_id)
+
+    def _guard_stores(self, blocks: set[int], staged: bool) -> None:
+        """No store may still read ``blocks``: cut the staged ones, wait for direct ones."""
+        if not blocks:
+            return
+        with self._lock:
+            hit = [st for st in self._stores if st.blocks & blocks and st.job is not None]
+        for st in hit:
+            assert st.job is not None
+            if staged:
+                st.job.cancel()
+            else:
+                st.job.wait()
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """``(loaded, failed)``: requests whose background load is reported now, once.
+
+        A load still running ``engine_timeout`` after it was queued is cut (it never
+        writes vLLM's KV again) and its blocks are reported failed: vLLM recomputes them.
+        ``failed`` requests are recomputed as a whole.
+        """
+        timeout = self.settings.options.engine_timeout
+        if timeout > 0 and isinstance(self.pool, StagedKVBlocks):
+            now = time.monotonic()
+            with self._lock:
+                late = [
+                    ld for ld in self._bg_loads if not ld.reported and now - ld.started > timeout
+                ]
+            for ld in late:
+                if ld.job is not None:
+                    ld.job.cancel()
+                with self._lock:
+                    cut = not ld.reported
+                    if cut:
+                        ld.reported = True
+                        self._settle_load(ld, set(ld.block_ids))
+                if cut:
+                    self.count(load_timeouts=1)
+                    self._log(
+                        "deadline:load",
+                        "HiCacheKVConnector: a background load took longer than "
+                        "engine_timeout (%g s); vLLM recomputes its blocks",
+                        timeout,
+                    )
+        with self._lock:
+            done, self._recv_done = self._recv_done, set()
+            failed, self._recv_failed = self._recv_failed, set()
+        return done, failed
 
     def _all_ranks_failed(self, failed: set[int], blocks: set[int]) -> set[int]:
         """The union of the TP ranks' failed blocks (every rank has the same loads).
@@ -397,14 +534,19 @@ class WorkerSide(ConnectorSide):
             self._stores.append(st)
         st.job = self._saver.submit(save, done)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every store queued so far has ended; False if ``timeout`` passed first."""
+    def flush(self, timeout: float | None = None, loads: bool = False) -> bool:
+        """Wait for every store queued so far (and background load, with ``loads``) to end.
+
+        False if ``timeout`` passed first.
+        """
         end = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            stores = list(self._stores)
-        for st in stores:
+            jobs = [st.job for st in self._stores]
+            if loads:
+                jobs += [ld.job for ld in self._bg_loads]
+        for job in jobs:
             left = None if end is None else max(0.0, end - time.monotonic())
-            if st.job is not None and not st.job.wait(left):
+            if job is not None and not job.wait(left):
                 return False
         return True
 
@@ -421,6 +563,14 @@ class WorkerSide(ConnectorSide):
                     st.job.cancel()
                     if not isinstance(self.pool, StagedKVBlocks):
                         st.job.wait()
+
+    def finished_loads_safely(self) -> tuple[set[str], set[str]]:
+        """:meth:`finished_loads`; a failure reports nothing this step (never raises)."""
+        try:
+            return self.finished_loads()
+        except Exception as exc:  # noqa: BLE001 - reported again at the next step
+            self._hook_failed("finished_loads", exc)
+            return set(), set()
 
     def get_finished_safely(
         self, meta: HiCacheConnectorMetadata | None, finished_req_ids: set[str]
@@ -439,18 +589,7 @@ class WorkerSide(ConnectorSide):
         another). A staged store still to read one is cut (what it copied is stored, the
         rest dropped and counted as ``save_cut_blocks``); a direct store is waited for.
         """
-        if not meta.fresh_blocks:
-            return
-        fresh = set(meta.fresh_blocks)
-        with self._lock:
-            hit = [st for st in self._stores if st.blocks & fresh and st.job is not None]
-        staged = isinstance(self.pool, StagedKVBlocks)
-        for st in hit:
-            assert st.job is not None
-            if staged:
-                st.job.cancel()
-            else:
-                st.job.wait()
+        self._guard_stores(set(meta.fresh_blocks), isinstance(self.pool, StagedKVBlocks))
 
     def get_finished(
         self, meta: HiCacheConnectorMetadata | None, finished_req_ids: set[str]

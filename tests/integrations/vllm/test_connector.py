@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import vllm_faults
-from vllm_engine import BLOCK, engine, generate, totals
+from vllm_engine import BLOCK, engine, generate, run_streams, totals
 
 WORKERS = Path(__file__).parents[2] / "workers"
 
@@ -131,6 +131,25 @@ def test_a_full_hit_computes_one_token_and_the_output_is_unchanged(
         t = totals(llm)
     assert out["cached"] == 4 * BLOCK - 1 and out["tokens"] == want
     assert t["load_blocks"] == 4 and t["load_failed_blocks"] == 0
+
+
+def test_a_hit_beside_a_running_request_loads_in_the_background(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    """A request whose prefix is stored arrives while another decodes: vLLM runs the
+    other's steps while the load runs, then the request computes one token."""
+    opts = {"root": str(tmp_path / "kv")}
+    with engine(tiny_model, "file", opts) as llm:
+        assert generate(llm, [C])[0]["cached"] == 0  # C stored
+    with engine(tiny_model, None) as llm:
+        want_d = generate(llm, [D], max_tokens=40)[0]["tokens"]
+    with engine(tiny_model, "file", opts) as llm:
+        d, c = run_streams(llm, [(D, 40, 0), (C, 8, 3)])
+        t = totals(llm)
+    assert d["tokens"] == want_d and d["cached"] == 0
+    assert c["tokens"] == expected["C"] and c["cached"] == 2 * BLOCK - 1
+    assert t["background_loads"] == 1 and t["load_blocks"] == 2
+    assert t["load_failed_blocks"] == 0 and t["hook_errors"] == 0
 
 
 def _options(

@@ -79,7 +79,11 @@ def config(base_config: Any, tmp_path: Path) -> Iterator[Any]:
     ktc = base_config.kv_transfer_config
     saved = dict(ktc.kv_connector_extra_config)
     ktc.kv_connector_extra_config.clear()
-    ktc.kv_connector_extra_config.update(backend_name="file", root=str(tmp_path / "kv"))
+    # Loads before the forward pass unless a test asks otherwise (these tests leave
+    # requests unfinished, which the default would count as running beside a new one).
+    ktc.kv_connector_extra_config.update(
+        backend_name="file", root=str(tmp_path / "kv"), async_loads=False
+    )
     yield base_config
     ktc.kv_connector_extra_config.clear()
     ktc.kv_connector_extra_config.update(saved)
@@ -273,6 +277,99 @@ def test_a_full_hit_loads_the_last_block_and_leaves_one_token(config: Any) -> No
     sched.update_state_after_alloc(r, None, BLOCK - 1)
     m = run_step(sched, worker, step([new_req("c", [1, 2, 12], 95)], scheduled={"c": 1}))
     assert [s.block_ids for s in m.loads] == [[12]]
+
+
+class Blocks:
+    """vLLM's ``KVCacheBlocks`` as the connector reads it (group 0's block ids)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def test_a_background_load_is_reported_once_it_has_landed(config: Any) -> None:
+    config.kv_transfer_config.kv_connector_extra_config["async_loads"] = True
+    sched, worker, kv = pair(config, seed=31)
+    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    r = request("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(r, Blocks([5, 6, 7, 8]), 3 * BLOCK)
+    # The next step (b is not in it: vLLM holds it until its load is reported).
+    m = run_step(sched, worker, step())
+    assert [(s.block_ids, s.background) for s in m.loads] == [([5, 6, 7], True)]
+    assert wside(worker).flush(30, loads=True)
+    m = run_step(sched, worker, step())
+    assert worker.get_finished(set()) == (None, None)  # reported once, in the last step
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert all(same(block(kv, b), block(kv, a)) for a, b in ((1, 5), (2, 6), (3, 7)))
+    # Then vLLM schedules b with its 96 tokens computed: nothing more to load or store.
+    m = run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 96)], scheduled={"b": 4}))
+    assert m.loads == [] and m.saves == []
+    assert worker.totals["load_blocks"] == 3
+
+
+def test_background_loads_by_default_only_beside_running_requests(config: Any) -> None:
+    del config.kv_transfer_config.kv_connector_extra_config["async_loads"]  # the default
+    sched, worker, _ = pair(config, seed=32)
+    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    sched.request_finished(request("a", PROMPT), [1, 2, 3, 4])
+    # Alone: loaded before the forward pass (the lowest TTFT).
+    lone = request("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(lone, 0) == (3 * BLOCK, False)
+    sched.update_state_after_alloc(lone, Blocks([5, 6, 7, 8]), 3 * BLOCK)
+    run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 96)], scheduled={"b": 4}))
+    # Beside b, which is decoding: in the background, so b's steps never wait for it.
+    assert sched.get_num_new_matched_tokens(request("c", PROMPT), 0) == (3 * BLOCK, True)
+
+
+def test_a_hung_background_load_is_reported_failed_at_the_deadline(config: Any, hung: Any) -> None:
+    config.kv_transfer_config.kv_connector_extra_config["async_loads"] = True
+    sched, worker, kv = pair(config, seed=33)
+    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    hung.MODE[0] = "hangread"
+    r = request("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(r, Blocks([5, 6, 7, 8]), 3 * BLOCK)
+    m = run_step(sched, worker, step())
+    assert m.loads and worker.get_block_ids_with_load_errors() == set()
+    time.sleep(0.6)
+    meta = sched.build_connector_meta(step())
+    worker.bind_connector_metadata(meta)
+    results = worker.get_transfer_results(set())
+    assert results.finished_recving == {"b"} and not results.failed_recving
+    assert worker.get_block_ids_with_load_errors() == {5, 6, 7}
+    worker.clear_connector_metadata()
+    assert worker.totals["load_timeouts"] == 1
+    for t in kv.values():  # vLLM recomputes the blocks
+        t[5:8].fill_(2.5)
+    recomputed = [block(kv, b) for b in (5, 6, 7)]
+    hung.MODE[0] = "ok"
+    hung.RELEASE.set()
+    assert wside(worker).flush(30, loads=True)
+    assert all(same(block(kv, b), w) for b, w in zip((5, 6, 7), recomputed, strict=True))
+    assert worker.get_finished(set()) == (None, None)  # never reported twice
+
+
+def test_a_background_load_that_cannot_be_planned_fails_its_request(config: Any) -> None:
+    config.kv_transfer_config.kv_connector_extra_config["async_loads"] = True
+    sched, worker, _ = pair(config, seed=34)
+    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    r = request("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(r, object(), 3 * BLOCK)  # (no block ids: a bug)
+    assert sched.totals["hook_errors"] == 1
+    meta = sched.build_connector_meta(step())
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    results = worker.get_transfer_results(set())
+    assert results.finished_recving == {"b"} and results.failed_recving == {"b"}
+    worker.clear_connector_metadata()
 
 
 def test_only_blocks_beyond_vllms_own_hit_are_loaded(config: Any) -> None:
@@ -587,7 +684,8 @@ def test_an_unreachable_store_at_start_costs_misses_until_it_is_back(
         server.stop()
         extra = config.kv_transfer_config.kv_connector_extra_config
         extra.clear()
-        extra.update(backend_name="redis", url=server.url, prefix="down:", connect_timeout=0.5)
+        extra.update(backend_name="redis", url=server.url, prefix="down:", connect_timeout=0.5,
+                     async_loads=False)  # fmt: skip
         sched, worker, _ = pair(config, seed=12)  # vLLM starts
         assert not _attached(sched) and not _attached(worker)
         assert sched.get_num_new_matched_tokens(request("a", PROMPT), 0) == (0, False)
