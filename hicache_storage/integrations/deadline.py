@@ -25,6 +25,7 @@ call that never returns never keeps the process from exiting.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -92,8 +93,11 @@ class Job(Generic[T]):
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, if it waits
             self.error = exc
         finally:
-            if before_done is not None:
-                before_done()
+            try:
+                if before_done is not None:
+                    before_done()
+            except Exception:  # the job still ends, and its thread goes on
+                logging.getLogger(__name__).exception("a job's completion step failed")
             self._done.set()
 
     def _wait(self, timeout: float) -> bool:

@@ -196,7 +196,8 @@ class StagedKVBlocks(_BlockPoolBase):
     layer's block in its logical order, so staged and direct pages of one layout have
     the same bytes. With ``lanes`` > 1 the buffer holds ``rows`` rows per lane, and
     each lane has its own lock: loads and stores in lanes of their own never wait for
-    each other (:class:`KVBlockMover` uses lane 0 for loads, lane 1 for stores).
+    each other (:class:`KVBlockMover` uses lane 0 for loads, lane 1 for stores, and a
+    third lane where the caller asks, for loads in the background).
 
     Args:
         layers: each layer's KV tensor, ``[num_blocks, ...]``, any device and strides.
@@ -384,7 +385,11 @@ class KVBlockMover:
         return self._move("batch_set_v1", list(keys), list(block_ids), job)
 
     def load(
-        self, keys: Sequence[str], block_ids: Sequence[int], job: Job[Any] | None = None
+        self,
+        keys: Sequence[str],
+        block_ids: Sequence[int],
+        job: Job[Any] | None = None,
+        lane: int = 0,
     ) -> list[bool]:
         """Read ``keys`` into engine blocks ``block_ids``; True where a block landed whole.
 
@@ -392,12 +397,18 @@ class KVBlockMover:
         (the vLLM connector reports it as a load error, and vLLM recomputes it). With a
         ``job`` the pool must be staged: each chunk is read into staging rows and copied
         into the engine's blocks inside the job's gate, so a job cut at its deadline never
-        writes into them again; only blocks copied in are True.
+        writes into them again; only blocks copied in are True. ``lane``: the staging lane
+        (loads use lane 0 unless told; a staged pool with fewer lanes uses its last).
         """
-        return self._move("batch_get_v1", list(keys), list(block_ids), job)
+        return self._move("batch_get_v1", list(keys), list(block_ids), job, lane)
 
     def _move(
-        self, op: str, keys: list[str], block_ids: list[int], job: Job[Any] | None
+        self,
+        op: str,
+        keys: list[str],
+        block_ids: list[int],
+        job: Job[Any] | None,
+        load_lane: int = 0,
     ) -> list[bool]:
         if len(keys) != len(block_ids):
             raise HostIndicesError(f"{len(keys)} keys for {len(block_ids)} blocks")
@@ -409,7 +420,7 @@ class KVBlockMover:
             if job is not None:
                 raise ConfigError("a call with a deadline needs a staged pool")
             return [bool(x) for x in call(keys, block_slots(block_ids, pool.page_size))]
-        lane = 1 if op == "batch_set_v1" and pool.lanes > 1 else 0
+        lane = min(1 if op == "batch_set_v1" else load_lane, pool.lanes - 1)
         base = lane * pool.rows
         out = [False] * len(keys)
         with pool.locks[lane]:

@@ -246,3 +246,23 @@ def test_a_lane_is_free_again_when_its_caller_wakes(monkeypatch: pytest.MonkeyPa
     finally:
         lane.close()
     assert outcomes == ["done"] * 5
+
+
+def test_background_jobs_run_in_order_and_survive_a_failing_completion_step() -> None:
+    from hicache_storage.integrations.deadline import Background
+
+    bg = Background("test-background")
+    order: list[int] = []
+
+    def boom(_job: object) -> None:
+        raise RuntimeError("a completion step that fails")
+
+    first = bg.submit(lambda job: order.append(1), on_done=boom)
+    second = bg.submit(lambda job: order.append(2))
+    assert second.wait(10) and first.finished
+    assert order == [1, 2]  # the thread went on after the failing step
+    gate = bg.submit(lambda job: job.cut)
+    assert gate.wait(10) and gate.result is False
+    bg.close()
+    late = bg.submit(lambda job: order.append(3))
+    assert late.finished and late.cut and order == [1, 2]  # refused after close, never run

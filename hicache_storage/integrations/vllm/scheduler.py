@@ -51,6 +51,7 @@ class _Req:
     done: int | None = None  # tokens computed once the last planned step has run
     saves_sent: bool = False  # a store of its blocks was planned (async: may still read them)
     background_load: bool = False  # its hit loads while vLLM runs others (async load)
+    load_pending: bool = False  # a background load was sent; the request not scheduled since
 
 
 class SchedulerSide(ConnectorSide):
@@ -168,6 +169,13 @@ class SchedulerSide(ConnectorSide):
         state.request = request
         state.load = None
         state.done = None
+        # Looked up again while its background load was pending: the load failed (vLLM
+        # went back to zero and freed the blocks). No hit this time, or the same failing
+        # load would come round again; its blocks are computed and stored afresh.
+        retry_failed = state.load_pending
+        state.load_pending = False
+        # Blocks of an earlier life were freed (preemption): no delayed free protects them.
+        state.saves_sent = False
         # A resumed request has output tokens: its blocks are keyed too.
         self._extend_keys(state)
         local = int(num_computed_tokens) // self.block_size
@@ -200,6 +208,9 @@ class SchedulerSide(ConnectorSide):
             )
         state.stored = stored
         hit_tokens = min(min(stored, limit) * self.block_size, num_tokens - 1)
+        if retry_failed:
+            state.stored = local  # (what vLLM recomputes is stored again)
+            return 0, False
         if hit_tokens <= local * self.block_size:
             return 0, False
         state.background_load = self._load_in_background(req_id)
@@ -259,44 +270,70 @@ class SchedulerSide(ConnectorSide):
                 LoadSpec(request.request_id, state.keys[start:end], ids[start:end], True)
             )
             state.load = None
+            state.load_pending = True
             return
         state.load = (start, end)
 
-    @failsafe(lambda self, args: HiCacheConnectorMetadata())
     def build_connector_meta(self, scheduler_output: Any) -> HiCacheConnectorMetadata:
-        """The step's loads (blocks promised to vLLM) and saves (full blocks computed now)."""
+        """The step's loads (blocks promised to vLLM) and saves (full blocks computed now).
+
+        Never raises. A request whose part fails is planned no further (its stores are
+        lost), but a load vLLM already counts as computed is still sent.
+        """
         meta = HiCacheConnectorMetadata()
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            # Blocks past what the request already has computed are its own, afresh.
-            meta.fresh_blocks.extend(new.block_ids[0][new.num_computed_tokens // self.block_size :])
-            state = self._reqs.get(new.req_id)
-            if state is not None:
-                state.block_ids = list(new.block_ids[0])
-                self._plan_safely(meta, new.req_id, state, new.num_computed_tokens, scheduled)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            if new_ids is not None:
-                fresh = list(new_ids[0])
-                if req_id in cached.resumed_req_ids:
-                    fresh = fresh[cached.num_computed_tokens[i] // self.block_size :]
-                meta.fresh_blocks.extend(fresh)
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            state = self._reqs.get(str(getattr(new, "req_id", "")))
+            try:
+                # Blocks past what the request already has computed are its own, afresh.
+                ids = list(new.block_ids[0])
+                meta.fresh_blocks.extend(ids[new.num_computed_tokens // self.block_size :])
+                if state is not None:
+                    state.load_pending = False  # scheduled: a background load (if any) landed
+                    state.block_ids = ids
+                    self._plan_safely(meta, new.req_id, state, new.num_computed_tokens, scheduled)
+            except Exception as exc:  # noqa: BLE001 - vLLM's scheduler must not see it
+                self._request_failed(meta, getattr(new, "req_id", None), state, exc)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        for i, req_id in enumerate(getattr(cached, "req_ids", None) or ()):
             state = self._reqs.get(req_id)
-            if state is None:
-                continue
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids is not None else []
-                state.done = None
-            elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
-            self._plan_safely(meta, req_id, state, cached.num_computed_tokens[i], scheduled)
+            try:
+                assert cached is not None
+                new_ids = cached.new_block_ids[i]
+                if new_ids is not None:
+                    fresh = list(new_ids[0])
+                    if req_id in cached.resumed_req_ids:
+                        fresh = fresh[cached.num_computed_tokens[i] // self.block_size :]
+                    meta.fresh_blocks.extend(fresh)
+                if state is None:
+                    continue
+                if req_id in cached.resumed_req_ids:
+                    state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                    state.done = None
+                elif new_ids is not None:
+                    state.block_ids.extend(new_ids[0])
+                self._plan_safely(meta, req_id, state, cached.num_computed_tokens[i], scheduled)
+            except Exception as exc:  # noqa: BLE001 - vLLM's scheduler must not see it
+                self._request_failed(meta, req_id, state, exc)
         # Last, once nothing can raise: a delayed free and a background load are each
         # sent exactly once (a request waits for both).
         meta.delayed_frees, self._delayed = self._delayed, []
         meta.loads.extend(self._background_loads)
         self._background_loads = []
         return meta
+
+    def _request_failed(
+        self, meta: HiCacheConnectorMetadata, req_id: Any, state: _Req | None, exc: Exception
+    ) -> None:
+        """One request's part of the step failed: send its promised load, forget it."""
+        self._hook_failed("build_connector_meta", exc)
+        if state is None:
+            return
+        try:
+            self._send_load(meta, str(req_id), state)
+        except Exception:  # noqa: BLE001, S110 - nothing more can be done for it
+            pass
+        self._reqs.pop(req_id, None)
 
     def _plan_safely(
         self,
@@ -381,6 +418,10 @@ class SchedulerSide(ConnectorSide):
         """
         req_id = request.request_id
         state = self._reqs.pop(req_id, None)
+        if state is not None and state.load_pending:
+            # Finished (aborted) while its background load runs: vLLM itself keeps the
+            # blocks until the load is reported; a second delay would report it twice.
+            return False, None
         if state is not None and state.saves_sent and self.settings.options.async_saves:
             self._delayed.append(req_id)
             return True, None

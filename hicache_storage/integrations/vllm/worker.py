@@ -49,6 +49,8 @@ __all__ = ["WorkerSide"]
 
 #: Finished request ids remembered, to report a delayed free only once vLLM told of it.
 _RECENT_FINISHED = 4096
+#: The staging lane of background loads (0: loads before the forward pass, 1: stores).
+BACKGROUND_LANE = 2
 #: Stores queued at most (one per step): past it the store is behind (hung or slower
 #: than vLLM), and a step's stores are dropped (counted as ``save_timeouts``).
 MAX_QUEUED_STORES = 256
@@ -61,7 +63,8 @@ class _Load:
     req_id: str
     block_ids: list[int]
     job: Job[Any] | None = None
-    started: float = field(default_factory=time.monotonic)
+    queued: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when the loader thread took it (its deadline counts)
     reported: bool = False  # told to vLLM (done, or cut at its deadline)
 
 
@@ -99,7 +102,7 @@ class WorkerSide(ConnectorSide):
         #: Stores not finished yet (this thread adds, the background thread removes).
         self._stores: list[_Store] = []
         #: Finished requests whose blocks vLLM keeps for us: request id -> deadline.
-        self._awaiting: dict[str, float] = {}
+        self._awaiting: dict[str, list[Any]] = {}  # request id -> [deadline, seen]
         self._finished_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._loader = Background("hicache-vllm-loader")
         #: Background loads not reported yet, and the requests whose load is reported
@@ -200,14 +203,20 @@ class WorkerSide(ConnectorSide):
                     f"layer {n}'s KV is {t.dtype}, the namespace's {self.settings.namespace.dtype}"
                 )
         opts = self.settings.options
-        # With a deadline, loads and stores each move through a staging lane of their own,
-        # so that a call cut at its deadline never touches vLLM's KV again.
+        # With a deadline, loads and stores move through staging (a call cut at its
+        # deadline never touches vLLM's KV again). A staged pool has a lane each for
+        # loads before the forward pass, stores and background loads: none waits for
+        # another's I/O.
+        direct_ok = all(t.device.type == "cpu" and t[0].is_contiguous() for t in layers)
+        staged = (
+            opts.staging if opts.staging is not None else (opts.engine_timeout > 0 or not direct_ok)
+        )
         self.pool = kv_blocks(
             layers,
             self.block_size,
             staging_rows=opts.staging_blocks,
-            staged=opts.staging,
-            lanes=2 if opts.engine_timeout > 0 else 1,
+            staged=staged,
+            lanes=BACKGROUND_LANE + 1 if staged else 1,
         )
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -230,6 +239,11 @@ class WorkerSide(ConnectorSide):
         specs = [s for s in meta.loads if not s.background]
         if not specs:
             return
+        # A store still queued may read these blocks (freed by a preempted request, and
+        # not "fresh": vLLM counts a loaded block as computed): cut it first.
+        self._guard_stores(
+            {b for s in specs for b in s.block_ids}, isinstance(self.pool, StagedKVBlocks)
+        )
         failed, loaded = self._load(specs)
         if self.tp_size > 1:
             # A rank's failed block poisons every rank's later KV (the layers mix the
@@ -262,10 +276,13 @@ class WorkerSide(ConnectorSide):
                 continue
             ld = _Load(spec.req_id, list(spec.block_ids))
 
-            def load(job: Job[Any], spec: LoadSpec = spec) -> list[bool]:
+            def load(job: Job[Any], spec: LoadSpec = spec, ld: _Load = ld) -> list[bool]:
+                ld.started = time.monotonic()
                 if mover is None or job.cut:
                     return [False] * len(spec.block_ids)
-                return mover.load(spec.keys, spec.block_ids, job if staged else None)
+                if not staged:
+                    return mover.load(spec.keys, spec.block_ids, None)
+                return mover.load(spec.keys, spec.block_ids, job, lane=BACKGROUND_LANE)
 
             def done(job: Job[Any], ld: _Load = ld) -> None:
                 ok = list(job.result) if job.error is None and job.result is not None else []
@@ -282,7 +299,7 @@ class WorkerSide(ConnectorSide):
                     load_blocks=good,
                     load_failed_blocks=len(ok) - good,
                     load_bytes=good * page_bytes,
-                    load_seconds=time.monotonic() - ld.started,
+                    load_seconds=time.monotonic() - ld.queued,
                 )
                 failed = {b for b, x in zip(ld.block_ids, ok, strict=True) if not x}
                 with self._lock:
@@ -318,17 +335,18 @@ class WorkerSide(ConnectorSide):
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """``(loaded, failed)``: requests whose background load is reported now, once.
 
-        A load still running ``engine_timeout`` after it was queued is cut (it never
-        writes vLLM's KV again) and its blocks are reported failed: vLLM recomputes them.
-        ``failed`` requests are recomputed as a whole.
+        A load still running ``engine_timeout`` after the loader thread took it is cut
+        (it never writes vLLM's KV again) and its blocks are reported failed: vLLM
+        recomputes them; so are the loads queued behind it, which would wait for a store
+        that hangs. ``failed`` requests are recomputed as a whole.
         """
         timeout = self.settings.options.engine_timeout
         if timeout > 0 and isinstance(self.pool, StagedKVBlocks):
             now = time.monotonic()
             with self._lock:
-                late = [
-                    ld for ld in self._bg_loads if not ld.reported and now - ld.started > timeout
-                ]
+                waiting = [ld for ld in self._bg_loads if not ld.reported]
+                stuck = any(ld.started is not None and now - ld.started > timeout for ld in waiting)
+                late = waiting if stuck else []
             for ld in late:
                 if ld.job is not None:
                     ld.job.cancel()
@@ -601,15 +619,23 @@ class WorkerSide(ConnectorSide):
         running, or ``engine_timeout`` after it finished (its stores are cut then: they
         never read vLLM's KV again), it is reported, once.
         """
+        # vLLM names a finished request in finished_req_ids in the step whose metadata
+        # announces its delayed free; either may come first, and each is remembered.
         for r in finished_req_ids:
-            self._finished_ids[r] = None
+            if r in self._awaiting:
+                self._awaiting[r][1] = True
+            else:
+                self._finished_ids[r] = None
         while len(self._finished_ids) > _RECENT_FINISHED:
             self._finished_ids.popitem(last=False)
         now = time.monotonic()
         timeout = self.settings.options.engine_timeout
         staged = isinstance(self.pool, StagedKVBlocks)
         for r in meta.delayed_frees if meta is not None else ():
-            self._awaiting.setdefault(r, now + timeout if timeout > 0 else math.inf)
+            if r not in self._awaiting:
+                seen = r in self._finished_ids
+                self._finished_ids.pop(r, None)
+                self._awaiting[r] = [now + timeout if timeout > 0 else math.inf, seen]
         if not self._awaiting:
             return set()
         with self._lock:
@@ -618,8 +644,8 @@ class WorkerSide(ConnectorSide):
                 for r in st.req_ids:
                     busy.setdefault(r, []).append(st)
         out = set()
-        for r, deadline in list(self._awaiting.items()):
-            if r not in self._finished_ids:
+        for r, (deadline, seen) in list(self._awaiting.items()):
+            if not seen:
                 continue
             stores = busy.get(r)
             if stores and now >= deadline and staged:
@@ -637,7 +663,6 @@ class WorkerSide(ConnectorSide):
             if not stores:
                 out.add(r)
                 del self._awaiting[r]
-                self._finished_ids.pop(r, None)
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:

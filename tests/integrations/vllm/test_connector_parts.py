@@ -372,6 +372,120 @@ def test_a_background_load_that_cannot_be_planned_fails_its_request(config: Any)
     worker.clear_connector_metadata()
 
 
+def test_a_request_aborted_during_its_background_load_is_reported_once(
+    config: Any, hung: Any
+) -> None:
+    """vLLM keeps the blocks of a request whose load is in flight until it is reported
+    loaded; the connector must not delay its free too (vLLM would meet its id twice)."""
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    extra.update(async_loads=True, engine_timeout=30)
+    sched, worker, _ = pair(config, seed=41)
+    r = request("p", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    run_step(sched, worker, step([new_req("p", [1, 2, 3, 4], 0)], scheduled={"p": 100}))
+    # Preempted, looked up again: its own blocks hit, loaded in the background (slowly).
+    hung.MODE[0] = "hangread"
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(r, Blocks([10, 11, 12]), 3 * BLOCK)
+    m = run_step(sched, worker, step(), flush=False)
+    assert m.loads and m.sent is None
+    assert sched.request_finished(r, [10, 11, 12]) == (False, None)  # aborted: vLLM waits
+    m = run_step(sched, worker, step(), finished={"p"}, flush=False)
+    assert m.delayed_frees == [] and m.sent is None
+    hung.MODE[0] = "ok"
+    hung.RELEASE.set()
+    assert wside(worker).flush(30, loads=True)
+    meta = sched.build_connector_meta(step())
+    worker.bind_connector_metadata(meta)
+    results = worker.get_transfer_results(set())
+    assert results.finished_recving == {"p"} and not results.finished_sending
+    worker.clear_connector_metadata()
+
+
+def test_a_load_into_blocks_a_queued_store_still_reads_cuts_that_store(
+    config: Any, hung: Any
+) -> None:
+    """p's store waits behind a slow one; p is preempted and its blocks go to y, whose
+    stored prefix loads into them before the forward pass: p's store must not store y's
+    KV under p's keys."""
+    sched, worker, kv = pair(config, seed=42)
+    y_prompt = list(range(300, 400))
+    sched.get_num_new_matched_tokens(request("y0", y_prompt), 0)
+    run_step(sched, worker, step([new_req("y0", [1, 2, 3, 4], 0)], scheduled={"y0": 100}))
+    hung.MODE[0] = "hangwrite"
+    sched.get_num_new_matched_tokens(request("s", list(range(500, 600))), 0)
+    run_step(sched, worker, step([new_req("s", [5, 6, 7, 8], 0)], scheduled={"s": 100}),
+             flush=False)  # fmt: skip
+    sched.get_num_new_matched_tokens(request("p", PROMPT), 0)
+    run_step(sched, worker, step([new_req("p", [10, 11, 12, 13], 0)], scheduled={"p": 100}),
+             flush=False)  # fmt: skip
+    y = request("y", y_prompt)
+    assert sched.get_num_new_matched_tokens(y, 0) == (3 * BLOCK, False)
+    sched.update_state_after_alloc(y, None, 3 * BLOCK)
+    m = run_step(sched, worker, step([new_req("y", [10, 11, 12, 14], 96)], scheduled={"y": 4}),
+                 flush=False)  # fmt: skip
+    assert 10 not in m.fresh_blocks  # (vLLM counts loaded blocks as computed)
+    assert same(block(kv, 10), block(kv, 1))  # y's KV is in block 10 now
+    hung.MODE[0] = "ok"
+    hung.RELEASE.set()
+    assert wside(worker).flush(30)
+    assert worker.totals["save_cut_blocks"] == 3  # p's store: cut before it read
+    assert sched.get_num_new_matched_tokens(request("q", PROMPT), 0) == (0, False)
+
+
+def test_a_hung_background_load_never_holds_up_a_load_before_the_forward_pass(
+    config: Any, hung: Any
+) -> None:
+    config.kv_transfer_config.kv_connector_extra_config["async_loads"] = True
+    sched, worker, kv = pair(config, seed=43)
+    other = list(range(300, 400))
+    for rid, prompt, blocks in (("a0", PROMPT, [1, 2, 3, 4]), ("c0", other, [5, 6, 7, 8])):
+        sched.get_num_new_matched_tokens(request(rid, prompt), 0)
+        run_step(sched, worker, step([new_req(rid, blocks, 0)], scheduled={rid: 100}))
+    hung.MODE[0] = "hangread"
+    a = request("a", PROMPT)
+    assert sched.get_num_new_matched_tokens(a, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(a, Blocks([10, 11, 12, 13]), 3 * BLOCK)
+    run_step(sched, worker, step(), flush=False)  # a's load hangs in the background
+    time.sleep(0.1)
+    hung.MODE[0] = "ok"  # the store answers again (a's read is still out)
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    extra["async_loads"] = False
+    sched2 = HiCacheKVConnector(config, SCHED, kv_config())  # loads before the pass
+    c = request("c", other)
+    assert sched2.get_num_new_matched_tokens(c, 0) == (3 * BLOCK, False)
+    sched2.update_state_after_alloc(c, None, 3 * BLOCK)
+    run_step(sched2, worker, step([new_req("c", [20, 21, 22, 23], 96)], scheduled={"c": 4}))
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert all(same(block(kv, b), block(kv, a_)) for a_, b in ((5, 20), (6, 21), (7, 22)))
+    hung.RELEASE.set()
+    assert wside(worker).flush(30, loads=True)
+    sched2.shutdown()
+
+
+def test_a_request_whose_background_load_failed_is_not_offered_it_again(
+    config: Any, hung: Any
+) -> None:
+    """vLLM sends a request whose background load failed back to the lookup: the same
+    failing load must not come round again (it would loop)."""
+    config.kv_transfer_config.kv_connector_extra_config["async_loads"] = True
+    sched, worker, _ = pair(config, seed=44)
+    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
+    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    hung.MODE[0] = "torn"
+    r = request("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, True)
+    sched.update_state_after_alloc(r, Blocks([5, 6, 7, 8]), 3 * BLOCK)
+    run_step(sched, worker, step(), flush=False)
+    assert wside(worker).flush(30, loads=True)
+    run_step(sched, worker, step())
+    assert worker.get_block_ids_with_load_errors()  # vLLM goes back to zero, looks up again
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    # Computed afresh: its blocks are stored again (the store had them; no harm).
+    m = run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 0)], scheduled={"b": 100}))
+    assert [s.block_ids for s in m.saves] == [[5, 6, 7]]
+
+
 def test_only_blocks_beyond_vllms_own_hit_are_loaded(config: Any) -> None:
     sched, worker, kv = pair(config, seed=2)
     first = request("a", PROMPT)
@@ -980,7 +1094,10 @@ def test_connector_options_are_checked(config: Any) -> None:
     worker = HiCacheKVConnector(config, WORKER, kv_config())
     worker.register_kv_caches(kv_tensors(1))
     assert type(wside(worker).pool).__name__ == "StagedKVBlocks"
-    assert (wside(worker).pool.rows, wside(worker).pool.lanes) == (3, 2)
+    assert (wside(worker).pool.rows, wside(worker).pool.lanes) == (
+        3,
+        3,
+    )  # loads, stores, background loads
     worker.shutdown()
 
 
