@@ -6,7 +6,7 @@ it; ``preadv``/``pwritev`` then walk 512 times fewer pages per 2 MiB object. Onl
 operator can choose this (mounting needs root; an unprivileged process can neither
 remount ``/dev/shm`` nor reserve hugetlb pages, and ``madvise(MADV_HUGEPAGE)`` applies
 to mappings, which ``shm`` does not use). This run mounts a tmpfs with
-``huge=within_size`` in a temporary directory (as root; or give ``--huge-root``, a
+``huge=within_size`` (``--huge``) in a temporary directory (as root; or give ``--huge-root``, a
 directory on such a mount) and moves the same 2 MiB pages (``BenchShape``, bf16,
 ``page_first``) through ``ShmBackend`` v1 on both, rounds alternating; medians in GB/s.
 
@@ -34,12 +34,12 @@ from hicache_storage.benchkit import BenchShape, fill_random, namespace_for, ver
 
 
 @contextlib.contextmanager
-def huge_tmpfs(size_mib: int) -> Iterator[str]:
-    """A tmpfs mounted with ``huge=within_size`` in a temporary directory (root only)."""
+def huge_tmpfs(size_mib: int, mode: str) -> Iterator[str]:
+    """A tmpfs mounted with ``huge=<mode>`` in a temporary directory (root only)."""
     where = tempfile.mkdtemp(prefix="hicache-huge-")
     try:
         subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,huge=within_size,mode=0700",
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,huge={mode},mode=0700",
              "tmpfs", where],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
@@ -59,6 +59,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pages", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--huge",
+        default="always",
+        choices=["always", "within_size", "advise"],
+        help="the huge= option of the tmpfs this run mounts",
+    )
     p.add_argument("--huge-root", help="a directory on a tmpfs mounted with huge pages")
     args = p.parse_args()
 
@@ -72,10 +78,11 @@ def main() -> int:
     size_mib = 2 * nbytes // (1 << 20) + 64
 
     with contextlib.ExitStack() as stack:
-        huge = args.huge_root or stack.enter_context(huge_tmpfs(size_mib))
+        huge = args.huge_root or stack.enter_context(huge_tmpfs(size_mib, args.huge))
+        label = "--huge-root" if args.huge_root else f"tmpfs huge={args.huge}"
         roots = {
             "/dev/shm (default mount)": f"/dev/shm/hicache-hp-{secrets.token_hex(4)}",
-            "tmpfs huge=within_size": os.path.join(huge, "kv"),
+            label: os.path.join(huge, "kv"),
         }
         times: dict[str, list[tuple[float, float]]] = {k: [] for k in roots}
         try:

@@ -71,8 +71,6 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 PAGE = 4096
-#: madvise(2) advice that maps a range's pages in one call (Linux 5.14; absent from mmap).
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 # magic, version, flags, unit, slab_size, table_off, data_off, nonce, nslabs, slab_off;
 # a CRC-32 follows
 _SUPER = struct.Struct("<8sIIQQQQQQQ")
@@ -281,9 +279,6 @@ class Arena:
         )
         # The class of an object of n units (1 <= n <= units).
         self.class_of = [min(size_class(n), self.units) for n in range(self.units + 1)]
-        # Slots whose page-table entries this process has populated (see populate()).
-        self._populated = bytearray(self.nslots)
-        self._can_populate = True
 
     @staticmethod
     def _create(path: str, capacity: int, slab_size: int, prefault: bool, row_size: int) -> int:
@@ -344,25 +339,6 @@ class Arena:
 
     def slot_addr(self, slot: int) -> int:
         return int(self.base + self.data_off + slot * self.unit)
-
-    def populate(self, slot: int, length: int) -> None:
-        """Map a slot's pages into this process once, in one call, before it is read.
-
-        An arena another process filled is in the page cache, but this mapping has no
-        page-table entries for it: each first touch of a 4 KiB page would fault (a new
-        process read at about half the writer's speed). ``MADV_POPULATE_READ`` (Linux
-        5.14) maps the whole slot in one system call; the entries stay for the mapping's
-        life, as slots are rewritten in place. On an older kernel this does nothing.
-        """
-        if self._populated[slot] or not self._can_populate:
-            return
-        start = self.data_off + slot * self.unit
-        try:
-            madvise(self.map, MADV_POPULATE_READ, start, _round_up(length, mmap.PAGESIZE))
-        except OSError:  # EINVAL: a kernel without it; the faults are only slower
-            self._can_populate = False
-            return
-        self._populated[slot] = 1
 
     def slot_view(self, slot: int, length: int) -> memoryview:
         start = self.data_off + slot * self.unit
@@ -438,16 +414,10 @@ def copy_in(
     _copy(arena, slot, views, ptrs, into_slot=True)
 
 
-def madvise(region: mmap.mmap, advice: int, start: int, length: int) -> None:
-    """``madvise(2)`` on part of a mapping (one place, so a test can watch the calls)."""
-    region.madvise(advice, start, length)
-
-
 def copy_out(
     arena: Arena, slot: int, views: Sequence[memoryview], ptrs: Sequence[int] | None
 ) -> None:
     """Copy a slot into a target's views."""
-    arena.populate(slot, sum(v.nbytes for v in views))
     _copy(arena, slot, views, ptrs, into_slot=False)
 
 

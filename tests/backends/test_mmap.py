@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -744,43 +743,3 @@ def test_checksum_options_are_coherent(
     off._arena.slot_view(entry.slot, entry.length)[0] ^= 0x10
     got = unchecked.get("k")  # no checksum to check: served, as documented
     assert got is not None and bytes(got.numpy()) != value(1, 5000)
-
-
-def test_a_new_mapping_populates_each_slot_once_before_its_first_read(
-    arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A reader that did not write the arena maps a slot in one call, then only copies."""
-    from hicache_storage.backends._mmap import arena as arena_mod
-
-    writer = arena(max_size="16MiB", slot_size="256KiB")
-    data = {f"k{i}": bytes([i]) * (200_000 + i) for i in range(4)}
-    assert writer.batch_set(list(data), list(data.values())) == [True] * 4
-    reader = arena()  # a mapping of its own, with no page-table entries yet
-    calls: list[tuple[int, int, int]] = []
-    real = arena_mod.madvise
-
-    def spy(region: Any, advice: int, start: int, length: int) -> None:
-        calls.append((advice, start, length))
-        real(region, advice, start, length)
-
-    monkeypatch.setattr(arena_mod, "madvise", spy)
-    for _ in range(2):
-        for k, v in data.items():
-            assert bytes(reader.get(k).numpy()) == v
-    populate = [c for c in calls if c[0] == arena_mod.MADV_POPULATE_READ]
-    assert len(populate) == 4  # once per slot, not per read
-    assert len({start for _, start, _ in populate}) == 4
-    assert all(start % 4096 == 0 and length >= 200_000 for _, start, length in populate)
-
-
-def test_a_kernel_without_populate_still_reads_every_byte(
-    arena: Callable[..., MmapBackend], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from hicache_storage.backends._mmap import arena as arena_mod
-
-    monkeypatch.setattr(arena_mod, "MADV_POPULATE_READ", 0x7FFF)  # EINVAL, as before 5.14
-    writer = arena(max_size="16MiB", slot_size="64KiB")
-    assert writer.set("k", b"\x05" * 50_000)
-    reader = arena()
-    assert bytes(reader.get("k").numpy()) == b"\x05" * 50_000
-    assert reader._arena is not None and not reader._arena._can_populate
