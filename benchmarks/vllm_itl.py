@@ -27,7 +27,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -58,20 +57,9 @@ def run_engine(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spawn(plan: dict[str, Any]) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(plan, f)
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--engine", f.name],
-            capture_output=True, text=True, timeout=1800, check=False,
-        )  # fmt: skip
-    finally:
-        os.unlink(f.name)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"engine process failed:\n{proc.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
-    return result
+    from vllm_ttft import spawn_engine
+
+    return spawn_engine(__file__, plan)
 
 
 def _itls(streams: list[dict[str, Any]], n: int) -> list[float]:
@@ -100,6 +88,9 @@ def main() -> int:
         print("RESULT " + json.dumps(run_engine(json.loads(Path(args.engine).read_text()))))
         return 0
 
+    if args.decode <= ARRIVAL + 4:
+        raise SystemExit(f"--decode must exceed {ARRIVAL + 4}: the requests must still run "
+                         "when the long one arrives")  # fmt: skip
     from vllm_ttft import build_model
 
     long = [10 + (i * 7) % 980 for i in range(args.tokens)]

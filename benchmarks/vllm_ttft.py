@@ -101,12 +101,13 @@ def run_engine(plan: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _spawn(plan: dict[str, Any]) -> dict[str, Any]:
+def spawn_engine(script: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """Run ``script --engine PLAN`` in a new process; its ``RESULT`` line, parsed."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(plan, f)
     try:
         proc = subprocess.run(
-            [sys.executable, __file__, "--engine", f.name],
+            [sys.executable, script, "--engine", f.name],
             capture_output=True, text=True, timeout=1800, check=False,
         )  # fmt: skip
     finally:
@@ -116,6 +117,10 @@ def _spawn(plan: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit(f"engine process failed:\n{proc.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
     return result
+
+
+def _spawn(plan: dict[str, Any]) -> dict[str, Any]:
+    return spawn_engine(__file__, plan)
 
 
 def _location(backend: str, root: Path) -> dict[str, Any]:
