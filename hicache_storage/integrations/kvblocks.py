@@ -373,16 +373,21 @@ class KVBlockMover:
         return cls(backend, pool)
 
     def save(
-        self, keys: Sequence[str], block_ids: Sequence[int], job: Job[Any] | None = None
+        self,
+        keys: Sequence[str],
+        block_ids: Sequence[int],
+        job: Job[Any] | None = None,
+        lane: int = 1,
     ) -> list[bool]:
         """Store engine blocks ``block_ids`` under ``keys`` (one key per block).
 
         With a ``job`` (a call run on a :class:`~hicache_storage.integrations.deadline.Lane`)
         the pool must be staged: each chunk is copied from the engine's blocks inside the
         job's gate, so once the job is cut nothing more is read from them; what was
-        copied is still stored.
+        copied is still stored. ``lane``: the staging lane (stores use lane 1 unless told;
+        a staged pool with fewer lanes uses its last).
         """
-        return self._move("batch_set_v1", list(keys), list(block_ids), job)
+        return self._move("batch_set_v1", list(keys), list(block_ids), job, lane)
 
     def load(
         self,
@@ -408,7 +413,7 @@ class KVBlockMover:
         keys: list[str],
         block_ids: list[int],
         job: Job[Any] | None,
-        load_lane: int = 0,
+        lane: int = 0,
     ) -> list[bool]:
         if len(keys) != len(block_ids):
             raise HostIndicesError(f"{len(keys)} keys for {len(block_ids)} blocks")
@@ -420,7 +425,7 @@ class KVBlockMover:
             if job is not None:
                 raise ConfigError("a call with a deadline needs a staged pool")
             return [bool(x) for x in call(keys, block_slots(block_ids, pool.page_size))]
-        lane = min(1 if op == "batch_set_v1" else load_lane, pool.lanes - 1)
+        lane = min(lane, pool.lanes - 1)
         base = lane * pool.rows
         out = [False] * len(keys)
         with pool.locks[lane]:

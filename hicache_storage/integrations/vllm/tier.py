@@ -14,7 +14,8 @@ the registry knows, loaded by module path, with no change to vLLM::
 
 Every key of the tier's entry other than ``type``, ``module_path``, ``backpressure``
 and the tier's own options (``model_id``, ``tenant``, ``weights_fingerprint``,
-``engine_timeout``) is the backend's option, as in the connector.
+``engine_timeout``, ``io_jobs``: jobs in flight at once per direction, default 4) is the
+backend's option, as in the connector.
 
 **What it guarantees.** A chunk is one stored object (the backend's atomic publication
 and checksums); a chunk that did not load whole (missing, damaged, a store error) makes
@@ -67,15 +68,20 @@ __all__ = ["HiCacheTier"]
 
 #: Seconds a lookup's answer is reused before the store is asked again.
 LOOKUP_TTL = 2.0
+#: Chunks a job thread's staging lane holds (a job moves in pieces of this many).
+STAGING_ROWS = 4
 
 
 class _Options:
-    """The tier's own option besides the namespace's (``engine_timeout``), checked."""
+    """The tier's own options besides the namespace's, checked."""
 
-    def __init__(self, engine_timeout: float = 5.0) -> None:
+    def __init__(self, engine_timeout: float = 5.0, io_jobs: int = 4) -> None:
         if not 0 <= float(engine_timeout) <= threading.TIMEOUT_MAX:
             raise ConfigError(f"engine_timeout={engine_timeout} must be from 0 (no deadline)")
+        if not isinstance(io_jobs, int) or not 1 <= io_jobs <= 64:
+            raise ConfigError(f"io_jobs={io_jobs!r} must be a whole number from 1 to 64")
         self.engine_timeout = float(engine_timeout)
+        self.io_jobs = io_jobs
 
 
 class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
@@ -94,10 +100,11 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
         tenant: str = "",
         weights_fingerprint: str = "",
         engine_timeout: float = 5.0,
+        io_jobs: int = 4,
         **backend_options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.options = _Options(engine_timeout)
+        self.options = _Options(engine_timeout, io_jobs)
         config = offloading_spec.config
         if len(config.groups) != 1:
             raise ConfigError(
@@ -116,7 +123,15 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
         flat = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8)
         chunks = flat.view(self.num_chunks, self.chunk_bytes)
         staged = self.options.engine_timeout > 0
-        pool = kv_blocks([chunks], self.tokens_per_chunk, staged=staged, lanes=2 if staged else 1)
+        n = self.options.io_jobs
+        # Staged: a lane of rows for each job thread (loads 0..n-1, stores n..2n-1).
+        pool = kv_blocks(
+            [chunks],
+            self.tokens_per_chunk,
+            staging_rows=STAGING_ROWS,
+            staged=staged,
+            lanes=2 * n if staged else 1,
+        )
         pool.dtype = self.namespace.dtype  # (the bytes are KV of this dtype, seen as bytes)
         self.backend = create_backend(
             backend_name, StorageConfig(namespace=self.namespace, extra_config=backend_options)
@@ -127,8 +142,9 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
             self.backend.close()
             raise
         self._lock = threading.Lock()
-        self._stores = Background("hicache-tier-store")
-        self._loads = Background("hicache-tier-load")
+        self._stores = [Background(f"hicache-tier-store-{i}") for i in range(n)]
+        self._loads = [Background(f"hicache-tier-load-{i}") for i in range(n)]
+        self._turn = 0
         self._lookups = Background("hicache-tier-lookup")
         #: Jobs not reported yet: job id -> [its Job, the TransferJob, [when it started]].
         self._jobs: dict[int, list[Any]] = {}
@@ -191,14 +207,18 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
         staged = self.options.engine_timeout > 0
         started: list[float] = []  # when the thread took it (its deadline counts from then)
 
+        n = self.options.io_jobs
+        self._turn = (self._turn + 1) % n
+        thread = self._turn
+
         def run(job: Job[Any]) -> list[bool]:
             started.append(time.monotonic())
             if len(keys) != len(ids) or job.cut:
                 return [False] * len(keys)
             gate = job if staged else None
             if store:
-                return self.mover.save(keys, ids, gate)
-            return self.mover.load(keys, ids, gate)
+                return self.mover.save(keys, ids, gate, lane=n + thread)
+            return self.mover.load(keys, ids, gate, lane=thread)
 
         def done(job: Job[Any]) -> None:
             ok = list(job.result) if job.error is None and job.result is not None else []
@@ -208,7 +228,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
         entry: list[Any] = [None, tj, started]
         with self._lock:  # (before it runs: its end finds it here)
             self._jobs[tj.job_id] = entry
-        job = (self._stores if store else self._loads).submit(run, done)
+        job = (self._stores if store else self._loads)[thread].submit(run, done)
         with self._lock:
             entry[0] = job
 
@@ -291,7 +311,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
             left = None if end is None else max(0.0, end - time.monotonic())
             if not job.wait(left):
                 job.cancel()
-        for bg in (self._stores, self._loads, self._lookups):
+        for bg in (*self._stores, *self._loads, self._lookups):
             bg.close()
         self.backend.close()
 
