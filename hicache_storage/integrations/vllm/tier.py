@@ -68,8 +68,9 @@ __all__ = ["HiCacheTier"]
 
 #: Seconds a lookup's answer is reused before the store is asked again.
 LOOKUP_TTL = 2.0
-#: Chunks a job thread's staging lane holds (a job moves in pieces of this many).
-STAGING_ROWS = 4
+#: Bytes of a job thread's staging lane (at least one chunk, at most 64 chunks): a job
+#: moves in pieces of that many chunks.
+STAGING_BYTES = 8 << 20
 
 
 class _Options:
@@ -128,7 +129,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
         pool = kv_blocks(
             [chunks],
             self.tokens_per_chunk,
-            staging_rows=STAGING_ROWS,
+            staging_rows=max(1, min(64, STAGING_BYTES // max(1, self.chunk_bytes))),
             staged=staged,
             lanes=2 * n if staged else 1,
         )
