@@ -69,3 +69,31 @@ class FlakyFile(FileBackend):
         if MODE[0] == "nosave":
             return [False] * len(keys)
         return super().batch_set_pages(keys, pages)
+
+
+#: Per-key faults of :class:`KeyFaults`: calls touching a key in ``HANG`` wait for
+#: :data:`RELEASE`; reads of a key in ``FAIL_READ`` fail while ``exists`` says it is there.
+KEY_FAULTS: dict[str, set[str]] = {"HANG": set(), "FAIL_READ": set()}
+
+
+class KeyFaults(FileBackend):
+    """``file`` with faults on chosen keys only (others answer normally)."""
+
+    def _hang(self, keys: Sequence[str]) -> None:
+        if KEY_FAULTS["HANG"] & set(keys):
+            RELEASE.wait()
+
+    def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        self._hang(keys)
+        out = super().batch_get_pages(keys, pages)
+        return [
+            False if k in KEY_FAULTS["FAIL_READ"] else x for k, x in zip(keys, out, strict=True)
+        ]
+
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        self._hang(keys)
+        return super().batch_set_pages(keys, pages)
+
+    def exists(self, key: str) -> bool:
+        self._hang([key])
+        return super().exists(key)

@@ -85,6 +85,17 @@ class _Options:
         self.io_jobs = io_jobs
 
 
+class _Entry:
+    """A job not reported yet: its direction, thread, Job and start."""
+
+    def __init__(self, tj: TransferJob, store: bool) -> None:
+        self.tj = tj
+        self.store = store
+        self.thread = 0
+        self.job: Job[Any] | None = None
+        self.started: float | None = None  # when its thread took it (its deadline counts)
+
+
 class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
     """A hicache-storage backend below vLLM's CPU tier (see the module docs)."""
 
@@ -145,39 +156,48 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._stores = [Background(f"hicache-tier-store-{i}") for i in range(n)]
         self._loads = [Background(f"hicache-tier-load-{i}") for i in range(n)]
-        self._turn = 0
+        self._turn = {True: -1, False: -1}
         self._lookups = Background("hicache-tier-lookup")
-        #: Jobs not reported yet: job id -> [its Job, the TransferJob, [when it started]].
-        self._jobs: dict[int, list[Any]] = {}
+        #: Jobs not reported yet, by job id.
+        self._jobs: dict[int, _Entry] = {}
         self._finished: list[JobResult] = []
         self._known: dict[OffloadKey, tuple[bool, float]] = {}  # key -> (present, when)
-        self._asking: set[OffloadKey] = set()
+        self._asking: dict[OffloadKey, float] = {}  # key -> when it was asked
+        #: (store?, thread) stuck in a call cut at its deadline, until it returns.
+        self._stuck: set[tuple[bool, int]] = set()
         self.counters = {"stored": 0, "loaded": 0, "failed_jobs": 0, "timeouts": 0}
 
     # ------------------------------------------------------------------ lookups
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT or MISS when known (within :data:`LOOKUP_TTL`); else RETRY, asked in the background."""
+        """HIT or MISS when known (within :data:`LOOKUP_TTL`); else RETRY, asked in the background.
+
+        A lookup the store has not answered within ``engine_timeout`` is a MISS (the
+        request goes on without the tier), until the store answers it.
+        """
         now = time.monotonic()
         with self._lock:
             known = self._known.get(key)
             if known is not None and now - known[1] < LOOKUP_TTL:
                 return LookupResult.HIT if known[0] else LookupResult.MISS
-            if key in self._asking:
-                return LookupResult.RETRY
-            self._asking.add(key)
+            asked = self._asking.get(key)
+            if asked is not None:
+                timeout = self.options.engine_timeout
+                late = timeout > 0 and now - asked > timeout
+                return LookupResult.MISS if late else LookupResult.RETRY
+            self._asking[key] = now
 
         def ask(_job: Job[Any]) -> bool:
             return bool(self.backend.exists(key.hex()))
 
         def done(job: Job[Any]) -> None:
             with self._lock:
-                self._asking.discard(key)
+                self._asking.pop(key, None)
                 if job.error is None:
-                    self._known[key] = (bool(job.result), time.monotonic())
                     if len(self._known) > 1 << 16:
                         self._known.clear()
+                    self._known[key] = (bool(job.result), time.monotonic())
 
         self._lookups.submit(ask, done)
         return LookupResult.RETRY
@@ -202,43 +222,60 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
         """Queue a load of ``keys`` into primary chunks ``chunk_ids`` (returns at once)."""
         self._submit(job_metadata, store=False)
 
+    def _pick(self, store: bool) -> int | None:
+        """A job thread of the direction, round robin, or None when every one is stuck.
+
+        A thread is stuck in a call cut at its deadline until the call returns (the lock
+        is held).
+        """
+        n = self.options.io_jobs
+        for _ in range(n):
+            self._turn[store] = (self._turn[store] + 1) % n
+            if (store, self._turn[store]) not in self._stuck:
+                return self._turn[store]
+        return None
+
     def _submit(self, tj: TransferJob, store: bool) -> None:
         keys = [k.hex() for k in tj.keys]
         ids = [int(c) for c in tj.chunk_ids]
         staged = self.options.engine_timeout > 0
-        started: list[float] = []  # when the thread took it (its deadline counts from then)
-
         n = self.options.io_jobs
-        self._turn = (self._turn + 1) % n
-        thread = self._turn
+        entry = _Entry(tj, store)
+        with self._lock:  # (before it runs: its end finds it here)
+            thread = self._pick(store)
+            if thread is None:  # every thread waits for a hung call: fail at once
+                self._finished.append(JobResult(job_id=tj.job_id, success=False))
+                self.counters["failed_jobs"] += 1
+                return
+            entry.thread = thread
+            self._jobs[tj.job_id] = entry
+        mover = self.mover
 
         def run(job: Job[Any]) -> list[bool]:
-            started.append(time.monotonic())
+            entry.started = time.monotonic()
             if len(keys) != len(ids) or job.cut:
                 return [False] * len(keys)
             gate = job if staged else None
             if store:
-                return self.mover.save(keys, ids, gate, lane=n + thread)
-            return self.mover.load(keys, ids, gate, lane=thread)
+                return mover.save(keys, ids, gate, lane=n + thread)
+            return mover.load(keys, ids, gate, lane=thread)
 
         def done(job: Job[Any]) -> None:
             ok = list(job.result) if job.error is None and job.result is not None else []
             ok += [False] * (len(keys) - len(ok))
-            self._report(tj, ok, store, started, cut=job.cut)
+            self._report(entry, ok)
 
-        entry: list[Any] = [None, tj, started]
-        with self._lock:  # (before it runs: its end finds it here)
-            self._jobs[tj.job_id] = entry
         job = (self._stores if store else self._loads)[thread].submit(run, done)
         with self._lock:
-            entry[0] = job
+            entry.job = job
 
-    def _report(
-        self, tj: TransferJob, ok: list[bool], store: bool, started: list[float], cut: bool
-    ) -> None:
+    def _report(self, entry: _Entry, ok: list[bool]) -> None:
+        tj, store = entry.tj, entry.store
         with self._lock:
-            if self._jobs.pop(tj.job_id, None) is None and cut:
-                return  # reported failed at its deadline already
+            if entry.started is not None:  # its call returned: the thread is free again
+                self._stuck.discard((store, entry.thread))
+            if self._jobs.pop(tj.job_id, None) is None:
+                return  # reported (failed) at its deadline already
             good = sum(ok)
             result = JobResult(
                 job_id=tj.job_id,
@@ -246,45 +283,46 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
                 successful_keys=None
                 if store or good == len(ok)
                 else [k for k, x in zip(tj.keys, ok, strict=True) if x],
-                transfer_time=time.monotonic() - started[0] if started else 0.0,
+                transfer_time=time.monotonic() - entry.started if entry.started else 0.0,
                 transfer_bytes=good * self.chunk_bytes,
             )
             self._finished.append(result)
             self.counters["stored" if store else "loaded"] += good
             self.counters["failed_jobs"] += int(not result.success)
-            if store:  # what is now known to be stored
-                now = time.monotonic()
-                for k, x in zip(tj.keys, ok, strict=True):
-                    if x:
-                        self._known[k] = (True, now)
+            now = time.monotonic()
+            for k, x in zip(tj.keys, ok, strict=True):
+                if store and x:
+                    self._known[k] = (True, now)  # stored now
+                elif not store and not x:
+                    self._known[k] = (False, now)  # a failed load is a miss for a while
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Jobs ended since the last call; a job past ``engine_timeout`` is reported failed.
 
-        So are the jobs queued behind it (they would wait for a store that hangs). A job
-        reported this way never touches the primary tier again (its gate is shut).
+        So are the jobs queued behind it on its thread (they would wait for a call that
+        hangs); the thread takes no new job until that call returns. A job reported this
+        way never touches the primary tier again (its gate is shut before it is reported).
         """
         timeout = self.options.engine_timeout
-        if timeout > 0:
-            now = time.monotonic()
-            with self._lock:
-                late = {
-                    jid
-                    for jid, (_job, _tj, started) in self._jobs.items()
-                    if started and now - started[0] > timeout
+        with self._lock:
+            if timeout > 0:
+                now = time.monotonic()
+                stuck = {
+                    (e.store, e.thread)
+                    for e in self._jobs.values()
+                    if e.started is not None and now - e.started > timeout
                 }
-                if late:
-                    late = set(self._jobs)  # the rest waits behind a hung call
-                cut = [(self._jobs.pop(j)) for j in late]
-            for job, tj, _started in cut:
-                if job is not None:
-                    job.cancel()
-                with self._lock:
-                    self._finished.append(JobResult(job_id=tj.job_id, success=False))
+                self._stuck |= stuck
+                for jid, e in list(self._jobs.items()):
+                    if (e.store, e.thread) not in stuck:
+                        continue
+                    del self._jobs[jid]
+                    if e.job is not None:
+                        e.job.cancel()  # (never waits on this lock: no deadlock)
+                    self._finished.append(JobResult(job_id=jid, success=False))
                     self.counters["timeouts"] += 1
                     self.counters["failed_jobs"] += 1
-        with self._lock:
             out, self._finished = self._finished, []
         return out
 
@@ -297,7 +335,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
     def drain_jobs(self) -> None:
         """Wait for every job still allowed to touch the primary tier (cut ones are not)."""
         with self._lock:
-            jobs = [job for job, _tj, _s in self._jobs.values() if job is not None]
+            jobs = [e.job for e in self._jobs.values() if e.job is not None]
         for job in jobs:
             job.wait()
 
@@ -307,7 +345,7 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
         timeout = self.options.engine_timeout
         end = time.monotonic() + timeout if timeout > 0 else None
         with self._lock:
-            jobs = [job for job, _tj, _s in self._jobs.values() if job is not None]
+            jobs = [e.job for e in self._jobs.values() if e.job is not None]
         for job in jobs:
             left = None if end is None else max(0.0, end - time.monotonic())
             if not job.wait(left):
@@ -315,6 +353,9 @@ class HiCacheTier(SecondaryTierManager):  # type: ignore[misc]
         for bg in (*self._stores, *self._loads, self._lookups):
             bg.close()
         self.backend.close()
+        # Let go of the primary tier's memory (vLLM unmaps it after the tiers shut down).
+        self.mover.pool = None  # type: ignore[assignment]
+        self.mover.backend = None  # type: ignore[assignment]
 
 
 def _namespace(
@@ -334,6 +375,12 @@ def _namespace(
         else f"tp{par.tp_size}-pp{par.pp_size}-ws{par.world_size}"
     )
     layout = f"vllm-offload-chunk:{config.kv_cache_layout}:{chunk_bytes}B:{parallel}"
+    # Canonical and direct pages are different byte orders; a replicated layout keeps one
+    # copy of what every worker holds.
+    if getattr(config, "canonical_layout", False):
+        layout += ":canonical"
+    if getattr(config, "replicated_layout", False):
+        layout += ":replicated"
     return KVCacheNamespace(
         model_id=model_id or resolved,
         dtype=normalize_dtype(str(config.model.dtype)),

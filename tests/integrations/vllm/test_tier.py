@@ -199,6 +199,87 @@ def test_a_hung_store_costs_jobs_never_vllms_thread_and_late_bytes_never_land(
         tier.shutdown()
 
 
+@pytest.fixture
+def faults() -> Any:
+    sys.path.insert(0, str(WORKERS))
+    import vllm_faults
+
+    vllm_faults.RELEASE.clear()
+    for v in vllm_faults.KEY_FAULTS.values():
+        v.clear()
+    yield vllm_faults
+    for v in vllm_faults.KEY_FAULTS.values():
+        v.clear()
+    vllm_faults.RELEASE.set()
+
+
+def test_one_hung_job_fails_only_its_thread_and_the_jobs_behind_it(
+    tmp_path: Path, faults: Any
+) -> None:
+    tier, primary = make_tier({"backend_name": "vllm_faults:KeyFaults", "io_jobs": 2,
+                               "root": str(tmp_path / "kv"), "engine_timeout": 0.5})  # fmt: skip
+    try:
+        stores = [job([key(i)], [i]) for i in range(1, 5)]
+        for j in stores:
+            tier.submit_store(j)
+        assert all(r.success for r in results(tier, stores).values())
+        faults.KEY_FAULTS["HANG"].add(key(1).hex())
+        hung, healthy = job([key(1)], [10]), job([key(2)], [11])  # threads 0 and 1
+        behind = job([key(3)], [12])  # queued on thread 0, behind the hung call
+        for j in (hung, healthy, behind):
+            tier.submit_load(j)
+        got = results(tier, [hung, healthy, behind])
+        assert got[healthy.job_id].success and torch.equal(primary[11], primary[2])
+        assert not got[hung.job_id].success and not got[behind.job_id].success
+        # While the call hangs, new jobs go to the free thread and succeed.
+        later = [job([key(4)], [13]), job([key(2)], [14])]
+        for j in later:
+            tier.submit_load(j)
+        assert all(r.success for r in results(tier, later).values())
+        faults.RELEASE.set()
+        tier.drain_jobs()
+        time.sleep(0.2)
+        assert tier.get_finished_jobs() == []  # no job reported twice
+    finally:
+        faults.RELEASE.set()
+        tier.shutdown()
+
+
+def test_a_failed_load_reads_as_a_miss_and_a_hung_lookup_as_a_miss(
+    tmp_path: Path, faults: Any
+) -> None:
+    tier, _ = make_tier({"backend_name": "vllm_faults:KeyFaults",
+                         "root": str(tmp_path / "kv"), "engine_timeout": 0.3})  # fmt: skip
+    try:
+        store = job([key(1)], [0])
+        tier.submit_store(store)
+        assert results(tier, [store])[store.job_id].success
+        assert lookup(tier, key(1)) == LookupResult.HIT
+        faults.KEY_FAULTS["FAIL_READ"].add(key(1).hex())
+        load = job([key(1)], [5])
+        tier.submit_load(load)
+        assert not results(tier, [load])[load.job_id].success
+        assert tier.lookup(key(1), CTX) == LookupResult.MISS  # not promoted again at once
+        faults.KEY_FAULTS["HANG"].add(key(7).hex())
+        assert tier.lookup(key(7), CTX) == LookupResult.RETRY
+        time.sleep(0.4)
+        assert tier.lookup(key(7), CTX) == LookupResult.MISS  # past the deadline
+        assert lookup(tier, key(8)) == LookupResult.MISS  # (queued behind it: late too)
+    finally:
+        faults.RELEASE.set()
+        tier.shutdown()
+
+
+def test_canonical_and_direct_layouts_never_share_chunks(tmp_path: Path) -> None:
+    from hicache_storage.integrations.vllm.tier import _namespace
+
+    cfg = offloading_config()
+    canonical = cfg.__class__(**{**cfg.__dict__, "canonical_layout": True})
+    a = _namespace(cfg, CHUNK, 32, None, "", "")
+    b = _namespace(canonical, CHUNK, 32, None, "", "")
+    assert a.digest != b.digest
+
+
 def test_another_process_loads_what_one_stored_and_another_model_never_does(
     tmp_path: Path,
 ) -> None:
