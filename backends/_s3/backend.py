@@ -58,6 +58,9 @@ T = TypeVar("T")
 #: The longest object key S3 accepts, in bytes of UTF-8.
 S3_KEY_MAX_BYTES = 1024
 
+#: Tries at aborting a multipart upload that was cut short.
+ABORT_TRIES = 4
+
 
 class S3Backend(BlobStore[S3Options]):
     """Pages as objects, written and read concurrently on the backend's event loop."""
@@ -77,6 +80,7 @@ class S3Backend(BlobStore[S3Options]):
         self._writes = 0  # puts started so far (the negative cache's clock)
         self._written: dict[str, int] = {}  # object path -> the number of its last put
         self._closing = False
+        self._cleanups: set[asyncio.Task[None]] = set()  # aborts under way
         opts = self.options
         protocol, self._bucket, root = self._location()
         self._s3 = protocol in ("s3", "s3a")
@@ -377,7 +381,17 @@ class S3Backend(BlobStore[S3Options]):
             )
             return True
         part = max(MIN_PART, self.options.multipart_threshold // 2)
-        made = await self._call(self._s3_call("create_multipart_upload", Bucket=bucket, Key=key))
+        # The create is shielded: cut while it is on the wire, it may still make an
+        # upload on the server, which is then aborted as soon as its answer names it.
+        creating = asyncio.ensure_future(
+            self._call(self._s3_call("create_multipart_upload", Bucket=bucket, Key=key))
+        )
+        try:
+            made = await asyncio.shield(creating)
+        except BaseException:
+            if not creating.cancelled():
+                self._keep(self._abort_once_made(creating, bucket, key))
+            raise
         upload = made["UploadId"]
         try:
             answers = await asyncio.gather(*[
@@ -393,13 +407,43 @@ class S3Backend(BlobStore[S3Options]):
         except BaseException:
             # Cut short (an error, the deadline, a key already there): abort it, even while
             # being cancelled, or its parts stay in the bucket (and are billed).
-            await asyncio.shield(
-                self._best_effort(
-                    self._s3_call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
-                )
-            )
+            await asyncio.shield(self._keep(self._abort_upload(bucket, key, upload)))
             raise
         return True
+
+    def _keep(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``coro`` on the loop to its end, whoever stops waiting for it."""
+        task = asyncio.ensure_future(coro)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        return task
+
+    async def _abort_once_made(self, creating: asyncio.Future[Any], bucket: str, key: str) -> None:
+        try:
+            made = await creating
+        except BaseException:  # noqa: BLE001 - no upload was made
+            return
+        await self._abort_upload(bucket, key, made["UploadId"])
+
+    async def _abort_upload(self, bucket: str, key: str, upload: str) -> None:
+        """Abort a multipart upload, retried (its parts are billed while it stays).
+
+        Any failure is retried a few times, not only transient ones: the connection
+        that carried the cut parts may be the one that answers. What still fails is
+        left to :meth:`clear`, which aborts every upload of the namespace.
+        """
+        request = self._s3_call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+        for attempt in range(ABORT_TRIES):
+            try:
+                await self._call(request)
+                return
+            except FileNotFoundError:
+                return  # (NoSuchUpload: already gone)
+            except Exception as exc:  # noqa: BLE001 - cleaning up after a failure
+                if error_code(exc) == "NoSuchUpload":
+                    return
+                if attempt + 1 < ABORT_TRIES:
+                    await asyncio.sleep(0.1 * 2**attempt)
 
     async def _put_fs(self, path: str, data: bytes) -> bool | Present:
         """Any other fsspec filesystem: whole objects, first writer wins as far as it can."""
@@ -451,12 +495,6 @@ class S3Backend(BlobStore[S3Options]):
             return False
         self._remember_absent(path)
         return True
-
-    async def _best_effort(self, request: Callable[[], Awaitable[Any]]) -> None:
-        try:
-            await request()
-        except Exception:  # noqa: BLE001, S110 - cleaning up after a failure
-            pass
 
     def _split(self, path: str) -> tuple[str, str]:
         bucket, _, key = path.partition("/")

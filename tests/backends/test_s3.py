@@ -745,6 +745,36 @@ def test_a_multipart_upload_cut_short_is_aborted(moto: MotoServer) -> None:
         proxy.close()
 
 
+def test_an_upload_made_after_its_create_was_cut_is_aborted(moto: MotoServer) -> None:
+    """The deadline cuts the request that creates a multipart upload while the server
+    still makes it (the proxy holds it, then passes it on): once the answer names the
+    upload, it is aborted, so no parts can be left behind by a cut create either."""
+    proxy = FaultProxy(moto.port)
+    b = backend(**options(moto, endpoint_url=proxy.endpoint, multipart_threshold=10 * 2**20,
+                          deadline=1.0))  # fmt: skip
+    s3 = moto.client()
+    try:
+        proxy.stall_if = lambda method, path: method == "POST" and "uploads" in path
+        big = torch.randint(0, 256, (12 * 2**20,), dtype=torch.uint8)
+        assert b.set("big", big) is False  # cut by the deadline while the create is held
+        prefix = b._key_prefix()
+        assert not s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads")
+        seen = proxy.requests
+        proxy.stall_if = None  # the held create reaches the server, which makes the upload
+        deadline = time.monotonic() + 30  # (a bound for a hang on a loaded machine)
+        while proxy.requests < seen + 1 or s3.list_multipart_uploads(
+            Bucket=BUCKET, Prefix=prefix
+        ).get("Uploads"):
+            assert time.monotonic() < deadline, "the upload was not aborted"
+            time.sleep(0.1)
+        assert b.exists("big") is False
+    finally:
+        proxy.stall_if = None
+        b.clear()
+        b.close()
+        proxy.close()
+
+
 def test_secrets_never_reach_the_client_logs(
     moto: MotoServer, caplog: pytest.LogCaptureFixture
 ) -> None:
