@@ -26,13 +26,18 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from hicache_storage import StorageConfig, page_hashes
 from hicache_storage.backends import FileBackend
-from hicache_storage.benchkit import BenchShape, fill_random, namespace_for, verify_pages
+from hicache_storage.benchkit import BenchShape, namespace_for, verify_pages
+
+sys.path.insert(0, str(Path(__file__).parent))
+from v1_pages import V1Pages
+
 from hicache_storage.buffers import PageBuffer
 
 
@@ -86,12 +91,9 @@ def main() -> int:
     args = p.parse_args()
 
     shape = BenchShape(pages=args.pages, batch=args.batch, layout=args.layout)
-    pool = shape.pool(2 * shape.pages)
-    fill_random(pool, seed=1)
-    ps = shape.page_size
-    src = torch.arange(0, shape.pages * ps)
-    dst = torch.arange(shape.pages * ps, 2 * shape.pages * ps)
-    src_pages, dst_pages = pool.page_buffers(src), pool.page_buffers(dst)
+    pages = V1Pages(shape, seed=1)
+    pool, src, dst, ps = pages.pool, pages.src, pages.dst, shape.page_size
+    src_pages, dst_pages = pages.src_pages, pages.dst_pages
     base = args.dir or tempfile.mkdtemp(prefix="hicache-bench-", dir="/tmp")
     os.makedirs(base, exist_ok=True)
 

@@ -44,14 +44,18 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from hicache_storage import HiCacheStorage, StorageConfig, page_hashes
 from hicache_storage.backends import FileBackend, MmapBackend, ShmBackend
-from hicache_storage.benchkit import BenchShape, fill_random, namespace_for, verify_pages
+from hicache_storage.benchkit import BenchShape, namespace_for, verify_pages
 from hicache_storage.storekit.header import HEADER_SIZE
+
+sys.path.insert(0, str(Path(__file__).parent))
+from v1_pages import V1Pages
 
 
 def main() -> int:
@@ -63,12 +67,9 @@ def main() -> int:
     args = p.parse_args()
 
     shape = BenchShape(pages=args.pages, batch=args.batch)
-    pool = shape.pool(2 * shape.pages)
-    fill_random(pool, seed=2)
-    ps = shape.page_size
-    src = torch.arange(0, shape.pages * ps)
-    dst = torch.arange(shape.pages * ps, 2 * shape.pages * ps)
-    src_pages, dst_pages = pool.page_buffers(src), pool.page_buffers(dst)
+    pages = V1Pages(shape, seed=2)
+    pool, src, dst, ps = pages.pool, pages.src, pages.dst, shape.page_size
+    src_pages, dst_pages = pages.src_pages, pages.dst_pages
     seg_pairs = [
         (
             torch.frombuffer(a.memoryview, dtype=torch.uint8),

@@ -22,15 +22,20 @@ import secrets
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from hicache_storage import StorageConfig, page_hashes
 from hicache_storage.backends import ShmBackend
-from hicache_storage.benchkit import BenchShape, fill_random, namespace_for, verify_pages
+from hicache_storage.benchkit import BenchShape, namespace_for, verify_pages
+
+sys.path.insert(0, str(Path(__file__).parent))
+from v1_pages import V1Pages
 
 
 @contextlib.contextmanager
@@ -69,11 +74,8 @@ def main() -> int:
     args = p.parse_args()
 
     shape = BenchShape(pages=args.pages, batch=args.pages)
-    pool = shape.pool(2 * shape.pages)
-    fill_random(pool, seed=3)
-    ps = shape.page_size
-    src = torch.arange(0, shape.pages * ps)
-    dst = torch.arange(shape.pages * ps, 2 * shape.pages * ps)
+    pages = V1Pages(shape)
+    pool, src, dst, ps = pages.pool, pages.src, pages.dst, shape.page_size
     nbytes = shape.pages * pool.page_bytes
     size_mib = 2 * nbytes // (1 << 20) + 64
 

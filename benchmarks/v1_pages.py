@@ -19,10 +19,10 @@ class V1Pages:
     """``shape.pages`` source pages of random bytes and as many destination pages, in one
     host pool of ``shape``'s geometry."""
 
-    def __init__(self, shape: BenchShape) -> None:
+    def __init__(self, shape: BenchShape, seed: int = 3) -> None:
         self.shape = shape
         self.pool = shape.pool(2 * shape.pages)
-        fill_random(self.pool, seed=3)
+        fill_random(self.pool, seed=seed)
         ps = shape.page_size
         self.src = torch.arange(0, shape.pages * ps)
         self.dst = torch.arange(shape.pages * ps, 2 * shape.pages * ps)

@@ -31,10 +31,13 @@ from hicache_storage.buffers import PageBuffer
 MODE = ["ok"]
 #: What hung calls wait for (set it to let them finish; clear it for the next hang).
 RELEASE = threading.Event()
+#: Set when a call starts to hang (clear it before the call a test waits for).
+ENTERED = threading.Event()
 
 
 def _hang(*modes: str) -> None:
     if MODE[0] in modes:
+        ENTERED.set()
         RELEASE.wait()
 
 

@@ -289,14 +289,30 @@ class Blocks:
         return (self.ids,)
 
 
-def test_a_background_load_is_reported_once_it_has_landed(config: Any) -> None:
-    config.kv_transfer_config.kv_connector_extra_config["async_loads"] = True
-    sched, worker, kv = pair(config, seed=31)
+def store_prompt(sched: HiCacheKVConnector, worker: HiCacheKVConnector) -> Any:
+    """Request a computes PROMPT in blocks 1-4: its three full blocks are stored."""
     sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
-    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    return run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+
+
+def background_load(
+    config: Any, seed: int, hung: Any = None, mode: str = ""
+) -> tuple[HiCacheKVConnector, HiCacheKVConnector, dict, Any]:
+    """PROMPT stored by a, which keeps running; then b's hit on it, planned as a
+    background load into blocks 5-7 (with ``hung``'s fault ``mode`` set first)."""
+    config.kv_transfer_config.kv_connector_extra_config["async_loads"] = True
+    sched, worker, kv = pair(config, seed=seed)
+    store_prompt(sched, worker)
+    if hung is not None:
+        hung.MODE[0] = mode
     r = request("b", PROMPT)
     assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, True)
     sched.update_state_after_alloc(r, Blocks([5, 6, 7, 8]), 3 * BLOCK)
+    return sched, worker, kv, r
+
+
+def test_a_background_load_is_reported_once_it_has_landed(config: Any) -> None:
+    sched, worker, kv, _ = background_load(config, 31)
     # The next step (b is not in it: vLLM holds it until its load is reported).
     m = run_step(sched, worker, step())
     assert [(s.block_ids, s.background) for s in m.loads] == [([5, 6, 7], True)]
@@ -314,8 +330,7 @@ def test_a_background_load_is_reported_once_it_has_landed(config: Any) -> None:
 def test_background_loads_by_default_only_beside_running_requests(config: Any) -> None:
     del config.kv_transfer_config.kv_connector_extra_config["async_loads"]  # the default
     sched, worker, _ = pair(config, seed=32)
-    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
-    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    store_prompt(sched, worker)
     sched.request_finished(request("a", PROMPT), [1, 2, 3, 4])
     # Alone: loaded before the forward pass (the lowest TTFT).
     lone = request("b", PROMPT)
@@ -327,20 +342,17 @@ def test_background_loads_by_default_only_beside_running_requests(config: Any) -
 
 
 def test_a_hung_background_load_is_reported_failed_at_the_deadline(config: Any, hung: Any) -> None:
-    config.kv_transfer_config.kv_connector_extra_config["async_loads"] = True
-    sched, worker, kv = pair(config, seed=33)
-    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
-    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
-    hung.MODE[0] = "hangread"
-    r = request("b", PROMPT)
-    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, True)
-    sched.update_state_after_alloc(r, Blocks([5, 6, 7, 8]), 3 * BLOCK)
+    sched, worker, kv, _ = background_load(config, 33, hung, "hangread")
     m = run_step(sched, worker, step())
     assert m.loads and worker.get_block_ids_with_load_errors() == set()
-    time.sleep(0.6)
-    meta = sched.build_connector_meta(step())
-    worker.bind_connector_metadata(meta)
-    results = worker.get_transfer_results(set())
+    deadline = time.monotonic() + 30  # (engine_timeout is 0.5 s; a bound for a hang)
+    while True:
+        worker.bind_connector_metadata(sched.build_connector_meta(step()))
+        results = worker.get_transfer_results(set())
+        if results.finished_recving or time.monotonic() > deadline:
+            break
+        worker.clear_connector_metadata()
+        time.sleep(0.05)
     assert results.finished_recving == {"b"} and not results.failed_recving
     assert worker.get_block_ids_with_load_errors() == {5, 6, 7}
     worker.clear_connector_metadata()
@@ -358,8 +370,7 @@ def test_a_hung_background_load_is_reported_failed_at_the_deadline(config: Any, 
 def test_a_background_load_that_cannot_be_planned_fails_its_request(config: Any) -> None:
     config.kv_transfer_config.kv_connector_extra_config["async_loads"] = True
     sched, worker, _ = pair(config, seed=34)
-    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
-    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    store_prompt(sched, worker)
     r = request("b", PROMPT)
     assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, True)
     sched.update_state_after_alloc(r, object(), 3 * BLOCK)  # (no block ids: a bug)
@@ -447,7 +458,7 @@ def test_a_hung_background_load_never_holds_up_a_load_before_the_forward_pass(
     assert sched.get_num_new_matched_tokens(a, 0) == (3 * BLOCK, True)
     sched.update_state_after_alloc(a, Blocks([10, 11, 12, 13]), 3 * BLOCK)
     run_step(sched, worker, step(), flush=False)  # a's load hangs in the background
-    time.sleep(0.1)
+    assert hung.ENTERED.wait(30)
     hung.MODE[0] = "ok"  # the store answers again (a's read is still out)
     extra = config.kv_transfer_config.kv_connector_extra_config
     extra["async_loads"] = False
@@ -468,14 +479,7 @@ def test_a_request_whose_background_load_failed_is_not_offered_it_again(
 ) -> None:
     """vLLM sends a request whose background load failed back to the lookup: the same
     failing load must not come round again (it would loop)."""
-    config.kv_transfer_config.kv_connector_extra_config["async_loads"] = True
-    sched, worker, _ = pair(config, seed=44)
-    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
-    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
-    hung.MODE[0] = "torn"
-    r = request("b", PROMPT)
-    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, True)
-    sched.update_state_after_alloc(r, Blocks([5, 6, 7, 8]), 3 * BLOCK)
+    sched, worker, _, r = background_load(config, 44, hung, "torn")
     run_step(sched, worker, step(), flush=False)
     assert wside(worker).flush(30, loads=True)
     run_step(sched, worker, step())
@@ -646,8 +650,7 @@ def test_a_broken_request_or_store_never_raises_into_vllm(
     assert sched.get_num_new_matched_tokens(request("x", [-1] * 40), 0) == (0, False)
     assert sched.totals["hook_errors"] == 1 and "get_num_new_matched_tokens" in caplog.text
     # A load the worker cannot do (its store went away): every block is a load error.
-    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
-    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    store_prompt(sched, worker)
     r = request("b", PROMPT)
     assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, False)
     sched.update_state_after_alloc(r, None, 3 * BLOCK)
@@ -665,8 +668,7 @@ def test_a_broken_request_or_store_never_raises_into_vllm(
 def test_stats_are_per_interval_and_sum_across_workers(config: Any) -> None:
     sched, worker, _ = pair(config, seed=8)
     assert worker.get_kv_connector_stats() is None
-    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
-    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    store_prompt(sched, worker)
     stats = worker.get_kv_connector_stats()
     assert isinstance(stats, HiCacheKVConnectorStats)
     assert stats.data["save_blocks"] == 3 and stats.data["save_bytes"] == 3 * 2 * 2 * BLOCK * 128
@@ -754,8 +756,7 @@ def test_tp_load_failures_are_shared_or_fail_every_block(config: Any) -> None:
     """With TP, every rank must know every rank's failed blocks; if the ranks cannot be
     asked (no TP group here), every block of the step's loads counts as failed."""
     sched, worker, _ = pair(config, seed=11)
-    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
-    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    store_prompt(sched, worker)
     r = request("b", PROMPT)
     sched.get_num_new_matched_tokens(r, 0)
     sched.update_state_after_alloc(r, None, 3 * BLOCK)
@@ -884,6 +885,7 @@ def hung(config: Any) -> Iterator[Any]:
     extra = config.kv_transfer_config.kv_connector_extra_config
     extra.update(backend_name="vllm_faults:FlakyFile", engine_timeout=0.5)
     vllm_faults.RELEASE.clear()
+    vllm_faults.ENTERED.clear()
     try:
         yield vllm_faults
     finally:
@@ -896,8 +898,7 @@ def test_a_hung_store_costs_each_vllm_call_one_deadline_at_most(config: Any, hun
     recomputes), the next one fails at once, and the late bytes never land in vLLM's KV,
     which vLLM has recomputed by then. Lookups and stores that hang: a miss, a drop."""
     sched, worker, kv = pair(config, seed=20)
-    sched.get_num_new_matched_tokens(request("a", PROMPT), 0)
-    run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    store_prompt(sched, worker)
     assert worker.totals["save_blocks"] == 3
 
     hung.MODE[0] = "hangread"
@@ -937,15 +938,17 @@ def test_a_hung_store_costs_each_vllm_call_one_deadline_at_most(config: Any, hun
     # A store that hangs never holds up the step (it runs in the background): the
     # request finishes, vLLM keeps its blocks, and engine_timeout after it finished
     # the store is cut and the blocks are freed, while the store still hangs.
-    t0 = time.monotonic()
     run_step(sched, worker, step([new_req("e", [13, 14, 15, 16], 0)], scheduled={"e": 100}),
              flush=False)  # fmt: skip
-    assert time.monotonic() - t0 < 0.5  # the step never waited (well under the deadline)
+    # The step never waited for the store: had it, the deadline would have cut it.
+    assert worker.totals["save_timeouts"] == 0
     assert sched.request_finished(request("e", other), [13, 14, 15, 16]) == (True, None)
     m = run_step(sched, worker, step(), finished={"e"}, flush=False)
     assert m.delayed_frees == ["e"] and m.sent is None  # its store still runs
-    time.sleep(0.6)
-    m = run_step(sched, worker, step(), flush=False)
+    deadline = time.monotonic() + 30  # (engine_timeout is 0.5 s; a bound for a hang)
+    while (m := run_step(sched, worker, step(), flush=False)).sent is None:
+        assert time.monotonic() < deadline, "the hung store was never cut"
+        time.sleep(0.05)
     assert m.sent == {"e"} and worker.totals["save_timeouts"] == 1
     assert worker.totals["hook_errors"] == 0 and sched.totals["hook_errors"] == 0
     before = [block(kv, b) for b in (13, 14, 15)]

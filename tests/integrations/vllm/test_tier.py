@@ -177,12 +177,12 @@ def test_a_hung_store_costs_jobs_never_vllms_thread_and_late_bytes_never_land(
         assert results(tier, [store])[store.job_id].success
         vllm_faults.MODE[0] = "hang"
         before = primary[5].clone()
-        t0 = time.monotonic()
         load, behind = job([key(1)], [5]), job([key(1)], [6])
         tier.submit_load(load)
         tier.submit_load(behind)  # queued behind the hung one
         assert tier.lookup(key(7), CTX) == LookupResult.RETRY
-        assert time.monotonic() - t0 < 0.2  # every call returned at once
+        # Every call answered before the deadline cut anything: none waited on the hang.
+        assert tier.counters["timeouts"] == 0
         got = results(tier, [load, behind])
         assert not got[load.job_id].success and not got[behind.job_id].success
         primary[5].fill_(9)  # vLLM reuses the chunk
