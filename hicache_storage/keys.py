@@ -178,6 +178,9 @@ class KVCacheNamespace:
         kv_heads_per_shard: heads per stored object (head grouping), 0 when unknown.
         layer_range: ``(start, end)`` layers held by this stage, ``None`` for all layers.
         tenant: tenant salt; different tenants never share pages.
+        pool: which of a hybrid model's pools the pages belong to, with its page geometry
+            (``"mamba/page_first/48+20"``); empty for the KV pool. A page of one pool is
+            never read as another's.
         weights_fingerprint: optional digest of the weights/numerics (fine-tunes, kernels).
         schema_version: version of this identity scheme.
     """
@@ -191,6 +194,7 @@ class KVCacheNamespace:
     kv_heads_per_shard: int = 0
     layer_range: tuple[int, int] | None = None
     tenant: str = ""
+    pool: str = ""
     weights_fingerprint: str = ""
     schema_version: int = 1
     _digest: str = field(init=False, repr=False, compare=False)

@@ -74,6 +74,7 @@ from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
 from hicache_storage.integrations.adapterkit import backend_name_of, failsafe, failure_text
 from hicache_storage.integrations.deadline import Lane, call_with_deadline
 from hicache_storage.integrations.sglangpool import PoolView, buffer_ranges, pool_is_mla
+from hicache_storage.integrations.sglangv2 import SidePool, exists_fold, pool_name
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.registry import create_backend
@@ -195,6 +196,9 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._attaches = 0  # (attaches begun, and closes: only the latest installs its backend)
         self._exists_lane = Lane("hicache-sglang-exists")
+        #: the KV pool's namespace and config, for the side pools' (set at attach)
+        self._kv_attach: tuple[KVCacheNamespace, StorageConfig] | None = None
+        self._sides: dict[str, SidePool] = {}  # a hybrid model's other pools, by name
         self._metrics = StorageMetrics()
         self._log = RateLimitedLog(logger)
 
@@ -288,19 +292,53 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             fields["tenant"] = tenant
         return KVCacheNamespace(**fields)
 
-    def on_host_pools_registered(self) -> None:
-        """Fail the attach of a hybrid model's side pools (Mamba, SWA...): not supported yet.
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Take one of a hybrid model's pools (SGLang registers the KV pool here too).
 
-        SGLang calls this after registering them with ``register_mem_host_pool_v2``; the
-        v2 calls that would move their pages are not implemented, so attaching would
-        leave storage useless for that model while looking healthy.
+        Every pool but KV gets a backend of its own (see
+        :mod:`~hicache_storage.integrations.sglangv2`). A pool whose pages cannot be moved
+        raises (the attach fails with the reason); a backend that does not attach within
+        ``engine_timeout`` leaves that pool without one: its pages are misses.
         """
-        names = [str(getattr(n, "value", n)) for n in getattr(self, "registered_pools", {}) or {}]
-        extra = [n for n in names if n != "kv"]
-        if extra:
-            raise NotImplementedError(
-                f"hicache-storage's SGLang adapter does not move hybrid-model pools yet: {extra}"
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = pool_name(host_pool_name)
+        if name == "kv":
+            return
+        if self._kv_attach is None:
+            raise ConfigError(
+                f"SGLangStorage: pool {name!r} registered before the KV pool "
+                "(register_mem_pool_host); SGLang registers the KV pool first"
             )
+        kv_namespace, config = self._kv_attach
+        with self._lock:
+            attempt = self._attaches
+
+        def attach() -> bool:
+            side = SidePool.build(name, host_pool, kv_namespace, config, self.backend_name)
+            with self._lock:
+                current = attempt == self._attaches  # (not closed or attached again since)
+                old = self._sides.get(name) if current else side
+                if current:
+                    self._sides[name] = side
+            if old is not None:
+                self._with_deadline(old.backend.close, "close")
+            return current
+
+        done, _ = self._with_deadline(attach, "attach")
+        if not done:
+            logger.warning(
+                "SGLangStorage: the %s backend of pool %r did not attach within "
+                "engine_timeout (%g s); that pool's pages are misses until it does",
+                self.backend_name,
+                name,
+                self.options.engine_timeout,
+            )
+
+    def on_host_pools_registered(self) -> None:
+        """Every pool of the attach is registered: say which ones storage moves."""
+        names = sorted(self._sides)
+        if names:
+            logger.info("SGLangStorage: moving the KV pool and pools %s", names)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Attach SGLang's host pool and build the backend for its pages.
@@ -337,6 +375,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             if hasattr(mem_pool_host, "page_buffers")
             else PoolView(mem_pool_host, namespace.rank_replicated, namespace.dtype)
         )
+        self._kv_attach = (namespace, config)
         if self._exists_lane.closed:  # attached again after close()
             self._exists_lane = Lane("hicache-sglang-exists")
         with self._lock:
@@ -505,20 +544,8 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         backend = self._backend("batch_exists")
         if backend is None:
             return 0
-        timeout = self.options.engine_timeout
-        if timeout <= 0:
-            return int(backend.batch_exists(keys))
-        outcome, job = self._exists_lane.run(lambda job: int(backend.batch_exists(keys)), timeout)
-        if outcome == "done":
-            return int(job.result or 0)
-        self._log(
-            "deadline:exists",
-            "SGLangStorage: a hit query %s; answered as a miss",
-            f"took longer than engine_timeout ({timeout:g} s)"
-            if outcome == "timeout"
-            else "came while the last one still hangs",
-        )
-        return 0
+        done, count = self._query(lambda: int(backend.batch_exists(keys)), "exists")
+        return int(count or 0) if done else 0
 
     # ------------------------------------------------------------------ zero-copy v1
 
@@ -548,25 +575,9 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ v2 (pool transfers)
 
-    # SGLang's v2 calls move a hybrid model's pools (KV plus Mamba, SWA, indexer...) in
-    # one call. The adapter moves the KV pool's pages (through v1) and answers every other
-    # pool as not found / not stored, logged: a clean "unsupported", never an exception
-    # on SGLang's threads. (A hybrid model's side pools already fail the attach, in
-    # on_host_pools_registered; these answers cover pools registered after it.)
-
-    def _v2_unsupported(self, op: str, names: list[str]) -> None:
-        if names:
-            self._log(
-                "v2:" + op,
-                "SGLangStorage.%s: pools %s are not supported (only the KV pool is); "
-                "answered as misses/failures",
-                op,
-                names,
-            )
-
-    @staticmethod
-    def _is_kv(transfer: Any) -> bool:
-        return str(getattr(transfer.name, "value", transfer.name)) == "kv"
+    # SGLang's v2 calls move a hybrid model's pools (KV plus Mamba, SWA, indexer...): the
+    # KV pool's pages through v1, every other pool's through the backend built for it
+    # when it was registered (see hicache_storage.integrations.sglangv2).
 
     @failsafe(lambda self, args: _PoolTransferResult(0, {}, []))
     def batch_exists_v2(
@@ -574,38 +585,86 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
     ) -> Any:
         """The usable prefix of ``keys``, as SGLang's own backends answer it.
 
-        The KV pool's leading run, cut to what every other pool holds, which is nothing
-        (they are not supported): ``kv_hit_pages`` is the minimum over the pools and
-        ``restorable_prefix_pages`` lists the usable prefix lengths.
+        The KV pool's leading run, cut to where every other pool can restore it:
+        ``restorable_prefix_pages`` lists each usable prefix length, ``kv_hit_pages``
+        is the longest, ``extra_pool_hit_pages`` has each pool's own verdict. Within
+        ``engine_timeout``, as a hit query is (past it: no hit).
         """
-        others = [t for t in pool_transfers or () if not self._is_kv(t)]
-        self._v2_unsupported("batch_exists_v2", [str(t.name) for t in others])
-        kv_pages = self.batch_exists(keys, extra_info)
-        hits: dict[Any, int] = {_PoolName.KV: kv_pages} if kv_pages else {}
-        restorable = [] if others else list(range(1, kv_pages + 1))
-        return _PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+        transfers = list(pool_transfers or ())
+        backend = self._backend("batch_exists_v2")
+        if backend is None:
+            return _PoolTransferResult(0, {}, [])
+        sides = dict(self._sides)
+        logical = getattr(self.mem_pool_host, "kv_buffer", True) is None  # (no KV bytes)
+
+        def query() -> tuple[int, dict[str, int], list[int]]:
+            kv = len(keys) if logical else int(backend.batch_exists(keys))
+            return exists_fold(kv, transfers, sides, keys)
+
+        done, answer = self._query(query, "batch_exists_v2")
+        if not done or answer is None:
+            return _PoolTransferResult(0, {}, [])
+        hit, verdicts, restorable = answer
+        names = {pool_name(t.name): t.name for t in transfers}
+        hits = {names.get(n, _PoolName.KV if n == "kv" else n): v for n, v in verdicts.items()}
+        return _PoolTransferResult(hit, hits, restorable)
+
+    def _query(self, fn: Callable[[], T], what: str) -> tuple[bool, T | None]:
+        """``fn()`` on the hit-query lane within ``engine_timeout`` (a miss past it)."""
+        timeout = self.options.engine_timeout
+        if timeout <= 0:
+            return True, fn()
+        outcome, job = self._exists_lane.run(lambda job: fn(), timeout)
+        if outcome == "done":
+            return True, job.result
+        self._log(
+            "deadline:" + what,
+            "SGLangStorage: a hit query %s; answered as a miss",
+            f"took longer than engine_timeout ({timeout:g} s)"
+            if outcome == "timeout"
+            else "came while the last one still hangs",
+        )
+        return False, None
 
     def _v2_io(self, op: str, transfers: Any) -> dict[Any, list[bool]]:
         out: dict[Any, list[bool]] = {}
-        others: list[str] = []
         for t in transfers or ():
             keys = list(t.keys or [])
-            if self._is_kv(t) and t.host_indices is not None:
-                out[t.name] = getattr(self, op)(keys, t.host_indices)
-            else:
-                others.append(str(t.name))
+            name = pool_name(t.name)
+            if name == "kv":
+                ok = t.host_indices is not None
+                out[t.name] = getattr(self, op)(keys, t.host_indices) if ok else [False] * len(keys)
+                continue
+            side = self._sides.get(name)
+            indices = t.host_indices
+            count = int(getattr(indices, "numel", lambda: -1)()) if indices is not None else -1
+            if side is None or count != len(keys) * side.page_size:
+                self._log(
+                    f"v2:{op}:{name}",
+                    "SGLangStorage.%s: pool %r %s; its pages fail",
+                    op.replace("_v1", "_v2"),
+                    name,
+                    "has no backend (not registered, or not attached)"
+                    if side is None
+                    else f"got {count} host indices for {len(keys)} pages of {side.page_size}",
+                )
                 out[t.name] = [False] * len(keys)
-        self._v2_unsupported(op.replace("_v1", "_v2"), others)
+                continue
+            t0 = time.perf_counter()
+            got = list(getattr(side.backend, op)(keys, indices))
+            kind = "prefetch" if op == "batch_get_v1" else "backup"
+            self._note(kind, sum(got), 0, time.perf_counter() - t0)
+            out[t.name] = got
         return out
 
     @failsafe(lambda self, args: _v2_failure(args))
     def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
-        """Read each transfer's pages: the KV pool's through v1, other pools fail."""
+        """Read each transfer's pages into its pool; one bool per page, per pool."""
         return self._v2_io("batch_get_v1", transfers)
 
     @failsafe(lambda self, args: _v2_failure(args))
     def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
-        """Store each transfer's pages: the KV pool's through v1, other pools fail."""
+        """Store each transfer's pages from its pool; one bool per page, per pool."""
         return self._v2_io("batch_set_v1", transfers)
 
     # ------------------------------------------------------------------ the rest
@@ -641,9 +700,11 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         with self._lock:
             backend, self.backend = self.backend, None
             self._attaches += 1  # (an attach still running closes what it built)
+            sides, self._sides = list(self._sides.values()), {}
         self._exists_lane.close()
-        if backend is not None:
-            self._with_deadline(backend.close, "close")
+        for b in [backend, *(side.backend for side in sides)]:
+            if b is not None:
+                self._with_deadline(b.close, "close")
 
     def _page_bytes(self) -> int:
         pool = self.mem_pool_host

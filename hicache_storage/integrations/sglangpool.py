@@ -43,26 +43,38 @@ class PoolView:
     and put in the SDK's segment order, so v1 pages are resolved by the pool that owns
     them and never reach outside it.
 
-    Raises :class:`ConfigError` for a pool whose KV buffer is not one CPU tensor (SGLang's
-    K-only and split-buffer pools): its pages could not be bounds-checked.
+    The pool's memory is its ``kv_buffer`` (one tensor, or a list of them), else what
+    ``get_hybrid_pool_buffer()`` names (a hybrid model's side pools: Mamba states,
+    DeepSeek's indexer...); every segment must lie inside one of those buffers. Raises
+    :class:`ConfigError` for a pool that names no memory of its own: its pages could not
+    be bounds-checked. ``layout`` overrides the pool's own name for it.
     """
 
-    def __init__(self, pool: Any, mla: bool, dtype: str) -> None:
+    def __init__(self, pool: Any, mla: bool, dtype: str, layout: str | None = None) -> None:
         self.pool = pool
-        self.page_size = int(pool.page_size)
+        self.page_size = int(pool.page_size or 1)
         self.dtype = dtype  # the logical KV dtype (the pool's may be uint8 for fp8)
-        self.layout = str(pool.layout)
+        self.layout = layout if layout is not None else str(pool.layout)
         self.mla = mla
         buffer: Any = getattr(pool, "kv_buffer", None)
-        if not (hasattr(buffer, "data_ptr") and hasattr(buffer, "nbytes") and buffer.nbytes):
+        ranges = buffer_ranges(buffer)
+        if not ranges and callable(getattr(pool, "get_hybrid_pool_buffer", None)):
+            try:
+                ranges = buffer_ranges(pool.get_hybrid_pool_buffer())
+            except Exception:  # noqa: BLE001 - no buffers to name: refused below
+                ranges = []
+        ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
+        if not ranges:
             raise ConfigError(
-                f"{type(pool).__name__} keeps its KV in no single kv_buffer tensor; the "
-                "adapter moves pages of pools that do (SGLang's MHA and MLA host pools)"
+                f"{type(pool).__name__} names no host memory of its own (no kv_buffer "
+                "tensor, no hybrid pool buffers); the adapter moves pages only of "
+                "pools whose pages it can bounds-check"
             )
         self.kv_buffer = buffer
-        self._lo = int(buffer.data_ptr())
-        self._hi = self._lo + int(buffer.nbytes)
-        self._v_start = self._lo + int(buffer.nbytes) // 2  # MHA: K half, then V half
+        self._ranges = ranges
+        lo, hi = ranges[0]
+        # MHA layer_first in one tensor: the K half, then the V half (see below)
+        self._v_start = lo + (hi - lo) // 2 if len(ranges) == 1 else None
 
     def get_page_buffer_meta(self, indices: Any) -> tuple[Sequence[int], Sequence[int]]:
         """The pointer and size of every segment of every page of ``indices``.
@@ -93,9 +105,12 @@ class PoolView:
         sizes = torch.as_tensor(list(raw_sizes), dtype=torch.int64)
         if ptrs.numel() != sizes.numel() or ptrs.numel() == 0:
             raise HostIndicesError("the pool gave no segments, or sizes that do not match")
-        if bool((sizes <= 0).any() | (ptrs < self._lo).any() | (ptrs + sizes > self._hi).any()):
+        inside = torch.zeros_like(ptrs, dtype=torch.bool)
+        for lo, hi in self._ranges:
+            inside |= (ptrs >= lo) & (ptrs + sizes <= hi)
+        if bool((sizes <= 0).any()) or not bool(inside.all()):
             raise HostIndicesError("host indices reach outside the host pool's KV buffer")
-        if self.layout == "layer_first" and not self.mla:
+        if self.layout == "layer_first" and not self.mla and self._v_start is not None:
             pages = rows.shape[0]
             if ptrs.numel() % pages:
                 raise HostIndicesError("the pool gave a segment count that is not per page")

@@ -31,6 +31,7 @@ __all__ = [
     "MLA_LAYOUTS",
     "backend_options",
     "fill_random",
+    "mamba_pool",
     "mha_pool",
     "mla_pool",
     "page_bytes",
@@ -102,11 +103,31 @@ def mla_pool(
     return fill_random(pool)
 
 
+def mamba_pool(*, slots: int = 16, layers: int = 2, ratio: float = 2.0) -> Any:
+    """SGLang's Mamba state host pool (one page: one request's state slot), random.
+
+    A temporal state of 2x3 float32 and a conv state of 5 bfloat16 per layer (68 bytes of
+    state per slot over 2 layers), in ``page_first``: the layout Mamba pools require.
+    """
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, 2, 3),
+        conv=(torch.zeros(layers, slots, 5, dtype=torch.bfloat16),),
+    )
+    pool = MambaPoolHost(info, ratio, 0, device_capacity=slots, pin_memory=False,
+                         device="cpu", layout="page_first")  # fmt: skip
+    return fill_random(pool)
+
+
 def fill_random(pool: Any, seed: int = 0) -> Any:
-    """Fill ``pool``'s whole KV buffer with random bytes; return the pool."""
-    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    """Fill ``pool``'s whole KV buffer (each of its tensors) with random bytes; return it."""
     g = torch.Generator().manual_seed(seed)
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
+    buffers = pool.kv_buffer if isinstance(pool.kv_buffer, (list, tuple)) else [pool.kv_buffer]
+    for buffer in buffers:
+        flat = buffer.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
     return pool
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -340,14 +341,20 @@ def test_a_deployment_without_a_model_name_must_say_which_model(tmp_path: Path) 
     b.close()
 
 
-def test_hybrid_side_pools_fail_the_attach_instead_of_failing_every_call(tmp_path: Path) -> None:
+def test_a_side_pool_that_cannot_be_moved_fails_the_attach_with_its_reason(
+    tmp_path: Path,
+) -> None:
     b = build("memory", tmp_path)
+    with pytest.raises(ConfigError, match="before the KV pool"):
+        b.register_mem_host_pool_v2(make_pool(), "swa")
     b.register_mem_pool_host(make_pool())
-    b.registered_pools = {"kv": object()}
-    b.on_host_pools_registered()  # the KV pool alone is fine
-    b.registered_pools = {"kv": object(), "mamba": object()}
-    with pytest.raises(NotImplementedError, match="mamba"):
-        b.on_host_pools_registered()
+    b.register_mem_host_pool_v2(object(), "kv")  # (the KV pool: moved through v1)
+    with pytest.raises(ConfigError, match="no host memory"):
+        b.register_mem_host_pool_v2(SimpleNamespace(page_size=1, layout="page_first"), "mamba")
+    b.on_host_pools_registered()
+    assert b.batch_get_v2([SimpleNamespace(name="mamba", keys=["a" * 64], host_indices=None)]) == {
+        "mamba": [False]
+    }  # never registered: a miss
     b.close()
 
 

@@ -452,34 +452,29 @@ def test_the_adapters_own_options_are_checked(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- v2 and stats
 
 
-def test_v2_moves_the_kv_pool_and_answers_other_pools_as_unsupported(tmp_path: Path) -> None:
+def test_v2_moves_the_kv_pool_through_v1(tmp_path: Path) -> None:
+    """The KV pool's transfers are v1 calls (the side pools: test_sglang_v2.py)."""
     pool = mha_pool("page_head")
     b = build("shm", tmp_path)
     b.register_mem_pool_host(pool)
     b.register_mem_host_pool_v2(pool, PoolName.KV)
-    b.on_host_pools_registered()  # the KV pool alone: accepted
+    b.on_host_pools_registered()
     ps = pool.page_size
     keys = [f"{i:064x}" for i in range(1, 4)]
     src, dst = pool.alloc(3 * ps), pool.alloc(3 * ps)
     want = [page_bytes(pool, i) for i in first_indices(src, ps)]
-    mamba = PoolTransfer(name=PoolName.MAMBA, host_indices=src[:ps], keys=keys[-1:])
-    out = b.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys), mamba])
-    assert out == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
-    # With a pool the adapter cannot serve, no prefix is usable (SGLang's own backends
-    # answer the minimum over the pools); the KV pool alone: its leading run.
-    hit = b.batch_exists_v2(keys, [mamba])
-    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages, hit.restorable_prefix_pages) == (
-        0, {PoolName.KV: 3}, [],
-    )  # fmt: skip
+    out = b.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys)])
+    assert out == {PoolName.KV: [True] * 3}
     hit = b.batch_exists_v2([*keys, "f" * 64])
     assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (3, [1, 2, 3])
-    got = b.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=dst, keys=keys), mamba])
-    assert got == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
+    assert hit.extra_pool_hit_pages == {PoolName.KV: 3}
+    got = b.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=dst, keys=keys)])
+    assert got == {PoolName.KV: [True] * 3}
     assert [page_bytes(pool, i) for i in first_indices(dst, ps)] == want
     assert b.batch_get_v2("not transfers") == {}  # malformed: a failure, not an exception
-    b.register_mem_host_pool_v2(pool, PoolName.MAMBA)
-    with pytest.raises(NotImplementedError, match="mamba"):
-        b.on_host_pools_registered()  # a hybrid model's side pool fails the attach
+    assert b.batch_get_v2([PoolTransfer(name=PoolName.KV, keys=keys)]) == {
+        PoolName.KV: [False] * 3
+    }  # (no host indices)
     b.close()
 
 

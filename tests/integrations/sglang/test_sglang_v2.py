@@ -1,0 +1,301 @@
+"""SGLang's v2 pool transfers through the adapter: a hybrid model's pools in every backend.
+
+The pools are SGLang's own host pool classes built on CPU (tests/workers/sglang_pools.py):
+the KV pool and an SWA pool (``MHATokenToKVPoolHost``), a Mamba state pool
+(``MambaPoolHost``), and a KV-indexed side pool (a draft model's KV: its own host pool,
+read at the KV pool's indices). They are registered the way SGLang's
+``HybridCacheController`` registers them, and moved with the transfers it builds: a
+Mamba state per radix node (the node's last page), the node's trailing SWA pages, a
+KV-indexed pool page for page. SGLang's own file backend (``HiCacheFile``) answers the
+same calls beside the adapter, and the answers are compared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheFile,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang_pools import backend_options, mamba_pool, mha_pool, mla_pool, page_bytes
+
+from hicache_storage.integrations.sglang import SGLangStorage
+
+MODULE = "hicache_storage.integrations.sglang"
+BACKENDS = ["file", "shm", "mmap", "memory", "redis", "s3", "mooncake", "nixl"]
+TRAILING, ALL = PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES
+PS = 4  # tokens per KV (and SWA) page
+
+
+def config(extra: dict[str, Any], *, mla: bool = False, tp_rank: int = 0) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="acme/hybrid-test", extra_config=extra,
+    )  # fmt: skip
+
+
+def build(name: str, tmp_path: Path, *, mla: bool = False, tp_rank: int = 0) -> SGLangStorage:
+    extra = {"backend_name": name, "module_path": MODULE, "class_name": "SGLangStorage",
+             "interface_v1": True, **backend_options(name, tmp_path)}  # fmt: skip
+    backend = StorageBackendFactory.create_backend("dynamic", config(extra, mla=mla,
+                                                   tp_rank=tp_rank), None)  # fmt: skip
+    assert isinstance(backend, SGLangStorage)
+    return backend
+
+
+class Hybrid:
+    """A hybrid model's host pools (KV, SWA, Mamba, a KV-indexed draft pool)."""
+
+    def __init__(self, mla: bool = False, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.kv = mla_pool("page_first") if mla else mha_pool("page_first")
+        self.swa = mha_pool("page_first", layers=2, heads=1)
+        self.mamba = mamba_pool()
+        self.draft = mha_pool("page_first", layers=1, heads=2, head_dim=8)
+        self.pools = {PoolName.KV: self.kv, PoolName.SWA: self.swa,
+                      PoolName.MAMBA: self.mamba, PoolName.DRAFT: self.draft}  # fmt: skip
+
+    def attach(self, storage: Any) -> Any:
+        """Register the pools as SGLang's HybridCacheController does."""
+        storage.register_mem_pool_host(self.kv)
+        for name, pool in self.pools.items():
+            storage.register_mem_host_pool_v2(pool, name)
+        storage.on_host_pools_registered()
+        return storage
+
+    def node(self, keys: list[str], kv_idx: torch.Tensor) -> list[PoolTransfer]:
+        """A radix node's backup transfers: its Mamba state, its last two SWA pages
+        (fresh host slots of each pool), its draft pages (at the KV indices)."""
+        return [
+            PoolTransfer(PoolName.MAMBA, host_indices=self.mamba.alloc(1), keys=keys[-1:],
+                         hit_policy=TRAILING),
+            PoolTransfer(PoolName.SWA, host_indices=self.swa.alloc(2 * PS), keys=keys[-2:],
+                         hit_policy=TRAILING),
+            PoolTransfer(PoolName.DRAFT, host_indices=kv_idx, keys=keys),
+        ]  # fmt: skip
+
+
+def pool_pages(pool: Any, indices: torch.Tensor) -> list[bytes]:
+    ps = int(pool.page_size)
+    return [page_bytes(pool, int(i)) for i in indices[::ps]]
+
+
+def keys_of(n: int, salt: int = 0) -> list[str]:
+    return [f"{salt:08x}{i:056x}" for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_every_pool_round_trips_byte_exact(name: str, tmp_path: Path) -> None:
+    src, dst = Hybrid(seed=1), Hybrid(seed=2)
+    writer = src.attach(build(name, tmp_path))
+    keys = keys_of(3, salt=7)
+    kv_idx = src.kv.alloc(3 * PS)
+    assert writer.batch_set_v1(keys, kv_idx) == [True] * 3
+    transfers = src.node(keys, kv_idx)
+    stored = writer.batch_set_v2(transfers)
+    assert stored == {PoolName.MAMBA: [True], PoolName.SWA: [True, True],
+                      PoolName.DRAFT: [True] * 3}  # fmt: skip
+    reader = dst.attach(build(name, tmp_path))
+    hit = reader.batch_exists_v2(keys, [
+        PoolTransfer(PoolName.MAMBA, keys=["__placeholder__"], hit_policy=TRAILING),
+        PoolTransfer(PoolName.SWA, keys=["__placeholder__"] * 2, hit_policy=TRAILING),
+        PoolTransfer(PoolName.DRAFT, keys=None),
+    ])  # fmt: skip
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (3, [3])
+    kv_dst = dst.kv.alloc(3 * PS)
+    loads = [
+        PoolTransfer(PoolName.MAMBA, host_indices=dst.mamba.alloc(1), keys=keys[-1:]),
+        PoolTransfer(PoolName.SWA, host_indices=dst.swa.alloc(2 * PS), keys=keys[-2:]),
+        PoolTransfer(PoolName.DRAFT, host_indices=kv_dst, keys=keys),
+    ]
+    got = reader.batch_get_v2(loads)
+    assert got == stored
+    for sent, came in zip(transfers, loads, strict=True):
+        a, b = src.pools[sent.name], dst.pools[came.name]
+        assert pool_pages(b, came.host_indices) == pool_pages(a, sent.host_indices), sent.name
+    assert reader.batch_get_v1(keys, kv_dst) == [True] * 3
+    assert pool_pages(dst.kv, kv_dst) == pool_pages(src.kv, kv_idx)
+    writer.clear()
+    writer.close()
+    reader.close()
+
+
+def test_a_page_of_one_pool_is_never_read_as_another_pools(tmp_path: Path) -> None:
+    h = Hybrid()
+    s = h.attach(build("file", tmp_path))
+    keys = keys_of(2, salt=1)
+    # The same keys, stored in the SWA pool only: no other pool finds them.
+    assert s.batch_set_v2([PoolTransfer(PoolName.SWA, host_indices=h.swa.alloc(2 * PS),
+                                        keys=keys)]) == {PoolName.SWA: [True, True]}  # fmt: skip
+    got = s.batch_get_v2([
+        PoolTransfer(PoolName.DRAFT, host_indices=h.kv.alloc(2 * PS), keys=keys),
+        PoolTransfer(PoolName.MAMBA, host_indices=h.mamba.alloc(1), keys=keys[:1]),
+    ])  # fmt: skip
+    assert got == {PoolName.DRAFT: [False, False], PoolName.MAMBA: [False]}
+    assert s.batch_get_v1(keys, h.kv.alloc(2 * PS)) == [False, False]  # nor the KV pool
+    # A pool of another geometry under the same name (a different model config): apart.
+    other = Hybrid()
+    other.swa = mha_pool("page_first", layers=3, heads=1)
+    other.pools[PoolName.SWA] = other.swa
+    t = other.attach(build("file", tmp_path))
+    assert t.batch_get_v2([PoolTransfer(PoolName.SWA, host_indices=other.swa.alloc(2 * PS),
+                                        keys=keys)]) == {PoolName.SWA: [False, False]}  # fmt: skip
+    s.close()
+    t.close()
+
+
+def test_transfers_with_wrong_indices_fail_and_nothing_moves(tmp_path: Path) -> None:
+    h = Hybrid()
+    s = h.attach(build("file", tmp_path))
+    keys = keys_of(2, salt=2)
+    before = h.swa.kv_buffer.view(torch.uint8).clone()  # (bytes: random bf16 has NaNs)
+    bad = [
+        PoolTransfer(PoolName.SWA, host_indices=h.swa.alloc(PS), keys=keys),  # one page short
+        PoolTransfer(PoolName.SWA, host_indices=None, keys=keys),
+        PoolTransfer(PoolName.INDEXER, host_indices=h.kv.alloc(2 * PS), keys=keys),  # unknown
+    ]
+    for t in bad:
+        assert s.batch_get_v2([t]) == {t.name: [False, False]}
+        assert s.batch_set_v2([t]) == {t.name: [False, False]}
+    assert torch.equal(h.swa.kv_buffer.view(torch.uint8), before)
+    s.close()
+
+
+# --------------------------------------------------------------------------- hit policies
+
+
+def store_kv(storage: Any, h: Hybrid, keys: list[str], kv_idx: torch.Tensor) -> None:
+    """The KV pages by v1 (the adapter), or by SGLang's tensor path (HiCacheFile has no v1)."""
+    if isinstance(storage, SGLangStorage):
+        assert storage.batch_set_v1(keys, kv_idx) == [True] * len(keys)
+    else:
+        pages = [h.kv.get_data_page(int(i), flat=True) for i in kv_idx[::PS]]
+        assert storage.batch_set(keys, pages) is True
+
+
+def backup(storage: Any, h: Hybrid, keys: list[str], ends: list[int]) -> None:
+    """Back up ``keys`` as radix nodes ending at each page count in ``ends``, as SGLang does:
+    the KV pages by v1, then each node's side pools by v2."""
+    start = 0
+    for end in ends:
+        node = keys[start:end]
+        kv_idx = h.kv.alloc(len(node) * PS)
+        store_kv(storage, h, node, kv_idx)
+        out = storage.batch_set_v2(h.node(node, kv_idx))
+        assert all(all(v) for v in out.values()), out
+        start = end
+
+
+def query(storage: Any, keys: list[str], pools: tuple[str, ...] = ("mamba", "swa", "draft")) -> Any:
+    transfers = {
+        "mamba": PoolTransfer(PoolName.MAMBA, keys=["__placeholder__"], hit_policy=TRAILING),
+        "swa": PoolTransfer(PoolName.SWA, keys=["__placeholder__"] * 2, hit_policy=TRAILING),
+        "draft": PoolTransfer(PoolName.DRAFT, keys=None, hit_policy=ALL),
+    }
+    return storage.batch_exists_v2(keys, [transfers[p] for p in pools])
+
+
+def answer(result: Any) -> tuple[int, dict[str, int], list[int]]:
+    verdicts = {str(getattr(k, "value", k)): v for k, v in result.extra_pool_hit_pages.items()}
+    return result.kv_hit_pages, verdicts, list(result.restorable_prefix_pages or [])
+
+
+def sglang_file(tmp_path: Path, h: Hybrid) -> Any:
+    """SGLang's own file backend over the same pools."""
+    theirs = HiCacheFile(config({}), file_path=str(tmp_path / "hicache-file"))
+    return h.attach(theirs)
+
+
+def both(tmp_path: Path) -> tuple[Hybrid, list[Any]]:
+    h = Hybrid()
+    return h, [h.attach(build("file", tmp_path)), sglang_file(tmp_path, h)]
+
+
+def test_a_state_is_usable_only_where_it_was_stored(tmp_path: Path) -> None:
+    """Nodes of 3 and 6 pages: a Mamba/SWA state exists at 3 and 6 only, so a 5-page
+    query restores 3 pages, a 6-page one 3 or 6; SGLang's HiCacheFile says the same."""
+    h, stores = both(tmp_path)
+    keys = keys_of(8, salt=3)
+    for s in stores:
+        backup(s, h, keys, [3, 6])
+    for s in stores:
+        assert answer(query(s, keys[:5])) == (3, {"kv": 5, "mamba": 3, "swa": 3, "draft": 5},
+                                              [3])  # fmt: skip
+        assert answer(query(s, keys[:6])) == (6, {"kv": 6, "mamba": 6, "swa": 6, "draft": 6},
+                                              [3, 6])  # fmt: skip
+        assert answer(query(s, keys)) == (6, {"kv": 6, "mamba": 6, "swa": 6, "draft": 6},
+                                          [3, 6])  # fmt: skip
+        assert answer(query(s, keys[:2])) == (0, {"kv": 2}, [])  # (no state: stops there)
+        # The KV pool alone (no side transfers): its leading run, every length usable.
+        assert answer(query(s, keys[:5], ())) == (5, {"kv": 5}, [1, 2, 3, 4, 5])
+    for s in stores:
+        getattr(s, "close", lambda: None)()  # (HiCacheFile has no close)
+
+
+def test_a_missing_state_shortens_the_hit_to_the_last_restorable_length(tmp_path: Path) -> None:
+    h, stores = both(tmp_path)
+    keys = keys_of(9, salt=4)
+    for s in stores:
+        backup(s, h, keys[:3], [3])
+        # The node 3..6 has its KV and draft pages, but its state never got stored.
+        kv_idx = h.kv.alloc(3 * PS)
+        store_kv(s, h, keys[3:6], kv_idx)
+        s.batch_set_v2([PoolTransfer(PoolName.DRAFT, host_indices=kv_idx, keys=keys[3:6])])
+    for s in stores:
+        assert answer(query(s, keys[:6])) == (3, {"kv": 6, "mamba": 3, "swa": 3, "draft": 6},
+                                              [3])  # fmt: skip
+    for s in stores:
+        getattr(s, "close", lambda: None)()  # (HiCacheFile has no close)
+
+
+def test_a_missing_indexed_page_shortens_the_hit_to_that_page(tmp_path: Path) -> None:
+    """An ALL_PAGES pool (a KV-indexed sidecar) cuts the hit at its first missing page."""
+    h, stores = both(tmp_path)
+    keys = keys_of(6, salt=5)
+    for s in stores:
+        kv_idx = h.kv.alloc(6 * PS)
+        store_kv(s, h, keys, kv_idx)
+        draft = PoolTransfer(PoolName.DRAFT, host_indices=torch.cat([kv_idx[: 2 * PS],
+                             kv_idx[3 * PS :]]), keys=keys[:2] + keys[3:])  # fmt: skip
+        assert s.batch_set_v2([draft]) == {PoolName.DRAFT: [True] * 5}
+    for s in stores:
+        assert answer(query(s, keys, ("draft",))) == (2, {"kv": 6, "draft": 2}, [1, 2])
+    for s in stores:
+        getattr(s, "close", lambda: None)()  # (HiCacheFile has no close)
+
+
+def test_the_restorable_sets_of_two_ranks_intersect(tmp_path: Path) -> None:
+    """Each TP rank keeps its own Mamba states: SGLang intersects the ranks' restorable
+    lengths, so a length is a hit only where every rank stored its state."""
+    ranks = [Hybrid(seed=r) for r in range(2)]
+    stores = [h.attach(build("file", tmp_path, tp_rank=r)) for r, h in enumerate(ranks)]
+    keys = keys_of(6, salt=6)
+    backup(stores[0], ranks[0], keys, [3, 6])
+    backup(stores[1], ranks[1], keys, [6])
+    sets = [set(answer(query(s, keys, ("mamba",)))[2]) for s in stores]
+    assert sets == [{3, 6}, {6}] and sets[0] & sets[1] == {6}
+    for s in stores:
+        getattr(s, "close", lambda: None)()  # (HiCacheFile has no close)
+
+
+def test_mamba_states_are_per_rank_even_in_an_mla_model(tmp_path: Path) -> None:
+    """MLA KV pages are one copy for every rank; a Mamba state is each rank's own."""
+    ranks = [Hybrid(mla=True, seed=r) for r in range(2)]
+    stores = [h.attach(build("file", tmp_path, mla=True, tp_rank=r)) for r, h in
+              enumerate(ranks)]  # fmt: skip
+    keys = keys_of(3, salt=8)
+    backup(stores[0], ranks[0], keys, [3])
+    kv_hit, verdicts, _ = answer(query(stores[1], keys, ("mamba",)))
+    assert verdicts.get("kv") == 3  # rank 0's KV pages serve rank 1
+    assert kv_hit == 0 and "mamba" not in verdicts  # rank 0's states do not
+    for s in stores:
+        getattr(s, "close", lambda: None)()  # (HiCacheFile has no close)
