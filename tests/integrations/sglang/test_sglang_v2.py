@@ -13,6 +13,7 @@ same calls beside the adapter, and the answers are compared.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -299,3 +300,103 @@ def test_mamba_states_are_per_rank_even_in_an_mla_model(tmp_path: Path) -> None:
     assert kv_hit == 0 and "mamba" not in verdicts  # rank 0's states do not
     for s in stores:
         getattr(s, "close", lambda: None)()  # (HiCacheFile has no close)
+
+
+# --------------------------------------------------------------------------- SGLang's controller
+
+
+def controller(storage: Any, h: Hybrid, v1: bool) -> Any:
+    """SGLang's HybridCacheController over ``storage`` and ``h``'s pools, holding only what
+    its storage methods read (no threads, no device, no process groups to sync)."""
+    import queue
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+
+    def ident(i: int) -> int:
+        return i
+
+    group = HostPoolGroup([
+        PoolEntry(PoolName.KV, h.kv, None, ident, is_primary_index_anchor=True),
+        PoolEntry(PoolName.SWA, h.swa, None, ident),
+        PoolEntry(PoolName.MAMBA, h.mamba, None, ident),
+    ])  # fmt: skip
+    c = HybridCacheController.__new__(HybridCacheController)
+    c.storage_backend, c.mem_pool_host, c.storage_host_pool = storage, group, h.kv
+    c.page_size, c.storage_config, c.storage_backend_type = PS, config({}), "dynamic"
+    c.prefetch_hits_sync_groups, c.prefetch_completion_sync_groups = [], []
+    c.prefetch_sync_queue, c.host_mem_release_queue = queue.Queue(), queue.Queue()
+    c.extra_host_mem_release_queues = {}
+    c.page_get_func = c._page_get_zero_copy if v1 else c._generic_page_get
+    c.page_set_func = c._page_set_zero_copy if v1 else c._generic_page_set
+    return c
+
+
+def test_sglangs_controller_backs_up_queries_and_loads_a_hybrid_prefix(tmp_path: Path) -> None:
+    """SGLang's own HybridCacheController code: two radix nodes backed up (3 and 6 pages),
+    then prefetches of 5 and 6 pages. Ours and HiCacheFile give the same hits and the
+    same loads, and ours lands the stored bytes of every pool."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        PrefetchOperation,
+        StorageOperation,
+    )
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    h = Hybrid(seed=9)
+    tokens = list(range(6 * PS))
+    keys = get_storage_hash_str(tokens, None, page_size=PS)
+    kv_src = h.kv.alloc(6 * PS)
+    node_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for end in (3, 6):
+        node_states[end] = (h.mamba.alloc(1), h.swa.alloc(2 * PS))
+    seen: list[Any] = []
+    for storage, v1 in ((h.attach(build("file", tmp_path)), True),
+                        (sglang_file(tmp_path, h), False)):  # fmt: skip
+        c = controller(storage, h, v1)
+        for start, end in ((0, 3), (3, 6)):
+            mamba_idx, swa_idx = node_states[end]
+            op = StorageOperation(
+                kv_src[start * PS : end * PS], tokens[start * PS : end * PS],
+                hash_value=keys[start:end], prefix_keys=None, pool_transfers=[
+                    PoolTransfer(PoolName.MAMBA, host_indices=mamba_idx, keys=[keys[end - 1]],
+                                 hit_policy=TRAILING),
+                    PoolTransfer(PoolName.SWA, host_indices=swa_idx, keys=keys[end - 2 : end],
+                                 hit_policy=TRAILING),
+                ])  # fmt: skip
+            c._page_backup(op)
+            assert op.completed_tokens == (end - start) * PS
+        runs = []
+        for pages in (5, 6):
+            op = PrefetchOperation(SimpleNamespace(rid=f"r{pages}"), tokens[: pages * PS], None,
+                                   prefix_keys=None, pool_transfers=[
+                PoolTransfer(PoolName.MAMBA, keys=["__placeholder__"], hit_policy=TRAILING),
+                PoolTransfer(PoolName.SWA, keys=["__placeholder__"] * 2, hit_policy=TRAILING),
+            ])  # fmt: skip
+            hashes, count = c._storage_hit_query(op)
+            hit = c._sync_prefetch_hit_query(op, count)
+            op.hash_value, op.storage_hit_count = hashes[: hit // PS], hit
+            op.host_indices = h.kv.alloc(hit)
+            op.pool_transfers[0].host_indices = h.mamba.alloc(1)
+            op.pool_transfers[1].host_indices = h.swa.alloc(2 * PS)
+            c._page_transfer(op)
+            acks = []
+            while not c.prefetch_sync_queue.empty():
+                a = c.prefetch_sync_queue.get()
+                hits = {str(k): v for k, v in (a.pool_hits or {}).items()}
+                acks.append((a.completed_tokens, hits))
+            runs.append((hit, acks, [list(t.keys) for t in op.pool_transfers]))
+            # What landed is what the node that ends at the hit stored.
+            mamba_idx, swa_idx = node_states[hit // PS]
+            assert pool_pages(h.mamba, op.pool_transfers[0].host_indices) == pool_pages(
+                h.mamba, mamba_idx
+            )
+            assert pool_pages(h.swa, op.pool_transfers[1].host_indices) == pool_pages(
+                h.swa, swa_idx
+            )
+            assert pool_pages(h.kv, op.host_indices) == pool_pages(h.kv, kv_src[:hit])
+        seen.append(runs)
+        getattr(storage, "close", lambda: None)()
+    ours, theirs = seen
+    assert ours == theirs
+    assert [r[0] for r in ours] == [3 * PS, 6 * PS]  # 5 pages: the state at 3 only
+    assert all(acks[-1][1] == {"mamba": 1, "swa": 2} for _, acks, _ in ours)  # every page
