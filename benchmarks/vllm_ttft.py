@@ -21,6 +21,11 @@ help is the store (vLLM's own prefix cache is off where the connector is on). On
 * **B0, C0** (another store, ``store_output_tokens: 0``): the first turn storing its
   prompt blocks only, then ``second turn, prompt blocks only`` in a new process (what
   the connector did before generated blocks were stored).
+* **E0, E** (a third store): the first turn's prompt and answer sent as one prompt
+  (stored as prompt blocks), then ``second turn, answer sent as a prompt`` in a new
+  process: the same tokens to compute as C2 but for the answer's last block (whose
+  last token's KV vLLM never computes), so C2 / E says whether generated blocks hit as
+  prompt blocks do.
 
 Medians over ``--rounds`` rounds (a fresh store each round); the ratios are the issue's
 targets (second turn / all stored; full hit / one token; full hit / vLLM prefix hit;
@@ -128,7 +133,7 @@ def _location(backend: str, root: Path) -> dict[str, Any]:
 
 
 def one_round(
-    args: argparse.Namespace, model: Path, root: Path, root0: Path
+    args: argparse.Namespace, model: Path, root: Path, root0: Path, root_e: Path
 ) -> dict[str, dict[str, Any]]:
     n = args.tokens
     prompt = [10 + (i * 7) % 980 for i in range(n)]
@@ -151,7 +156,10 @@ def one_round(
     d = _spawn({**conn, "steps": [("second turn, all stored", turn2, 1)]})
     _spawn({**prompt_only, "steps": [("turn 1, prompt blocks only", prompt, args.answer)]})
     c0 = _spawn({**prompt_only, "steps": [("second turn, prompt blocks only", turn2, 1)]})
-    got = {**a, **b, **c1, **c1b, **c2, **d, **c0}
+    as_prompt = {**base, "backend": args.backend, "options": _location(args.backend, root_e)}
+    _spawn({**as_prompt, "steps": [("turn 1 as a prompt", prompt + answer, 1)]})
+    e = _spawn({**as_prompt, "steps": [("second turn, answer sent as a prompt", turn2, 1)]})
+    got = {**a, **b, **c1, **c1b, **c2, **d, **c0, **e}
     if got["full hit"]["tokens"] != got["cold"]["tokens"]:
         raise SystemExit("the full hit changed the first token")
     return got
@@ -181,7 +189,8 @@ def main() -> int:
             with tempfile.TemporaryDirectory(prefix="hicache-ttft-kv-", dir=store_dir) as kv:
                 name = "kv"
                 root, root0 = Path(kv) / name, Path(kv) / "prompt-only" / name
-                rounds.append(one_round(args, model, root, root0))
+                root_e = Path(kv) / "as-prompt" / name
+                rounds.append(one_round(args, model, root, root0, root_e))
             print(f"round {i + 1}: " + ", ".join(
                 f"{k} {v['seconds'] * 1e3:.0f} ms" for k, v in rounds[-1].items()
                 if k != "turn 1"), file=sys.stderr)  # fmt: skip
@@ -197,6 +206,8 @@ def main() -> int:
         "cold, storing / cold": med["cold, storing"] / med["cold"],
         "second turn / second turn, prompt blocks only": med["second turn"]
         / med["second turn, prompt blocks only"],
+        "second turn / second turn, answer sent as a prompt": med["second turn"]
+        / med["second turn, answer sent as a prompt"],
     }
     if args.json:
         print(json.dumps({"ttft_ms": {k: round(v * 1e3, 1) for k, v in med.items()},
