@@ -47,6 +47,7 @@ __all__ = [
     "RUN_ID",
     "TARGET_KINDS",
     "BackendSpec",
+    "StatePool",
     "content",
     "engine_key_forms",
     "fill_page",
@@ -205,6 +206,47 @@ def pool_namespace(pool: HostKVPool, **overrides: Any) -> KVCacheNamespace:
     fields: dict[str, Any] = {"tenant": f"conformance-{RUN_ID}", **overrides}
     model_id = fields.pop("model_id", "hicache-conformance")
     return KVCacheNamespace.for_pool(pool, model_id=model_id, **fields)
+
+
+class StatePool:
+    """A stand-in for a hybrid model's side pool as SGLang keeps one (a Mamba state pool).
+
+    One page is one slot, its bytes spread over two buffers (a float32 temporal state and
+    a bfloat16 conv state), addressed through ``get_page_buffer_meta`` like SGLang's.
+
+    The SGLang adapter files such a pool's pages in a namespace of their own
+    (:func:`hicache_storage.sidepools.side_namespace`); the kit checks a
+    backend keeps them there.
+    """
+
+    page_size = 1
+    layout = "page_first"
+
+    def __init__(self, slots: int = 8, temporal: int = 24, conv: int = 10) -> None:
+        import torch
+
+        self.dtype = torch.bfloat16
+        self.kv_buffer = [
+            torch.randint(0, 256, (slots, temporal), dtype=torch.uint8).view(torch.float32),
+            torch.randint(0, 256, (slots, conv), dtype=torch.uint8).view(torch.bfloat16),
+        ]
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        """The address and size of each buffer's row of each slot, as SGLang's pools give them."""
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for i in indices:
+            for b in self.kv_buffer:
+                row = b[int(i)]
+                ptrs.append(int(row.data_ptr()))
+                sizes.append(int(row.nbytes))
+        return ptrs, sizes
+
+    def slot_bytes(self, i: int) -> bytes:
+        """The bytes of slot ``i`` (every buffer's row, in order)."""
+        import torch
+
+        return b"".join(bytes(b[i].view(torch.uint8).numpy()) for b in self.kv_buffer)
 
 
 def tree_files(path: str) -> list[str]:

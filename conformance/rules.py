@@ -138,6 +138,19 @@ RULES_BY_AREA: dict[str, dict[str, str]] = {
             "`batch_set_pages` with a native path instead of the default per-key loop."
         ),
     },
+    "hybrid-model pools": {
+        "pool-round-trip": (
+            "A hybrid model's side pool (one page: a slot spread over several buffers), "
+            "filed by the SGLang adapter in a namespace of its own, round-trips byte for "
+            "byte through `batch_set_v1`/`batch_get_v1`, and its pages are misses in the KV "
+            "namespace and in another pool's."
+        ),
+        "pool-trailing-states": (
+            "`exists` answers each key of a pool's namespace on its own (stored states at "
+            "pages 3 and 6 only): the adapter's `batch_exists_v2` then restores a 5-page "
+            "prefix at 3 pages and a 6-page one at 3 or 6, as SGLang's own backends do."
+        ),
+    },
     "the engine's shapes": {
         "engine-batch": (
             "Batches of the engine's size (128 pages, 127 written) round-trip on the legacy "

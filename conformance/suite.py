@@ -67,6 +67,7 @@ from hicache_storage.conformance.data import (
     TARGET_KINDS,
     BackendSpec,
     Factory,
+    StatePool,
     content,
     engine_key_forms,
     fill_page,
@@ -713,6 +714,64 @@ class BackendConformance:
         for op in ("batch_get_pages", "batch_set_pages"):
             assert cls.overrides(op), rule(
                 "zero-copy-native", f"claims zero_copy but {op} is the default per-key loop"
+            )
+
+    # ------------------------------------------------------------------ hybrid-model pools
+
+    def _state_pool_backend(self, kit: Kit, name: str = "mamba") -> tuple[Any, StatePool]:
+        """A backend in the namespace the SGLang adapter gives a Mamba-like side pool."""
+        from hicache_storage.sidepools import side_namespace
+
+        pool = StatePool()
+        namespace, view = side_namespace(make_namespace(), name, pool)
+        b = kit.backend(namespace)
+        b.register_mem_pool_host(view)
+        return b, pool
+
+    @enforces("pool-round-trip")
+    def test_side_pool_pages_round_trip_in_their_own_namespace(self, kit: Kit) -> None:
+        """A side pool's slots (two buffers each) come back byte for byte, and only there."""
+        if "page_first" not in kit.capabilities.layouts:
+            pytest.skip("not claimed: layout page_first (the state pools' layout)")
+        b, pool = self._state_pool_backend(kit)
+        keys = unique_keys(3)
+        src, dst = torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7])
+        assert b.batch_set_v1(keys, src) == [True] * 3, rule(
+            "pool-round-trip", "batch_set_v1 of a side pool's slots failed"
+        )
+        assert b.batch_get_v1(keys, dst) == [True] * 3, rule(
+            "pool-round-trip", "batch_get_v1 of a side pool's slots failed"
+        )
+        for i, (a, c) in enumerate(zip(src.tolist(), dst.tolist(), strict=True)):
+            assert pool.slot_bytes(a) == pool.slot_bytes(c), rule(
+                "pool-round-trip", f"slot {i} read back different bytes"
+            )
+        for what, other in (("the KV namespace", kit.backend()),
+                            ("another pool's", self._state_pool_backend(kit, "swa")[0])):  # fmt: skip
+            assert other.batch_exists(keys) == 0, rule(
+                "pool-round-trip", f"a side pool's pages are found in {what}"
+            )
+
+    @enforces("pool-trailing-states")
+    def test_states_are_restorable_only_where_stored(self, kit: Kit) -> None:
+        """Sparse states (stored at pages 3 and 6): each key is answered on its own."""
+        from types import SimpleNamespace
+
+        from hicache_storage.sidepools import SidePool, exists_fold
+
+        if "page_first" not in kit.capabilities.layouts:
+            pytest.skip("not claimed: layout page_first (the state pools' layout)")
+        b, pool = self._state_pool_backend(kit)
+        keys = unique_keys(6)
+        stored = b.batch_set_v1([keys[2], keys[5]], torch.tensor([1, 2]))
+        assert stored == [True, True], rule("pool-trailing-states", "storing two states failed")
+        side = {"mamba": SidePool("mamba", pool, 1, b)}
+        query = [SimpleNamespace(name="mamba", keys=["_"], hit_policy="trailing_pages")]
+        for n, want in ((5, [3]), (6, [3, 6])):
+            hit, _, restorable = exists_fold(n, query, side, keys[:n])
+            assert (hit, restorable) == (want[-1], want), rule(
+                "pool-trailing-states",
+                f"a {n}-page query restores {restorable} (want {want}): exists answered keys wrong",
             )
 
     # ------------------------------------------------------------------ the engine's shapes

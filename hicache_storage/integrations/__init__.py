@@ -8,8 +8,10 @@
 * :mod:`hicache_storage.integrations.adapterkit` -- what both adapters share: the
   ``backend_name`` check, the failsafe hook decorator, scrubbed failure texts (no engine
   import).
-* :mod:`hicache_storage.integrations.sglangpool` -- SGLang's host pools as the SDK's page
-  protocol reads them, checked (no engine import).
+* (In the core, used by the SGLang adapter and checked by the kit:
+  :mod:`hicache_storage.poolview`, SGLang-style host pools as the SDK's page protocol
+  reads them, and :mod:`hicache_storage.sidepools`, a hybrid model's side pools in
+  namespaces of their own and the hit rules over them.)
 * :mod:`hicache_storage.integrations.kvblocks` -- a paged engine's KV tensors as a pool
   of whole-block pages (no engine import), which the vLLM connector moves.
 * :mod:`hicache_storage.integrations.deadline` -- calls into a store that an engine

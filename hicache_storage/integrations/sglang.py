@@ -73,11 +73,11 @@ from hicache_storage.errors import (
 from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
 from hicache_storage.integrations.adapterkit import backend_name_of, failsafe, failure_text
 from hicache_storage.integrations.deadline import Lane, call_with_deadline
-from hicache_storage.integrations.sglangpool import PoolView, buffer_ranges, pool_is_mla
-from hicache_storage.integrations.sglangv2 import SidePool, exists_fold, pool_name
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
+from hicache_storage.poolview import PoolView, buffer_ranges, pool_is_mla
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.registry import create_backend
+from hicache_storage.sidepools import SidePool, exists_fold, pool_name
 
 if TYPE_CHECKING:
     from hicache_storage.protocol import HiCacheStorage
@@ -296,7 +296,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """Take one of a hybrid model's pools (SGLang registers the KV pool here too).
 
         Every pool but KV gets a backend of its own (see
-        :mod:`~hicache_storage.integrations.sglangv2`). A pool whose pages cannot be moved
+        :mod:`~hicache_storage.sidepools`). A pool whose pages cannot be moved
         raises (the attach fails with the reason); a backend that does not attach within
         ``engine_timeout`` leaves that pool without one: its pages are misses.
         """
@@ -577,7 +577,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
 
     # SGLang's v2 calls move a hybrid model's pools (KV plus Mamba, SWA, indexer...): the
     # KV pool's pages through v1, every other pool's through the backend built for it
-    # when it was registered (see hicache_storage.integrations.sglangv2).
+    # when it was registered (see hicache_storage.sidepools).
 
     @failsafe(lambda self, args: _PoolTransferResult(0, {}, []))
     def batch_exists_v2(

@@ -82,6 +82,9 @@ EXPECTED = [
     ("RemembersFailedWrites", "writes_failed_in_an_outage_stay_absent", "failed-write-absent"),
     ("FaultHookWithoutBackend", "store_failure_gives_failure_shapes", "fault-hook"),
     ("FaultHookWithoutBackend", "writes_failed_in_an_outage_stay_absent", "fault-hook"),
+    # a hybrid model's side pools (what SGLang's v2 transfers move)
+    ("IgnoresPool", "side_pool_pages_round_trip", "pool-round-trip"),
+    ("WarmNamespaceExists", "states_are_restorable_only_where_stored", "pool-trailing-states"),
 ]
 FILE_BASED = {
     "InPlaceFile",

@@ -653,3 +653,24 @@ __all__ += [
     "RemembersFailedWrites",
     "SkipsWideTensorTargets",
 ]
+
+
+class IgnoresPool(MemStore):
+    """Names objects by the namespace without its ``pool``: a hybrid model's side pools
+    (Mamba states, SWA pages) land on the KV pool's objects of the same keys."""
+
+    def _name(self, key: str) -> str:
+        import dataclasses
+
+        return f"{dataclasses.replace(self.namespace, pool='').digest}/{key}"
+
+
+class WarmNamespaceExists(MemStore):
+    """Answers ``exists`` from a per-namespace "warm" flag (any page stored there), as a
+    store that assumes pages only ever come as leading runs might: sparse states (a
+    Mamba state where a radix node ended) all look present."""
+
+    def exists(self, key: str) -> bool:
+        prefix = self.namespace.digest + "/"
+        with _LOCK:
+            return any(name.startswith(prefix) for name in _DATA)

@@ -3,7 +3,9 @@
 :class:`PoolView` gives the SDK's page protocol a checked view of an SGLang host pool
 (whole pages only, every segment inside the pool's KV buffer, one byte order for
 ``layer_first`` pages); :func:`pool_is_mla` and :func:`buffer_ranges` read what a pool
-says of itself. Used by :mod:`hicache_storage.integrations.sglang`.
+says of itself. Used by :mod:`hicache_storage.integrations.sglang` and
+:mod:`hicache_storage.sidepools`;
+no engine import.
 """
 
 from __future__ import annotations

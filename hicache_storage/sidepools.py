@@ -1,4 +1,4 @@
-"""SGLang's v2 pool transfers: a hybrid model's side pools in any backend.
+"""A hybrid model's side pools in any backend (what SGLang's v2 pool transfers move).
 
 A hybrid model keeps more than KV pages in SGLang's host memory: Mamba states, the
 sliding-window (SWA) pool, DeepSeek's indexer, a draft model's KV. SGLang registers each
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hicache_storage.errors import ConfigError
-from hicache_storage.integrations.sglangpool import PoolView, pool_is_mla
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
+from hicache_storage.poolview import PoolView, pool_is_mla
 from hicache_storage.protocol import HiCacheStorage
 from hicache_storage.registry import create_backend
 
