@@ -146,9 +146,10 @@ RULES_BY_AREA: dict[str, dict[str, str]] = {
             "namespace and in another pool's."
         ),
         "pool-trailing-states": (
-            "`exists` answers each key of a pool's namespace on its own (stored states at "
-            "pages 3 and 6 only): the adapter's `batch_exists_v2` then restores a 5-page "
-            "prefix at 3 pages and a 6-page one at 3 or 6, as SGLang's own backends do."
+            "`exists` and `batch_exists_each` answer each key of a pool's namespace on its "
+            "own (stored states at pages 3 and 6 only): the adapter's `batch_exists_v2` "
+            "then restores a 5-page prefix at 3 pages and a 6-page one at 3 or 6, as "
+            "SGLang's own backends do."
         ),
     },
     "the engine's shapes": {

@@ -161,6 +161,7 @@ _OPS: dict[str, _Op] = {
     ),
     "batch_set": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
     "batch_exists": _Op("batch", lambda n: 0, _check_count, lambda r: int(r)),
+    "batch_exists_each": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
     "batch_get_v1": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
     "batch_set_v1": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
     "batch_get_pages": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),

@@ -466,6 +466,15 @@ class HiCacheStorage(abc.ABC):
                 return i
         return len(keys)
 
+    def batch_exists_each(self, keys: list[str]) -> list[bool]:
+        """Whether each key is present, one answer per key (a miss does not stop it).
+
+        For stores whose pages are not leading runs: a hybrid model's Mamba or
+        sliding-window states exist only where a prefix ended. Note for implementers:
+        the default calls :meth:`exists` per key; a remote store should ask in one round.
+        """
+        return [self.exists(k) for k in keys]
+
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         """Read each key into its page buffer; True where the page landed completely.
 

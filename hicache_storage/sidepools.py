@@ -131,7 +131,7 @@ class SidePool:
 
     def present(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key's page is stored in this pool (one answer per key)."""
-        return [bool(self.backend.exists(k)) for k in keys]
+        return [bool(x) for x in self.backend.batch_exists_each(list(keys))]
 
 
 def _trailing(present: Sequence[bool], window: int) -> set[int]:

@@ -94,6 +94,11 @@ class WrapperBackend(HiCacheStorage):
         return self.inner.batch_exists(keys, extra_info)
 
     @override
+    def batch_exists_each(self, keys: list[str]) -> list[bool]:
+        self._before("batch_exists_each")
+        return self.inner.batch_exists_each(keys)
+
+    @override
     def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
         self._before("batch_get")
         return self.inner.batch_get(keys, targets)

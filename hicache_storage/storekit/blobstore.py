@@ -633,6 +633,11 @@ class BlobStore(HiCacheStorage, Generic[O]):
         return count
 
     @override
+    def batch_exists_each(self, keys: list[str]) -> list[bool]:
+        """Whether each key holds a value, asked for every key at once."""
+        return self._ask_exists("batch_exists_each", [self.object_name(k) for k in keys])
+
+    @override
     def delete(self, key: str) -> bool:
         name = self.object_name(key)
         with self._errors():
