@@ -23,9 +23,10 @@ What ``batch_exists_v2`` answers follows SGLang 0.5.23's own backends
 * ``restorable_prefix_pages`` lists every usable prefix length, which SGLang intersects
   across ranks; ``kv_hit_pages`` is the longest.
 
-A pool that cannot be moved is refused when it is registered, with the reason (the
-attach fails, nothing is half-moved); one registered after the attach that cannot be
-moved is answered as misses.
+A pool that cannot be moved is refused when it is registered, with the reason
+(registering raises: SGLang fails the attach, nothing is half-moved); a transfer for a
+pool that has no backend (never registered, or its backend did not attach in time) is
+answered as misses.
 """
 
 from __future__ import annotations
@@ -77,27 +78,33 @@ def _page_geometry(view: PoolView) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def side_namespace(kv: KVCacheNamespace, name: str, pool: Any) -> tuple[KVCacheNamespace, Any]:
+def side_namespace(
+    kv: KVCacheNamespace, name: str, pool: Any, identity: str = ""
+) -> tuple[KVCacheNamespace, Any]:
     """The namespace of side pool ``name``'s pages, and the view the backend moves them by.
 
-    The KV namespace (model, weights, tenant, layers...) plus the pool's name, layout and
-    page geometry (the bytes of each segment of a page) in ``pool``, and the pool's own
-    page size and dtype. Mamba states are per rank whatever the model; other pools are
-    rank-replicated only when the pool itself says it holds MLA pages.
+    The KV namespace (model, weights, logical KV dtype, tenant, layers...) plus, in the
+    ``pool`` field, the pool's name, layout, own dtype and page geometry (the bytes of
+    each segment of a page) and ``identity`` (what else tells two such pools apart: a
+    draft model's checkpoint); the page size is the pool's own. Rank sharing: Mamba
+    states are per rank whatever the model; a pool that says what it holds (MLA pages:
+    shared by every rank; MHA heads: per rank) is filed so; any other pool (an indexer,
+    DeepSeek's compressed pools) follows the KV pool, as SGLang's own backends file it
+    (in an MLA model only rank 0 writes those pools, and every rank reads them).
     """
     layout = str(getattr(pool, "layout", "") or "opaque")
-    dtype_attr = getattr(pool, "dtype", None)
     try:
-        dtype = normalize_dtype(dtype_attr) if dtype_attr is not None else "uint8"
+        own_dtype = normalize_dtype(getattr(pool, "dtype", None) or "uint8")
     except ConfigError:
-        dtype = "uint8"
-    replicated = name not in PER_RANK_POOLS and pool_is_mla(pool) is True
-    view = PoolView(pool, replicated, dtype, layout=layout)
+        own_dtype = "uint8"
+    says = pool_is_mla(pool)
+    replicated = name not in PER_RANK_POOLS and (says if says is not None else kv.rank_replicated)
+    view = PoolView(pool, replicated, kv.dtype, layout=layout)
     geometry = "+".join(str(s) for s in _page_geometry(view))
+    tag = f"{name}/{layout}/{own_dtype}/{geometry}" + (f"/{identity}" if identity else "")
     fields: dict[str, Any] = {
-        "pool": f"{name}/{layout}/{geometry}",
+        "pool": tag,
         "page_size": view.page_size,
-        "dtype": dtype,
         "object_layout": layout,
         "rank_replicated": replicated,
     }
@@ -117,10 +124,16 @@ class SidePool:
 
     @classmethod
     def build(
-        cls, name: str, pool: Any, kv: KVCacheNamespace, config: StorageConfig, backend_name: str
+        cls,
+        name: str,
+        pool: Any,
+        kv: KVCacheNamespace,
+        config: StorageConfig,
+        backend_name: str,
+        identity: str = "",
     ) -> SidePool:
         """The backend for ``pool``'s pages (raises what stops it: the attach fails)."""
-        namespace, view = side_namespace(kv, name, pool)
+        namespace, view = side_namespace(kv, name, pool, identity)
         backend = create_backend(backend_name, dataclasses.replace(config, namespace=namespace))
         try:
             backend.register_mem_pool_host(view)

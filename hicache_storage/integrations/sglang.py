@@ -148,6 +148,19 @@ def _server_kv_cache_dtype() -> str | None:
     return str(value) if value else None
 
 
+def _draft_identity() -> str:
+    """The speculative draft model's checkpoint in this server process ("" if unknown)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+        path = getattr(args, "speculative_draft_model_path", None)
+        revision = getattr(args, "speculative_draft_model_revision", None)
+    except Exception:  # noqa: BLE001 - not in a server (tests, tools): unknown
+        return ""
+    return f"{path}@{revision}" if path else ""
+
+
 def _metrics_class() -> type:
     try:
         from sglang.srt.observability.metrics_collector import StorageMetrics as Real
@@ -307,14 +320,18 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         if self._kv_attach is None:
             raise ConfigError(
                 f"SGLangStorage: pool {name!r} registered before the KV pool "
-                "(register_mem_pool_host); SGLang registers the KV pool first"
+                "(register_mem_pool_host) or after close(); SGLang registers the KV pool first"
             )
         kv_namespace, config = self._kv_attach
         with self._lock:
             attempt = self._attaches
 
+        identity = _draft_identity() if name.startswith("draft") else ""
+
         def attach() -> bool:
-            side = SidePool.build(name, host_pool, kv_namespace, config, self.backend_name)
+            side = SidePool.build(
+                name, host_pool, kv_namespace, config, self.backend_name, identity
+            )
             with self._lock:
                 current = attempt == self._attaches  # (not closed or attached again since)
                 old = self._sides.get(name) if current else side
@@ -595,11 +612,9 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         if backend is None:
             return _PoolTransferResult(0, {}, [])
         sides = dict(self._sides)
-        logical = getattr(self.mem_pool_host, "kv_buffer", True) is None  # (no KV bytes)
 
         def query() -> tuple[int, dict[str, int], list[int]]:
-            kv = len(keys) if logical else int(backend.batch_exists(keys))
-            return exists_fold(kv, transfers, sides, keys)
+            return exists_fold(int(backend.batch_exists(keys)), transfers, sides, keys)
 
         done, answer = self._query(query, "batch_exists_v2")
         if not done or answer is None:
@@ -650,11 +665,8 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
                 )
                 out[t.name] = [False] * len(keys)
                 continue
-            t0 = time.perf_counter()
-            got = list(getattr(side.backend, op)(keys, indices))
-            kind = "prefetch" if op == "batch_get_v1" else "backup"
-            self._note(kind, sum(got), 0, time.perf_counter() - t0)
-            out[t.name] = got
+            out[t.name] = list(getattr(side.backend, op)(keys, indices))  # (KV pages only
+            # count in SGLang's storage metrics, as its own backends count them)
         return out
 
     @failsafe(lambda self, args: _v2_failure(args))
@@ -681,7 +693,9 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
                 self.backend_name,
             )
             return
-        self._with_deadline(backend.clear, "clear")
+        # The side pools too: a state left behind would win over the one stored next.
+        for b in [*(side.backend for side in list(self._sides.values())), backend]:
+            self._with_deadline(b.clear, "clear")
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call (then reset), as its backends do."""
@@ -701,6 +715,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             backend, self.backend = self.backend, None
             self._attaches += 1  # (an attach still running closes what it built)
             sides, self._sides = list(self._sides.values()), {}
+            self._kv_attach = None  # (a pool registered after this gets no backend)
         self._exists_lane.close()
         for b in [backend, *(side.backend for side in sides)]:
             if b is not None:

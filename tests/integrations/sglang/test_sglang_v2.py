@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang_pools import backend_options, mamba_pool, mha_pool, mla_pool, page_bytes
 
+from hicache_storage.errors import ConfigError
 from hicache_storage.integrations.sglang import SGLangStorage
 
 MODULE = "hicache_storage.integrations.sglang"
@@ -400,3 +401,81 @@ def test_sglangs_controller_backs_up_queries_and_loads_a_hybrid_prefix(tmp_path:
     assert ours == theirs
     assert [r[0] for r in ours] == [3 * PS, 6 * PS]  # 5 pages: the state at 3 only
     assert all(acks[-1][1] == {"mamba": 1, "swa": 2} for _, acks, _ in ours)  # every page
+
+
+# --------------------------------------------------------------------------- review round
+
+
+def test_an_mla_models_undeclared_pools_are_shared_by_every_rank(tmp_path: Path) -> None:
+    """In an MLA model SGLang backs up the indexer and DeepSeek's pools on rank 0 only:
+    every rank must read them (a pool that says nothing of its heads follows the KV
+    pool). A DeepSeek V4 compressed pool stands in for the indexer."""
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+
+    def indexer() -> Any:
+        rows = [torch.randint(0, 256, (10, 96), dtype=torch.uint8) for _ in range(3)]
+        return DeepSeekV4PagedHostPool("deepseek_v4_c4", rows, 96, 9, PS, layout="page_first",
+                                       device="cpu", pin_memory=False)  # fmt: skip
+
+    stores, pools = [], []
+    for rank in range(2):
+        h = Hybrid(mla=True, seed=rank)
+        h.pools = {PoolName.KV: h.kv, PoolName.INDEXER: indexer()}
+        pools.append(h.pools[PoolName.INDEXER])
+        stores.append(h.attach(build("file", tmp_path, mla=True, tp_rank=rank)))
+    keys = keys_of(3, salt=10)
+    kv_idx = torch.arange(3 * PS)
+    assert stores[0].batch_set_v1(keys, kv_idx) == [True] * 3
+    t = PoolTransfer(PoolName.INDEXER, host_indices=kv_idx, keys=keys)
+    assert stores[0].batch_set_v2([t]) == {PoolName.INDEXER: [True] * 3}  # rank 0 only
+    hit = stores[1].batch_exists_v2(keys, [PoolTransfer(PoolName.INDEXER, keys=None)])
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (3, [1, 2, 3])
+    dst = torch.arange(4 * PS, 7 * PS)
+    got = stores[1].batch_get_v2([PoolTransfer(PoolName.INDEXER, host_indices=dst, keys=keys)])
+    assert got == {PoolName.INDEXER: [True] * 3}
+    assert pool_pages(pools[1], dst) == pool_pages(pools[0], kv_idx)
+    for s in stores:
+        s.close()
+
+
+def test_side_pools_keep_the_kv_dtype_and_the_draft_apart() -> None:
+    """fp8 formats are uint8 in every pool: the side namespace keeps the KV pool's logical
+    dtype, so an e4m3 deployment's states are never an e5m2 one's; a draft checkpoint's
+    identity keeps two drafts of one shape apart."""
+    from hicache_storage.keys import KVCacheNamespace
+    from hicache_storage.sidepools import side_namespace
+
+    pool = mamba_pool()
+    kv = {d: KVCacheNamespace(model_id="m", dtype=d, page_size=PS)
+          for d in ("float8_e4m3fn", "float8_e5m2")}  # fmt: skip
+    a, b = (side_namespace(ns, "mamba", pool)[0] for ns in kv.values())
+    assert a.digest != b.digest and a.dtype == "float8_e4m3fn"
+    draft = mha_pool("page_first", layers=1)
+    x = side_namespace(kv["float8_e4m3fn"], "draft", draft, "org/draft-a@main")[0]
+    y = side_namespace(kv["float8_e4m3fn"], "draft", draft, "org/draft-b@main")[0]
+    assert x.digest != y.digest
+
+
+def test_clear_removes_every_pools_pages(tmp_path: Path) -> None:
+    """After clear() a state stored again is the new one (first writer wins: an old state
+    left behind would have won)."""
+    h = Hybrid()
+    s = h.attach(build("file", tmp_path))
+    keys = keys_of(1, salt=11)
+    old, new = h.mamba.alloc(1), h.mamba.alloc(1)
+    assert pool_pages(h.mamba, old) != pool_pages(h.mamba, new)
+    assert s.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=old, keys=keys)]) == {
+        PoolName.MAMBA: [True]
+    }
+    s.clear()
+    assert s.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=new, keys=keys)]) == {
+        PoolName.MAMBA: [True]
+    }
+    dst = h.mamba.alloc(1)
+    s.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=dst, keys=keys)])
+    assert pool_pages(h.mamba, dst) == pool_pages(h.mamba, new)
+    s.close()
+    with pytest.raises(ConfigError, match="after close"):  # (SGLang's attach fails)
+        s.register_mem_host_pool_v2(h.swa, PoolName.SWA)
+    assert s.batch_get_v2([PoolTransfer(PoolName.SWA, host_indices=h.swa.alloc(PS),
+                                        keys=keys)]) == {PoolName.SWA: [False]}  # fmt: skip
