@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import logging
 import random
 import threading
 import time
@@ -55,11 +57,15 @@ __all__ = ["S3Backend"]
 T = TypeVar("T")
 
 
+logger = logging.getLogger(__name__)
+
 #: The longest object key S3 accepts, in bytes of UTF-8.
 S3_KEY_MAX_BYTES = 1024
 
 #: Tries at aborting a multipart upload that was cut short.
 ABORT_TRIES = 4
+#: Seconds an abort waits for the cut parts to stop, and close() for aborts under way.
+ABORT_WAIT = 5.0
 
 
 class S3Backend(BlobStore[S3Options]):
@@ -80,6 +86,7 @@ class S3Backend(BlobStore[S3Options]):
         self._writes = 0  # puts started so far (the negative cache's clock)
         self._written: dict[str, int] = {}  # object path -> the number of its last put
         self._closing = False
+        self._closing_fs: Any = None  # the client, for the aborts that close() waits for
         self._cleanups: set[asyncio.Task[None]] = set()  # aborts under way
         opts = self.options
         protocol, self._bucket, root = self._location()
@@ -224,9 +231,14 @@ class S3Backend(BlobStore[S3Options]):
         self._fs = None
         self._gate = None
 
-    async def _ready(self) -> tuple[Any, asyncio.Semaphore]:
-        """The client and the concurrency gate (rebuilt in a forked child)."""
+    async def _ready(self, cleanup: bool = False) -> tuple[Any, asyncio.Semaphore]:
+        """The client and the concurrency gate (rebuilt in a forked child).
+
+        Closing refuses new requests, except the ``cleanup`` of what was cut (aborts).
+        """
         if self._closing:
+            if cleanup and self._closing_fs is not None and self._gate is not None:
+                return self._closing_fs, self._gate  # (until the loop ends)
             raise BackendUnavailableError(f"{type(self).__name__} is closed")
         if self._fs is None or self._gate is None:
             self._gate = asyncio.Semaphore(self.options.max_concurrency)
@@ -248,16 +260,21 @@ class S3Backend(BlobStore[S3Options]):
 
         return request
 
-    def _s3_call(self, method: str, **kwargs: Any) -> Callable[[], Awaitable[Any]]:
+    def _s3_call(
+        self, method: str, *, cleanup: bool = False, **kwargs: Any
+    ) -> Callable[[], Awaitable[Any]]:
         async def request() -> Any:
-            fs, _ = await self._ready()
+            fs, _ = await self._ready(cleanup)
             return await fs._call_s3(method, **kwargs)
 
         return request
 
-    async def _call(self, request: Callable[[], Awaitable[Any]]) -> Any:
-        """One request, at most ``max_concurrency`` at once, retried on transient faults."""
-        _, gate = await self._ready()
+    async def _call(self, request: Callable[[], Awaitable[Any]], cleanup: bool = False) -> Any:
+        """One request, at most ``max_concurrency`` at once, retried on transient faults.
+
+        ``cleanup``: an abort, which closing lets through (see :meth:`_ready`).
+        """
+        _, gate = await self._ready(cleanup)
         attempt = 0
         while True:
             async with gate:
@@ -393,21 +410,27 @@ class S3Backend(BlobStore[S3Options]):
                 self._keep(self._abort_once_made(creating, bucket, key))
             raise
         upload = made["UploadId"]
-        try:
-            answers = await asyncio.gather(*[
+        parts_sent = [
+            asyncio.ensure_future(
                 self._call(self._s3_call("upload_part", Bucket=bucket, Key=key, UploadId=upload,
                                          PartNumber=n + 1, Body=data[off : off + part]))
-                for n, off in enumerate(range(0, len(data), part))
-            ])  # fmt: skip
+            )
+            for n, off in enumerate(range(0, len(data), part))
+        ]  # fmt: skip
+        try:
+            answers = await asyncio.gather(*parts_sent)
             parts = [{"PartNumber": n + 1, "ETag": a["ETag"]} for n, a in enumerate(answers)]
             await self._call(
                 self._s3_call("complete_multipart_upload", Bucket=bucket, Key=key,
                               UploadId=upload, MultipartUpload={"Parts": parts}, IfNoneMatch="*")
             )  # fmt: skip
         except BaseException:
-            # Cut short (an error, the deadline, a key already there): abort it, even while
-            # being cancelled, or its parts stay in the bucket (and are billed).
-            await asyncio.shield(self._keep(self._abort_upload(bucket, key, upload)))
+            # Cut short (an error, the deadline, a key already there): stop the other
+            # parts, then abort, even while being cancelled, or its parts stay in the
+            # bucket (and are billed).
+            for task in parts_sent:
+                task.cancel()
+            await self._outlast(self._keep(self._abort_after(parts_sent, bucket, key, upload)))
             raise
         return True
 
@@ -425,6 +448,31 @@ class S3Backend(BlobStore[S3Options]):
             return
         await self._abort_upload(bucket, key, made["UploadId"])
 
+    @staticmethod
+    async def _outlast(task: asyncio.Task[None]) -> None:
+        """Wait for ``task`` through any number of cancellations.
+
+        A closing loop cancels every task it sees, and gather cancels its children
+        again; bounded, since a cleanup ends on its own.
+        """
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(task)
+
+    async def _abort_after(
+        self, parts: Sequence[asyncio.Future[Any]], bucket: str, key: str, upload: str
+    ) -> None:
+        """Abort once the cancelled parts have stopped (none lands after the abort)."""
+        await asyncio.wait(parts, timeout=ABORT_WAIT)
+        await self._abort_upload(bucket, key, upload)
+
+    async def _drain_cleanups(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for the aborts under way, at close."""
+        for _ in range(3):  # (a call cut just now may still be starting its cleanup)
+            await asyncio.sleep(0)
+        if self._cleanups:
+            await asyncio.wait(set(self._cleanups), timeout=timeout)
+
     async def _abort_upload(self, bucket: str, key: str, upload: str) -> None:
         """Abort a multipart upload, retried (its parts are billed while it stays).
 
@@ -432,18 +480,29 @@ class S3Backend(BlobStore[S3Options]):
         that carried the cut parts may be the one that answers. What still fails is
         left to :meth:`clear`, which aborts every upload of the namespace.
         """
-        request = self._s3_call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+        request = self._s3_call(
+            "abort_multipart_upload", cleanup=True, Bucket=bucket, Key=key, UploadId=upload
+        )
         for attempt in range(ABORT_TRIES):
             try:
-                await self._call(request)
+                await self._call(request, cleanup=True)
                 return
             except FileNotFoundError:
                 return  # (NoSuchUpload: already gone)
             except Exception as exc:  # noqa: BLE001 - cleaning up after a failure
                 if error_code(exc) == "NoSuchUpload":
                     return
-                if attempt + 1 < ABORT_TRIES:
-                    await asyncio.sleep(0.1 * 2**attempt)
+                last = exc
+                if isinstance(exc, BackendUnavailableError) or attempt + 1 == ABORT_TRIES:
+                    break
+                await asyncio.sleep(0.1 * 2**attempt)
+        logger.warning(
+            "S3Backend: a cut multipart upload of %s could not be aborted (%s); its parts "
+            "stay until clear() or a bucket lifecycle rule (AbortIncompleteMultipartUpload) "
+            "removes them",
+            key,
+            type(last).__name__,
+        )
 
     async def _put_fs(self, path: str, data: bytes) -> bool | Present:
         """Any other fsspec filesystem: whole objects, first writer wins as far as it can."""
@@ -724,7 +783,13 @@ class S3Backend(BlobStore[S3Options]):
 
     @override
     def close(self) -> None:
+        self._closing_fs = self._fs
         self._closing = True
+        if self._cleanups or self._fs is not None:
+            # Aborts under way finish first (bounded): the loop's end would cancel them.
+            wait = min(self.options.deadline, ABORT_WAIT)
+            with contextlib.suppress(Exception):
+                self._loop.run(self._drain_cleanups(wait), wait + 1.0)
         LOG_SCRUB.forget(self._secrets)
         fs, self._fs = self._fs, None
         final = None

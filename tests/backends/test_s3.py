@@ -3,6 +3,7 @@ other fsspec filesystems (``memory://``, ``file://``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import sys
@@ -773,6 +774,84 @@ def test_an_upload_made_after_its_create_was_cut_is_aborted(moto: MotoServer) ->
         b.clear()
         b.close()
         proxy.close()
+
+
+def test_close_during_a_multipart_put_aborts_it(moto: MotoServer) -> None:
+    """close() while a multipart upload has a part on the wire (held by the proxy): the
+    put is cut, and its abort still goes out before the loop ends: no parts are left."""
+    proxy = FaultProxy(moto.port)
+    b = backend(**options(moto, endpoint_url=proxy.endpoint, multipart_threshold=10 * 2**20,
+                          deadline=30.0))  # fmt: skip
+    s3 = moto.client()
+    prefix = b._key_prefix()
+    try:
+        proxy.stall_if = lambda method, path: method == "PUT" and "partNumber=2" in path
+        big = torch.randint(0, 256, (12 * 2**20,), dtype=torch.uint8)
+        out: list[Any] = []
+        writer = threading.Thread(target=lambda: out.append(b.set("big", big)))
+        writer.start()
+        deadline = time.monotonic() + 30  # (a bound for a hang)
+        while not any(
+            s3.list_parts(Bucket=BUCKET, Key=u["Key"], UploadId=u["UploadId"]).get("Parts")
+            for u in s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])
+        ):  # part 1 stored, part 2 held
+            assert time.monotonic() < deadline, "the upload never started"
+            time.sleep(0.05)
+        b.close()
+        writer.join(30)
+        assert out == [False]
+        proxy.stall_if = None
+        assert not s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads")
+    finally:
+        proxy.stall_if = None
+        b.close()
+        proxy.close()
+
+
+def test_a_failed_part_stops_the_others_before_the_abort(moto: MotoServer) -> None:
+    """One part fails outright: the parts still running are stopped before the abort is
+    sent, so none of them lands (or is retried) after it."""
+    b = backend(**options(moto, multipart_threshold=10 * 2**20, deadline=30.0))
+    events: list[str] = []
+    real = b._s3_call
+
+    def spy(method: str, **kw: Any) -> Any:
+        request = real(method, **kw)
+
+        async def wrapped() -> Any:
+            part = kw.get("PartNumber")
+            if method == "upload_part" and part == 1:
+                raise PermissionError("part 1 refused")
+            if method == "upload_part":
+                try:
+                    await asyncio.sleep(1.0)  # a slow part
+                except asyncio.CancelledError:
+                    events.append(f"part {part} stopped")
+                    raise
+                events.append(f"part {part} sent")
+            if method == "abort_multipart_upload":
+                events.append("abort")
+            return await request()
+
+        return wrapped
+
+    b._s3_call = spy
+    try:
+        assert b.set("big", torch.randint(0, 256, (12 * 2**20,), dtype=torch.uint8)) is False
+        deadline = time.monotonic() + 30
+        while "abort" not in events:
+            assert time.monotonic() < deadline, f"no abort: {events}"
+            time.sleep(0.05)
+        time.sleep(1.5)  # (a part left running would be sent by now)
+        assert events[-1] == "abort" and "stopped" in " ".join(events), events
+        assert not any(e.endswith("sent") for e in events), events
+        assert (
+            not moto.client()
+            .list_multipart_uploads(Bucket=BUCKET, Prefix=b._key_prefix())
+            .get("Uploads")
+        )
+    finally:
+        b.close()
 
 
 def test_secrets_never_reach_the_client_logs(
