@@ -36,8 +36,11 @@ BLOCK = 32  # tokens per block (the CPU attention backend needs a multiple of 32
 MAX_TOKENS = 8  # generated per prompt
 
 
-def build_tiny_model(out: Path, seed: int = 0) -> Path:
-    """Write the tiny Llama and its tokenizer to ``out`` (weights made from ``seed``)."""
+def build_tiny_model(out: Path, seed: int = 0, **config: Any) -> Path:
+    """Write the tiny Llama and its tokenizer to ``out`` (weights made from ``seed``).
+
+    ``config`` overrides the Llama config (``sliding_window``, ``layer_types``...).
+    """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -57,7 +60,7 @@ def build_tiny_model(out: Path, seed: int = 0) -> Path:
         vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        torch_dtype="bfloat16", **config,
     )  # fmt: skip
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
     return out
@@ -205,7 +208,7 @@ def main(plan_path: str) -> None:
         mp = "1" if run.get("multiprocessing") else "0"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = mp
         with engine(Path(plan["model"]), run["backend"], run.get("options")) as llm:
-            results.append(generate(llm, run["prompts"]))
+            results.append(generate(llm, run["prompts"], run.get("max_tokens", MAX_TOKENS)))
     print("RESULT " + json.dumps(results), flush=True)
 
 

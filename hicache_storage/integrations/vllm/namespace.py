@@ -31,11 +31,16 @@ def the_group(kv_cache_config: Any) -> Any:
             f"{len(groups)} ({[type(g.kv_cache_spec).__name__ for g in groups]})"
         )
     spec = groups[0].kv_cache_spec
-    if not isinstance(spec, (FullAttentionSpec, MLAAttentionSpec)) or (
-        getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
-    ):
+    # A model with sliding-window or chunked layers beside full ones: vLLM (its hybrid
+    # allocator off, as it turns it off for this connector) files every layer as full
+    # attention, the window kept on the spec: every block of every layer stays, so the
+    # blocks move as any full-attention block does.
+    if not isinstance(spec, (FullAttentionSpec, MLAAttentionSpec)):
+        local = "sliding-window" if getattr(spec, "sliding_window", None) else "local"
         raise ConfigError(
-            f"HiCacheKVConnector moves full-attention KV blocks, not {type(spec).__name__}"
+            f"HiCacheKVConnector moves full-attention KV blocks, not {type(spec).__name__}: "
+            f"in a model whose every layer is {local}, vLLM keeps only each request's "
+            "window of blocks, which the connector does not move yet"
         )
     return groups[0]
 

@@ -466,3 +466,40 @@ def test_flipped_bytes_in_shm_never_change_the_output_by_default(
         t = totals(llm)
     assert out["tokens"] == expected["D"]
     assert t["load_failed_blocks"] == 2 and t["load_blocks"] == 0
+
+
+def test_a_sliding_window_model_hits_and_answers_as_without_the_store(tmp_path: Path) -> None:
+    """A model with a sliding-window layer beside a full one (Gemma's and gpt-oss's kind):
+    vLLM, its hybrid allocator off for this connector, keeps every block of every layer,
+    so the second identical prompt is a hit, in this process and in a new one, and the
+    output is the one vLLM gives without the connector."""
+    from vllm_engine import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "swa-model", seed=5, sliding_window=16,
+                             layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    prompt = list(range(300, 400))  # 100 tokens: 3 full blocks, well past the window
+    with engine(model, None) as llm:
+        want = generate(llm, [prompt], max_tokens=12)[0]["tokens"]
+    options = {"root": str(tmp_path / "kv")}
+    with engine(model, "file", options) as llm:
+        first = generate(llm, [prompt], max_tokens=12)[0]
+        assert first["cached"] == 0 and first["tokens"] == want
+        again = generate(llm, [prompt], max_tokens=12)[0]
+        assert again["cached"] == 3 * BLOCK and again["tokens"] == want
+        assert totals(llm)["load_failed_blocks"] == 0
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": str(model), "runs": [
+        {"backend": "file", "options": options, "prompts": [prompt], "max_tokens": 12},
+    ]}))  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(WORKERS), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "vllm_engine.py"), str(plan)],
+        check=False, capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    ((new,),) = json.loads(lines[-1].removeprefix("RESULT "))
+    assert new["cached"] == 3 * BLOCK and new["tokens"] == want  # a new process: from the store
