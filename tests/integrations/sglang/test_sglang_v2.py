@@ -45,9 +45,11 @@ def config(extra: dict[str, Any], *, mla: bool = False, tp_rank: int = 0) -> HiC
     )  # fmt: skip
 
 
-def build(name: str, tmp_path: Path, *, mla: bool = False, tp_rank: int = 0) -> SGLangStorage:
+def build(
+    name: str, tmp_path: Path, *, mla: bool = False, tp_rank: int = 0, **options: Any
+) -> SGLangStorage:
     extra = {"backend_name": name, "module_path": MODULE, "class_name": "SGLangStorage",
-             "interface_v1": True, **backend_options(name, tmp_path)}  # fmt: skip
+             "interface_v1": True, **backend_options(name, tmp_path), **options}  # fmt: skip
     backend = StorageBackendFactory.create_backend("dynamic", config(extra, mla=mla,
                                                    tp_rank=tp_rank), None)  # fmt: skip
     assert isinstance(backend, SGLangStorage)
@@ -479,3 +481,45 @@ def test_clear_removes_every_pools_pages(tmp_path: Path) -> None:
         s.register_mem_host_pool_v2(h.swa, PoolName.SWA)
     assert s.batch_get_v2([PoolTransfer(PoolName.SWA, host_indices=h.swa.alloc(PS),
                                         keys=keys)]) == {PoolName.SWA: [False]}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_deepseek_v4_compressed_pools_round_trip_in_every_layout(
+    tmp_path: Path, layout: str
+) -> None:
+    """SGLang's DeepSeek V4 paged pool (uint8 rows per layer; in layer_first a list of
+    per-layer tensors, so a page is one segment per layer)."""
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+
+    def pool() -> Any:
+        rows = [torch.randint(0, 256, (10, 96), dtype=torch.uint8) for _ in range(3)]
+        return DeepSeekV4PagedHostPool("deepseek_v4_c4", rows, 96, 9, PS, layout=layout,
+                                       device="cpu", pin_memory=False)  # fmt: skip
+
+    stores, pools = [], []
+    for seed in (1, 2):
+        h = Hybrid(mla=True, seed=seed)
+        h.pools = {PoolName.KV: h.kv, PoolName.DEEPSEEK_V4_C4: pool()}
+        pools.append(h.pools[PoolName.DEEPSEEK_V4_C4])
+        stores.append(h.attach(build("shm", tmp_path, mla=True)))
+    keys = keys_of(2, salt=12)
+    src, dst = torch.arange(PS, 3 * PS), torch.arange(5 * PS, 7 * PS)
+    out = stores[0].batch_set_v2([PoolTransfer(PoolName.DEEPSEEK_V4_C4, host_indices=src,
+                                               keys=keys)])  # fmt: skip
+    assert out == {PoolName.DEEPSEEK_V4_C4: [True, True]}
+    got = stores[1].batch_get_v2([PoolTransfer(PoolName.DEEPSEEK_V4_C4, host_indices=dst,
+                                               keys=keys)])  # fmt: skip
+    assert got == out
+    assert pool_pages(pools[1], dst) == pool_pages(pools[0], src)
+    for s in stores:
+        s.close()
+
+
+def test_a_kv_pool_with_no_bytes_is_refused_at_attach(tmp_path: Path) -> None:
+    """DeepSeek V4's logical KV anchor holds no bytes: refused, with the reason."""
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+
+    s = build("file", tmp_path, mla=True, kv_cache_dtype="fp8_e4m3")  # (its dtype: uint8)
+    with pytest.raises(ConfigError, match="no host memory"):
+        s.register_mem_pool_host(LogicalHostPool(32, PS))
+    s.close()
