@@ -46,6 +46,7 @@ __all__ = [
     "normalize_dtype",
     "object_name",
     "page_hashes",
+    "partial_page_hash",
     "storage_namespace_seed",
     "validate_key",
 ]
@@ -130,6 +131,23 @@ def page_hashes(
         prev = h.digest()
         out.append(prev.hex())
     return out
+
+
+def partial_page_hash(
+    token_ids: Sequence[Any], prior_hash: str | None = None, namespace_seed: str | None = None
+) -> str:
+    """The key of a page of which only ``token_ids`` (fewer than a page) have KV.
+
+    Chained like :func:`page_hashes` (``prior_hash``: the full page before it), with a
+    domain tag and the token count, so it is never the key of a full page, nor of another
+    length of the same partial page.
+    """
+    prior = prior_hash if prior_hash is not None else namespace_seed
+    h = hashlib.sha256(b"hicache-partial-page\0")
+    h.update(_prior_bytes(prior))
+    h.update(len(token_ids).to_bytes(8, "little"))
+    h.update(_encode_page(token_ids))
+    return h.hexdigest()
 
 
 def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str | None:

@@ -50,5 +50,6 @@ VLLM_ADAPTER_KEYS = frozenset(
         "store_output_tokens",
         "async_saves",
         "async_loads",
+        "partial_blocks",
     }
 )

@@ -125,6 +125,22 @@ def engine(
         gc.collect()
 
 
+def finish_steps(llm: Any) -> None:
+    """Step an in-process engine core while its scheduler still holds finished requests.
+
+    vLLM's engine-core loop (a server's, and LLM's own with its engine core in a process
+    of its own, the default) keeps stepping after the last output while a connector has
+    delayed a free: that step carries the finished requests' last stores. ``LLM``'s
+    loop in this process stops at the last output instead; this runs what the other
+    loop would.
+    """
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # (in-process only)
+    for _ in range(8):
+        if core is None or not core.scheduler.has_requests():
+            return
+        core.step()
+
+
 def generate(
     llm: Any, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
 ) -> list[dict[str, Any]]:
@@ -136,6 +152,7 @@ def generate(
         SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
         use_tqdm=False,
     )
+    finish_steps(llm)
     return [
         {
             "cached": int(o.num_cached_tokens or 0),

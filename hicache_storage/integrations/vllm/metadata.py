@@ -33,6 +33,7 @@ COUNTERS = (
     "load_seconds",
     "background_loads",
     "save_blocks",
+    "save_partial_blocks",
     "save_failed_blocks",
     "save_bytes",
     "save_seconds",
@@ -77,6 +78,8 @@ class SaveSpec:
     block_ids: list[int]
     prefix_block_ids: list[int] = field(default_factory=list)
     computed_from: int = 0
+    #: The last, partly computed block of a finished request (counted apart).
+    partial: bool = False
 
 
 @dataclass

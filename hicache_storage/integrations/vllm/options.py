@@ -46,6 +46,12 @@ class ConnectorOptions:
             background while other requests run (so a large load never stalls their
             decoding), else before the forward pass (the lowest TTFT for a lone
             request), and always before it with tensor parallelism.
+        partial_blocks: a finished request's last, partly computed block (the end of an
+            answer) is stored with the tokens that have KV, and a lookup whose full
+            blocks end right before such a block loads it too, so the next turn computes
+            from where the answer's KV ends, not from that block's start (with
+            ``async_saves``; one object per finished request, one more existence query
+            per lookup).
     """
 
     model_id: str | None = None
@@ -57,6 +63,7 @@ class ConnectorOptions:
     store_output_tokens: int = 8192
     async_saves: bool = True
     async_loads: bool | None = None
+    partial_blocks: bool = True
 
     def __post_init__(self) -> None:
         """Check the options; :class:`ConfigError` says what is allowed."""

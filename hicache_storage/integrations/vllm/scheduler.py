@@ -25,7 +25,7 @@ from hicache_storage.integrations.deadline import Lane
 from hicache_storage.integrations.vllm.metadata import HiCacheConnectorMetadata, LoadSpec, SaveSpec
 from hicache_storage.integrations.vllm.namespace import request_seed
 from hicache_storage.integrations.vllm.side import ConnectorSide, Settings
-from hicache_storage.keys import page_hashes
+from hicache_storage.keys import page_hashes, partial_page_hash
 from hicache_storage.registry import create_backend
 
 if TYPE_CHECKING:
@@ -45,13 +45,15 @@ class _Req:
     request: Any = None  # vLLM's Request: its token ids grow as it generates
     seed: str | None = None  # the chain's namespace seed
     local_blocks: int = 0  # vLLM's own prefix hit, in blocks, at the lookup
-    load: tuple[int, int] | None = None  # blocks [start, end) to load
+    load: tuple[int, int, list[str]] | None = None  # blocks [start, end) to load, their keys
     block_ids: list[int] = field(default_factory=list)
     computed_from: int = 0  # first block this request computes (after hits and loads)
     done: int | None = None  # tokens computed once the last planned step has run
     saves_sent: bool = False  # a store of its blocks was planned (async: may still read them)
     background_load: bool = False  # its hit loads while vLLM runs others (async load)
     load_pending: bool = False  # a background load was sent; the request not scheduled since
+    #: A stored partial block right after the leading run: (its key, tokens with KV).
+    partial: tuple[str, int] | None = None
 
 
 class SchedulerSide(ConnectorSide):
@@ -64,6 +66,8 @@ class SchedulerSide(ConnectorSide):
         self._delayed: list[str] = []
         #: Background loads planned since the last step (their requests wait for them).
         self._background_loads: list[LoadSpec] = []
+        #: Partial last blocks of finished requests, to store with the next step.
+        self._finish_saves: list[SaveSpec] = []
         #: One backend per distinct shard: a block is a hit only if every rank's is stored.
         self.lookup_backends: list[HiCacheStorage] = []
         self._lookup_lane = Lane("hicache-vllm-lookup")
@@ -126,6 +130,19 @@ class SchedulerSide(ConnectorSide):
         cap = state.prompt_len + self.settings.options.store_output_tokens
         return min(len(self._tokens(state)), cap)
 
+    def _partial_keys(self, state: _Req, block: int, most: int) -> list[tuple[str, int]]:
+        """Keys of the partial versions of block ``block``, longest first.
+
+        Its first ``most`` tokens down to its first one, each with its token count.
+        """
+        bs = self.block_size
+        tokens = list(self._tokens(state)[block * bs : block * bs + most])
+        prior = state.keys[block - 1] if block > 0 else None
+        return [
+            (partial_page_hash(tokens[:m], prior_hash=prior, namespace_seed=state.seed), m)
+            for m in range(len(tokens), 0, -1)
+        ]
+
     def _extend_keys(self, state: _Req) -> None:
         """Key the request's full blocks of generated tokens known by now (chained on)."""
         bs = self.block_size
@@ -186,20 +203,35 @@ class SchedulerSide(ConnectorSide):
         num_tokens = len(self._tokens(state))
         limit = -(-(num_tokens - 1) // self.block_size)
         stored = 0
+        state.partial = None
         if self.settings.load_on and state.keys and self.ready():
             t0 = time.perf_counter()
             backends, keys = list(self.lookup_backends), state.keys
+            bs = self.block_size
+            partial_on = self.settings.options.partial_blocks
 
-            def lookup(job: Job[Any] | None) -> int:
+            def lookup(job: Job[Any] | None) -> tuple[int, tuple[str, int] | None]:
                 run = len(keys)
                 for backend in backends:
                     run = min(run, int(backend.batch_exists(keys[:run])))
                     if run == 0 or (job is not None and job.cut):
-                        break
-                return run
+                        return run, None
+                # After the run, the block a finished request left partly computed (the
+                # last block of an answer): the longest stored version, on every rank.
+                most = min(bs - 1, num_tokens - 1 - run * bs)
+                if most <= 0 or not partial_on:
+                    return run, None
+                candidates = self._partial_keys(state, run, most)
+                have = [True] * len(candidates)
+                for backend in backends:
+                    answers = backend.batch_exists_each([k for k, _ in candidates])
+                    have = [a and bool(b) for a, b in zip(have, answers, strict=True)]
+                found = [c for c, ok in zip(candidates, have, strict=True) if ok]
+                return run, (found[0] if found else None)
 
             ok, found = self.on_lane(self._lookup_lane, lookup, "lookup")
-            stored = int(found or 0) if ok else 0
+            stored, partial = found if ok and found is not None else (0, None)
+            state.partial = partial
             self.count(
                 lookups=1,
                 lookup_blocks=limit,
@@ -208,6 +240,8 @@ class SchedulerSide(ConnectorSide):
             )
         state.stored = stored
         hit_tokens = min(min(stored, limit) * self.block_size, num_tokens - 1)
+        if state.partial is not None and stored <= limit:
+            hit_tokens = min(stored * self.block_size + state.partial[1], num_tokens - 1)
         if retry_failed:
             state.stored = local  # (what vLLM recomputes is stored again)
             return 0, False
@@ -260,19 +294,19 @@ class SchedulerSide(ConnectorSide):
         # Blocks holding the hit: the last one may hold the token vLLM computes, and is
         # loaded whole (vLLM writes that token's KV over its slot afterwards).
         end = start + -(-int(num_external_tokens) // self.block_size)
-        end = min(end, state.stored, len(state.keys))
+        keys = state.keys[start : min(end, state.stored, len(state.keys))]
+        if state.partial is not None and end > state.stored >= start:
+            keys.append(state.partial[0])  # (loaded whole: vLLM computes the rest of it)
+        end = start + len(keys)
+        state.load = (start, end, keys)
         state.computed_from = end
         if state.background_load:
             # The request is not scheduled until its load is reported: its blocks are
             # known now, and the load goes to the workers with the next step.
             ids = list(blocks.get_block_ids()[0])
-            self._background_loads.append(
-                LoadSpec(request.request_id, state.keys[start:end], ids[start:end], True)
-            )
+            self._background_loads.append(LoadSpec(request.request_id, keys, ids[start:end], True))
             state.load = None
             state.load_pending = True
-            return
-        state.load = (start, end)
 
     def build_connector_meta(self, scheduler_output: Any) -> HiCacheConnectorMetadata:
         """The step's loads (blocks promised to vLLM) and saves (full blocks computed now).
@@ -317,6 +351,8 @@ class SchedulerSide(ConnectorSide):
                 self._request_failed(meta, req_id, state, exc)
         # Last, once nothing can raise: a delayed free and a background load are each
         # sent exactly once (a request waits for both).
+        meta.saves.extend(self._finish_saves)
+        self._finish_saves = []
         meta.delayed_frees, self._delayed = self._delayed, []
         meta.loads.extend(self._background_loads)
         self._background_loads = []
@@ -361,9 +397,9 @@ class SchedulerSide(ConnectorSide):
     def _send_load(meta: HiCacheConnectorMetadata, req_id: str, state: _Req) -> None:
         """Put ``state``'s pending load (blocks vLLM counts as computed) in ``meta``."""
         if state.load is not None:
-            a, b = state.load
+            a, b, keys = state.load
             state.load = None
-            meta.loads.append(LoadSpec(req_id, state.keys[a:b], state.block_ids[a:b]))
+            meta.loads.append(LoadSpec(req_id, keys, state.block_ids[a:b]))
 
     def _plan(
         self,
@@ -422,7 +458,43 @@ class SchedulerSide(ConnectorSide):
             # Finished (aborted) while its background load runs: vLLM itself keeps the
             # blocks until the load is reported; a second delay would report it twice.
             return False, None
-        if state is not None and state.saves_sent and self.settings.options.async_saves:
-            self._delayed.append(req_id)
-            return True, None
+        if state is not None and self.settings.options.async_saves:
+            if self._save_partial(req_id, state, block_ids):
+                state.saves_sent = True
+            if state.saves_sent:
+                self._delayed.append(req_id)
+                return True, None
         return False, None
+
+    def _save_partial(self, req_id: str, state: _Req, block_ids: list[int]) -> bool:
+        """Plan the store of a finished request's last, partly computed block.
+
+        Its tokens with KV (all but the last sampled token's, in an answer) are keyed
+        as a partial block: the next turn, which sends them again, loads it and computes
+        from there instead of from the block's start. Sent with the next step's
+        metadata, before vLLM frees the block (the free is delayed for it).
+        """
+        if not (self.settings.save_on and self.settings.options.partial_blocks):
+            return False
+        if state.done is None:
+            return False
+        bs = self.block_size
+        done = min(state.done, self._known_tokens(state))
+        full, m = divmod(done, bs)
+        if not 0 < full <= len(state.keys) or m == 0 or full != state.stored:
+            return False  # (nothing partial, or the blocks before it are not all stored)
+        if full >= len(block_ids):
+            return False
+        tokens = list(self._tokens(state)[full * bs : full * bs + m])
+        key = partial_page_hash(tokens, prior_hash=state.keys[full - 1])
+        self._finish_saves.append(
+            SaveSpec(
+                req_id,
+                [key],
+                [int(block_ids[full])],
+                prefix_block_ids=[*state.block_ids[:full], int(block_ids[full])],
+                computed_from=state.computed_from,
+                partial=True,
+            )
+        )
+        return True

@@ -474,8 +474,9 @@ class WorkerSide(ConnectorSide):
         blocks = [b for s in specs for b in s.block_ids]
         if not keys:
             return
+        partial = [s.partial for s in specs for _ in s.keys]
         if self.settings.options.async_saves:
-            self._store_in_background(specs, keys, blocks)
+            self._store_in_background(specs, keys, blocks, partial)
             return
         t0 = time.perf_counter()
         mover = self.mover if self.ready() else None
@@ -495,15 +496,17 @@ class WorkerSide(ConnectorSide):
             done, result = False, None
         ok = list(result) if done and result is not None else [False] * len(keys)
         good = sum(ok)
+        parts = sum(x and p for x, p in zip(ok, partial, strict=False))
         self.count(
-            save_blocks=good,
+            save_blocks=good - parts,
+            save_partial_blocks=parts,
             save_failed_blocks=len(ok) - good,
             save_bytes=good * self.pool.page_bytes,
             save_seconds=time.perf_counter() - t0,
         )
 
     def _store_in_background(
-        self, specs: list[SaveSpec], keys: list[str], blocks: list[int]
+        self, specs: list[SaveSpec], keys: list[str], blocks: list[int], partial: list[bool]
     ) -> None:
         """Queue the step's stores on the background thread (see the module docs)."""
         with self._lock:
@@ -533,13 +536,15 @@ class WorkerSide(ConnectorSide):
             ok = list(job.result) if job.error is None and job.result is not None else []
             ok += [False] * (len(keys) - len(ok))
             good = sum(ok)
+            parts = sum(x and p for x, p in zip(ok, partial, strict=False))
             if job.error is not None:
                 self.count(hook_errors=1)
                 self._log(
                     "save", "HiCacheKVConnector: a store failed (%s)", self.failure(job.error)
                 )
             self.count(
-                save_blocks=good,
+                save_blocks=good - parts,
+                save_partial_blocks=parts,
                 save_failed_blocks=len(ok) - good if not job.cut else 0,
                 save_cut_blocks=len(ok) - good if job.cut else 0,
                 save_bytes=good * page_bytes,

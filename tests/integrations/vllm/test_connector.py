@@ -58,7 +58,8 @@ def test_second_prompt_is_served_from_the_store(
         assert first["cached"] == 0 and first["tokens"] == expected["A"]
         t = totals(llm)
         assert t["save_blocks"] == 2 and t["save_failed_blocks"] == 0  # A's 2 full blocks
-        assert len(_files(root)) == 2
+        assert t["save_partial_blocks"] == 1  # and its last block, partly computed
+        assert len(_files(root)) == 3
 
         again = generate(llm, [A])[0]
         assert again["cached"] == 2 * BLOCK  # the block-aligned prefix, from the store
@@ -87,8 +88,9 @@ def test_second_prompt_is_served_from_the_store(
         assert totals(llm)["hook_errors"] == 0
 
 
-# A chat: turn 1's prompt (70 tokens) and 60 generated tokens hold 4 full blocks (the KV
-# of all but the last generated token is computed); turn 2 is all of it and 10 new tokens.
+# A chat: turn 1's prompt (70 tokens) and 60 generated tokens hold 4 full blocks and one
+# token (the KV of all but the last generated token is computed); turn 2 is all of it and
+# 10 new tokens.
 TURN1 = list(range(40, 110))
 TURN1_OUT = 60
 
@@ -110,10 +112,12 @@ def test_the_next_turn_hits_through_the_previous_answer(tiny_model: Path, tmp_pa
             runs[cap] = (stored, generate(llm, [turn2])[0])
     stored, out = runs[8192]
     assert stored == 4  # 2 prompt blocks, and 2 blocks of the answer
-    assert out["cached"] == 4 * BLOCK and out["tokens"] == want
+    # ... and the answer's last block, whose one token with KV (the 129th) is stored as
+    # a partial block: the next turn computes from token 129, not 128.
+    assert out["cached"] == 4 * BLOCK + 1 and out["tokens"] == want
     stored, out = runs[0]  # prompt blocks only: the answer is recomputed
     assert stored == 2
-    assert out["cached"] == 2 * BLOCK and out["tokens"] == want
+    assert out["cached"] == len(TURN1) and out["tokens"] == want  # (its 6-token tail too)
 
 
 def test_a_full_hit_computes_one_token_and_the_output_is_unchanged(
@@ -225,7 +229,8 @@ def test_damaged_or_lost_objects_never_change_the_output(
     tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
 ) -> None:
     root = tmp_path / "kv"
-    with engine(tiny_model, "file", {"root": str(root)}) as llm:
+    # (partial_blocks off: the test counts and damages the objects of full blocks)
+    with engine(tiny_model, "file", {"root": str(root), "partial_blocks": False}) as llm:
         assert generate(llm, [D])[0]["tokens"] == expected["D"]
         objects = _files(root)
         assert len(objects) == 2
@@ -262,7 +267,7 @@ def test_a_failing_backend_never_fails_a_request(
     tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
 ) -> None:
     sys.path.insert(0, str(WORKERS))
-    options = {"root": str(tmp_path / "kv")}
+    options = {"root": str(tmp_path / "kv"), "partial_blocks": False}  # (counts full blocks)
     try:
         with engine(tiny_model, "vllm_faults:FlakyFile", options) as llm:
             runs: list[tuple[str, str]] = [

@@ -205,10 +205,38 @@ def test_chunked_prefill_stores_each_block_once_then_a_new_request_loads_them(co
                  finished={"r1"})  # fmt: skip
     assert m.delayed_frees == ["r1"] and m.sent == {"r1"}
     assert [(s.block_ids, len(s.keys)) for s in m.loads] == [([20, 21, 22], 3)]
-    assert m.saves == []  # every full block is already stored
+    # r2's full blocks are all stored already; r1's last block (4 tokens with KV) is
+    # stored as a partial block before vLLM frees it.
+    assert [(s.req_id, s.block_ids) for s in m.saves] == [("r1", [13])]
     assert all(same(block(kv, b), s) for b, s in zip((20, 21, 22), stored, strict=True))
     assert worker.get_block_ids_with_load_errors() == set()
     assert sched.totals["lookup_hit_blocks"] == 3
+
+
+def test_a_finished_requests_partial_last_block_serves_the_next_turn(config: Any) -> None:
+    """A prompt of 100 tokens (3 blocks and 4 tokens): at the end, its last block is
+    stored as a partial block of 4 tokens. The next turn sends those 100 tokens and 10
+    more: it loads the 3 blocks and the partial one, and computes from token 100, not 96."""
+    sched, worker, kv = pair(config, seed=61)
+    r = request("r1", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    run_step(sched, worker, step([new_req("r1", [5, 9, 12, 13], 0)], scheduled={"r1": 100}))
+    assert sched.request_finished(r, [5, 9, 12, 13]) == (True, None)
+    m = run_step(sched, worker, step(), finished={"r1"})
+    assert [(s.block_ids, len(s.keys)) for s in m.saves] == [([13], 1)] and m.sent == {"r1"}
+    assert worker.totals["save_blocks"] == 3 and worker.totals["save_partial_blocks"] == 1
+    partial = block(kv, 13)
+    turn2 = request("r2", [*PROMPT, *range(700, 710)])
+    assert sched.get_num_new_matched_tokens(turn2, 0) == (100, False)  # not 96
+    sched.update_state_after_alloc(turn2, None, 100)
+    m = run_step(sched, worker, step([new_req("r2", [20, 21, 22, 23], 100)],
+                                      scheduled={"r2": 10}))  # fmt: skip
+    assert [(s.block_ids, len(s.keys)) for s in m.loads] == [([20, 21, 22, 23], 4)]
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert same(block(kv, 23), partial)  # loaded whole; vLLM computes from slot 4 on
+    # Another 4-token tail that differs: never a hit of that partial block.
+    other = request("r3", [*PROMPT[:96], 1, 2, 3, 4, *range(700, 710)])
+    assert sched.get_num_new_matched_tokens(other, 0) == (96, False)
 
 
 def test_generated_blocks_are_stored_once_their_kv_and_tokens_exist(config: Any) -> None:
