@@ -47,6 +47,7 @@ __all__ = [
     "object_name",
     "page_hashes",
     "partial_page_hash",
+    "partial_page_hashes",
     "storage_namespace_seed",
     "validate_key",
 ]
@@ -133,21 +134,38 @@ def page_hashes(
     return out
 
 
-def partial_page_hash(
+def partial_page_hashes(
     token_ids: Sequence[Any], prior_hash: str | None = None, namespace_seed: str | None = None
-) -> str:
-    """The key of a page of which only ``token_ids`` (fewer than a page) have KV.
+) -> list[str]:
+    """The keys of the partial pages holding ``token_ids[:1]``, ``[:2]``... and all of it.
+
+    A partial page has fewer tokens than a page, and only those have KV.
 
     Chained like :func:`page_hashes` (``prior_hash``: the full page before it), with a
-    domain tag and the token count, so it is never the key of a full page, nor of another
-    length of the same partial page.
+    domain tag, each token length-prefixed and the token count last: never the key of
+    a full page, nor of another length of the same partial page. One pass (the hash of
+    each length continues the last).
     """
     prior = prior_hash if prior_hash is not None else namespace_seed
     h = hashlib.sha256(b"hicache-partial-page\0")
     h.update(_prior_bytes(prior))
-    h.update(len(token_ids).to_bytes(8, "little"))
-    h.update(_encode_page(token_ids))
-    return h.hexdigest()
+    out: list[str] = []
+    for count, token in enumerate(token_ids, 1):
+        encoded = _encode_page([token])
+        h.update(len(encoded).to_bytes(2, "little") + encoded)
+        key = h.copy()
+        key.update(count.to_bytes(8, "little"))
+        out.append(key.hexdigest())
+    return out
+
+
+def partial_page_hash(
+    token_ids: Sequence[Any], prior_hash: str | None = None, namespace_seed: str | None = None
+) -> str:
+    """The key of the partial page holding ``token_ids`` (see :func:`partial_page_hashes`)."""
+    if not token_ids:
+        raise InvalidArgumentError("a partial page holds at least one token")
+    return partial_page_hashes(token_ids, prior_hash, namespace_seed)[-1]
 
 
 def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str | None:

@@ -92,6 +92,8 @@ class HiCacheConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     #: store still reading them is cut before the forward pass writes them).
     fresh_blocks: list[int] = field(default_factory=list)
     fresh_done: bool = False
+    #: Set by the worker once ``wait_for_save`` has queued this step's saves.
+    saves_queued: bool = False
     #: Finished requests whose blocks vLLM keeps until their stores have read them
     #: (``request_finished`` answered True): the workers report each in ``get_finished``.
     delayed_frees: list[str] = field(default_factory=list)

@@ -50,8 +50,9 @@ class ConnectorOptions:
             answer) is stored with the tokens that have KV, and a lookup whose full
             blocks end right before such a block loads it too, so the next turn computes
             from where the answer's KV ends, not from that block's start (with
-            ``async_saves``; one object per finished request, one more existence query
-            per lookup).
+            ``async_saves``; one object per finished request, and per lookup that ends
+            inside a block one batched existence query of up to ``block_size - 1`` keys
+            per rank).
     """
 
     model_id: str | None = None

@@ -25,7 +25,7 @@ from hicache_storage.integrations.deadline import Lane
 from hicache_storage.integrations.vllm.metadata import HiCacheConnectorMetadata, LoadSpec, SaveSpec
 from hicache_storage.integrations.vllm.namespace import request_seed
 from hicache_storage.integrations.vllm.side import ConnectorSide, Settings
-from hicache_storage.keys import page_hashes, partial_page_hash
+from hicache_storage.keys import page_hashes, partial_page_hash, partial_page_hashes
 from hicache_storage.registry import create_backend
 
 if TYPE_CHECKING:
@@ -138,10 +138,8 @@ class SchedulerSide(ConnectorSide):
         bs = self.block_size
         tokens = list(self._tokens(state)[block * bs : block * bs + most])
         prior = state.keys[block - 1] if block > 0 else None
-        return [
-            (partial_page_hash(tokens[:m], prior_hash=prior, namespace_seed=state.seed), m)
-            for m in range(len(tokens), 0, -1)
-        ]
+        keys = partial_page_hashes(tokens, prior_hash=prior, namespace_seed=state.seed)
+        return [(k, m) for m, k in reversed(list(enumerate(keys, 1)))]
 
     def _extend_keys(self, state: _Req) -> None:
         """Key the request's full blocks of generated tokens known by now (chained on)."""
@@ -221,11 +219,19 @@ class SchedulerSide(ConnectorSide):
                 most = min(bs - 1, num_tokens - 1 - run * bs)
                 if most <= 0 or not partial_on:
                     return run, None
-                candidates = self._partial_keys(state, run, most)
-                have = [True] * len(candidates)
-                for backend in backends:
-                    answers = backend.batch_exists_each([k for k, _ in candidates])
-                    have = [a and bool(b) for a, b in zip(have, answers, strict=True)]
+                try:
+                    candidates = self._partial_keys(state, run, most)
+                    have = [True] * len(candidates)
+                    for backend in backends:
+                        if (job is not None and job.cut) or not any(have):
+                            break
+                        ask = [k for (k, _), h in zip(candidates, have, strict=True) if h]
+                        answers = iter(backend.batch_exists_each(ask))
+                        have = [h and bool(next(answers, False)) for h in have]
+                except Exception as exc:  # noqa: BLE001 - the full blocks' run still holds
+                    self.count(hook_errors=1)
+                    self._log("lookup", "HiCacheKVConnector: partial lookup failed (%s)", exc)
+                    return run, None
                 found = [c for c, ok in zip(candidates, have, strict=True) if ok]
                 return run, (found[0] if found else None)
 
@@ -459,14 +465,19 @@ class SchedulerSide(ConnectorSide):
             # blocks until the load is reported; a second delay would report it twice.
             return False, None
         if state is not None and self.settings.options.async_saves:
-            if self._save_partial(req_id, state, block_ids):
-                state.saves_sent = True
+            try:
+                if self._save_partial(req_id, state, block_ids, request):
+                    state.saves_sent = True
+            except Exception as exc:  # noqa: BLE001 - a lost partial store, never a lost delay
+                self._hook_failed("request_finished", exc)
             if state.saves_sent:
                 self._delayed.append(req_id)
                 return True, None
         return False, None
 
-    def _save_partial(self, req_id: str, state: _Req, block_ids: list[int]) -> bool:
+    def _save_partial(
+        self, req_id: str, state: _Req, block_ids: list[int], request: Any = None
+    ) -> bool:
         """Plan the store of a finished request's last, partly computed block.
 
         Its tokens with KV (all but the last sampled token's, in an answer) are keyed
@@ -480,6 +491,10 @@ class SchedulerSide(ConnectorSide):
             return False
         bs = self.block_size
         done = min(state.done, self._known_tokens(state))
+        # vLLM's own count: after spec decoding's rejections (state.done counts drafts).
+        computed = getattr(request, "num_computed_tokens", None)
+        if isinstance(computed, int):
+            done = min(done, computed)
         full, m = divmod(done, bs)
         if not 0 < full <= len(state.keys) or m == 0 or full != state.stored:
             return False  # (nothing partial, or the blocks before it are not all stored)

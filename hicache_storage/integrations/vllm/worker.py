@@ -463,6 +463,7 @@ class WorkerSide(ConnectorSide):
         those blocks, and the scheduler side plans their store again.
         """
         self._fresh(meta)
+        meta.saves_queued = True
         if not meta.saves or not self._writer:
             return
         with self._lock:
@@ -648,9 +649,16 @@ class WorkerSide(ConnectorSide):
             for st in self._stores:
                 for r in st.req_ids:
                     busy.setdefault(r, []).append(st)
+        # Saves of this step not queued yet (vLLM with a drafter calls wait_for_save after
+        # this): their requests wait for the next report.
+        unqueued = (
+            {s.req_id for s in meta.saves}
+            if meta is not None and not getattr(meta, "saves_queued", False)
+            else set()
+        )
         out = set()
         for r, (deadline, seen) in list(self._awaiting.items()):
-            if not seen:
+            if not seen or r in unqueued:
                 continue
             stores = busy.get(r)
             if stores and now >= deadline and staged:

@@ -988,6 +988,9 @@ def test_a_hung_store_costs_each_vllm_call_one_deadline_at_most(config: Any, hun
     # The hung store had copied its chunk before the cut: it stored those bytes, never
     # what vLLM wrote into the blocks after they were freed.
     assert worker.totals["save_blocks"] == 6
+    deadline = time.monotonic() + 30  # (the released lookups finish on their lane)
+    while sside(sched)._lookup_lane.busy and time.monotonic() < deadline:
+        time.sleep(0.02)
     r = request("f", other)
     assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, False)
     sched.update_state_after_alloc(r, None, 3 * BLOCK)
@@ -1160,3 +1163,81 @@ def test_a_relative_model_path_names_the_weights_behind_it(
     assert one.weights_fingerprint != two.weights_fingerprint
     # The same bytes at another path: another name, the same weights.
     assert one.weights_fingerprint == three.weights_fingerprint
+
+
+def _prefilled(sched: Any, worker: Any, toks: list[int], rid: str = "r1") -> Any:
+    """``rid`` prefills PROMPT (3 blocks stored) and samples token 100 (``toks`` grows)."""
+    r = request(rid, list(PROMPT), all_token_ids=toks, num_computed_tokens=0)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    sched.update_state_after_alloc(r, None, 0)
+    run_step(sched, worker, step([new_req(rid, [5, 9, 12, 13], 0)], scheduled={rid: 100}))
+    toks.append(900)
+    r.num_computed_tokens = 100
+    return r
+
+
+def test_a_partial_block_holds_only_kv_that_speculation_kept(config: Any) -> None:
+    """Speculative decoding: the last step computes token 100 and 3 drafts, all rejected;
+    vLLM rolls its count back to 101. The partial block holds 5 tokens (96-100), never the
+    rejected drafts' positions."""
+    sched, worker, _ = pair(config, seed=71)
+    toks = list(PROMPT)
+    r = _prefilled(sched, worker, toks)
+    run_step(sched, worker, step(cached=[("r1", None, 100, False)], scheduled={"r1": 4}))
+    toks.append(901)  # the correction token, at position 101 (its KV not computed)
+    r.num_computed_tokens = 101
+    assert sched.request_finished(r, [5, 9, 12, 13]) == (True, None)
+    run_step(sched, worker, step(), finished={"r1"})
+    assert sched.get_num_new_matched_tokens(request("r2", [*toks, *range(700, 710)]), 0) == (
+        101,
+        False,
+    )
+
+
+def test_a_partial_store_that_cannot_be_planned_keeps_the_delayed_free(
+    config: Any, monkeypatch: Any
+) -> None:
+    import hicache_storage.integrations.vllm.scheduler as scheduler_module
+
+    sched, worker, _ = pair(config, seed=73)
+    r = _prefilled(sched, worker, list(PROMPT))
+    assert sside(sched)._reqs["r1"].saves_sent  # its full blocks' stores were sent
+
+    def broken(*args: Any, **kwargs: Any) -> str:
+        raise ValueError("unexpected token")
+
+    monkeypatch.setattr(scheduler_module, "partial_page_hash", broken)
+    assert sched.request_finished(r, [5, 9, 12, 13]) == (True, None)  # still delayed
+
+
+def test_a_free_waits_for_a_partial_store_queued_after_get_finished(config: Any) -> None:
+    """vLLM with a drafter calls wait_for_save after get_finished: a request whose last
+    store comes in that step's metadata is not reported until the store is queued."""
+    sched, worker, _ = pair(config, seed=74)
+    toks = list(PROMPT)
+    r = _prefilled(sched, worker, toks)
+    run_step(sched, worker, step(cached=[("r1", None, 100, False)], scheduled={"r1": 1}))
+    toks.append(901)
+    r.num_computed_tokens = 101
+    assert sched.request_finished(r, [5, 9, 12, 13]) == (True, None)
+    meta = sched.build_connector_meta(step())
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    assert worker.get_finished({"r1"})[0] in (None, set())  # its store is not queued yet
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    assert wside(worker).flush(30)
+    assert run_step(sched, worker, step()).sent == {"r1"}
+    assert not run_step(sched, worker, step()).sent  # once
+
+
+def test_a_failing_partial_query_keeps_the_full_blocks_hit(config: Any) -> None:
+    sched, worker, _ = pair(config, seed=78)
+    _prefilled(sched, worker, list(PROMPT))
+
+    def broken(keys: list[str]) -> list[bool]:
+        raise RuntimeError("transient")
+
+    sside(sched).lookup_backends[0].batch_exists_each = broken  # type: ignore[method-assign]
+    r = request("r2", [*PROMPT[:96], *range(700, 740)])
+    assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, False)
