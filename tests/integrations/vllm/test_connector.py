@@ -194,6 +194,23 @@ def test_every_backend_serves_vllm(
     assert t["save_blocks"] == 2 and t["load_blocks"] == 2 and t["hook_errors"] == 0
 
 
+def in_new_process(model: Path, runs: list[dict[str, Any]], tmp_path: Path) -> Any:
+    """Each of ``runs`` (backend, options, prompts) in one new interpreter: its outputs."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model": str(model), "runs": runs}))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(WORKERS), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "vllm_engine.py"), str(plan)],
+        check=False, capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
 def test_a_new_engine_process_hits_what_another_stored(
     tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]], redis_url: str
 ) -> None:
@@ -206,19 +223,7 @@ def test_a_new_engine_process_hits_what_another_stored(
         # The first run with vLLM's default engine process (the connector is built there).
         runs.append({"backend": name, "options": options, "prompts": [F, G],
                      "multiprocessing": name == "file"})  # fmt: skip
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"model": str(tiny_model), "runs": runs}))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(WORKERS), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(WORKERS / "vllm_engine.py"), str(plan)],
-        check=False, capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    results = json.loads(lines[-1].removeprefix("RESULT "))
+    results = in_new_process(tiny_model, runs, tmp_path)
     for name, (f, g) in zip(backends, results, strict=True):
         assert f["cached"] == 2 * BLOCK, name  # stored by the other process
         assert f["tokens"] == expected["F"], name
@@ -492,19 +497,6 @@ def test_a_sliding_window_model_hits_and_answers_as_without_the_store(tmp_path: 
         again = generate(llm, [prompt], max_tokens=12)[0]
         assert again["cached"] == 3 * BLOCK and again["tokens"] == want
         assert totals(llm)["load_failed_blocks"] == 0
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"model": str(model), "runs": [
-        {"backend": "file", "options": options, "prompts": [prompt], "max_tokens": 12},
-    ]}))  # fmt: skip
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(WORKERS), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(WORKERS / "vllm_engine.py"), str(plan)],
-        check=False, capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    ((new,),) = json.loads(lines[-1].removeprefix("RESULT "))
+    runs = [{"backend": "file", "options": options, "prompts": [prompt], "max_tokens": 12}]
+    ((new,),) = in_new_process(model, runs, tmp_path)
     assert new["cached"] == 3 * BLOCK and new["tokens"] == want  # a new process: from the store
