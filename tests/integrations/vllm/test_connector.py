@@ -462,7 +462,7 @@ def test_flipped_bytes_in_shm_never_change_the_output_by_default(
     tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
 ) -> None:
     """shm verifies what it reads by default: damaged KV is a failed load, recomputed."""
-    options = {"root": str(tmp_path / "shm")}
+    options = {"root": str(tmp_path / "shm"), "partial_blocks": False}  # (damages full blocks)
     with engine(tiny_model, "shm", options) as llm:
         assert generate(llm, [D])[0]["tokens"] == expected["D"]
         objects = _files(tmp_path / "shm")
