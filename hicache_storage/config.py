@@ -71,6 +71,8 @@ CONTROLLER_KEYS = frozenset(
         "module_path",
         "class_name",
         "allocator",  # SGLang's host-memory allocator of the dynamic backend ("shm")
+        "head_groups",  # pages as head-group objects (hicache_storage.headgroups)
+        "writer_id",
     }
 )
 

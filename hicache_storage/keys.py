@@ -217,6 +217,9 @@ class KVCacheNamespace:
         pool: which of a hybrid model's pools the pages belong to, with its page geometry
             (``"mamba/page_first/48+20"``); empty for the KV pool. A page of one pool is
             never read as another's.
+        head_groups: pages stored as this many head-group objects with a write tag, which
+            every TP size can assemble (:mod:`hicache_storage.headgroups`); 0: one object
+            per rank's page.
         weights_fingerprint: optional digest of the weights/numerics (fine-tunes, kernels).
         schema_version: version of this identity scheme.
     """
@@ -231,6 +234,7 @@ class KVCacheNamespace:
     layer_range: tuple[int, int] | None = None
     tenant: str = ""
     pool: str = ""
+    head_groups: int = 0
     weights_fingerprint: str = ""
     schema_version: int = 1
     _digest: str = field(init=False, repr=False, compare=False)
@@ -256,6 +260,17 @@ class KVCacheNamespace:
             raise ConfigError(
                 f"kv_heads_per_shard={self.kv_heads_per_shard} must divide "
                 f"total_kv_heads={self.total_kv_heads}"
+            )
+        if self.head_groups and (
+            not isinstance(self.head_groups, int)
+            or self.head_groups < 0
+            or not self.total_kv_heads
+            or self.total_kv_heads % self.head_groups
+            or self.kv_heads_per_shard != self.total_kv_heads // self.head_groups
+        ):
+            raise ConfigError(
+                f"head_groups={self.head_groups} must divide total_kv_heads="
+                f"{self.total_kv_heads}, with kv_heads_per_shard the heads of one group"
             )
         if self.layer_range is not None:
             start, end = self.layer_range

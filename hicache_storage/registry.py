@@ -236,12 +236,21 @@ def create_backend(
 
     Options come from ``config.extra_config`` (minus the engine controller's keys),
     overridden by ``options``. The class is called as ``cls(config, **options)``.
+    With ``head_groups`` in the extra config, the backend holds the rank's pages as
+    head-group objects that every TP size reads
+    (:class:`~hicache_storage.headgroups.HeadGroupStore`, ``writer_id`` naming the writer).
     """
     cls = load_backend_class(name)
     config = config if config is not None else StorageConfig()
     merged = {**config.backend_options(), **options}
     logger.debug("creating backend %s (%s) with options %s", name, cls.__qualname__, sorted(merged))
     try:
+        if config.extra_config.get("head_groups"):
+            from hicache_storage.headgroups import HeadGroupStore, head_group_options
+
+            groups, writer = head_group_options(config.extra_config)
+            assert groups is not None
+            return HeadGroupStore(config, lambda inner: cls(inner, **merged), groups, writer)
         return cls(config, **merged)
     except ImportError as exc:
         hint = INSTALL_HINTS.get(name.partition("@")[0])
