@@ -151,6 +151,12 @@ class HeadSplit:
                 f"head groups: the host pool ({type(pool).__name__}) does not say "
                 f"{', '.join(missing)}; its pages cannot be split by head"
             )
+        v_head_dim = getattr(pool, "v_head_dim", None)
+        if v_head_dim is not None and v_head_dim != head_dim:
+            raise ConfigError(
+                f"head groups: K heads of {head_dim} and V heads of {v_head_dim} elements; "
+                "pages split by head need one head size"
+            )
         assert isinstance(heads, int)
         assert isinstance(head_dim, int)
         assert isinstance(itemsize, int)

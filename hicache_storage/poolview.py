@@ -58,6 +58,12 @@ class PoolView:
         self.dtype = dtype  # the logical KV dtype (the pool's may be uint8 for fp8)
         self.layout = layout if layout is not None else str(pool.layout)
         self.mla = mla
+        # What head groups read of an MHA pool's geometry (hicache_storage.headgroups).
+        self.head_num = getattr(pool, "head_num", None)
+        self.head_dim = getattr(pool, "head_dim", None)
+        self.v_head_dim = getattr(pool, "v_head_dim", None)
+        self.layer_num = getattr(pool, "layer_num", None)
+        self.itemsize = getattr(getattr(pool, "dtype", None), "itemsize", None)
         buffer: Any = getattr(pool, "kv_buffer", None)
         ranges = buffer_ranges(buffer)
         if not ranges and callable(getattr(pool, "get_hybrid_pool_buffer", None)):

@@ -373,19 +373,19 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
                 "decode context parallelism (dcp_size > 1) works through SGLang's tensor "
                 "path only: set interface_v1 to false in the extra config"
             )
-        if getattr(cfg, "should_split_heads", False):
-            logger.warning(
-                "SGLangStorage: SGLang asks for pages split by head group (tp_lcm_size), "
-                "which the adapter does not do: each TP rank stores its own heads, so "
-                "deployments of other TP sizes do not share pages (they miss, never mix)"
-            )
+        options = {k: v for k, v in self.extra_config.items() if k not in ADAPTER_KEYS}
+        # SGLang's tp_lcm_size (the least common multiple of the TP sizes that share a
+        # store) is the number of head groups a page is stored as, in every layout.
+        lcm = getattr(cfg, "tp_lcm_size", None)
+        if lcm and not namespace.rank_replicated and "head_groups" not in options:
+            options["head_groups"] = int(lcm)
         config = StorageConfig(
             namespace=namespace,
             tp_rank=int(cfg.tp_rank),
             tp_size=int(cfg.tp_size),
             pp_rank=int(cfg.pp_rank),
             pp_size=int(cfg.pp_size),
-            extra_config={k: v for k, v in self.extra_config.items() if k not in ADAPTER_KEYS},
+            extra_config=options,
         )
         pool = (
             mem_pool_host

@@ -13,6 +13,7 @@ torchvision stand-in installed: tests/integrations/sglang/conftest.py does both)
 
 from __future__ import annotations
 
+import queue
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +175,40 @@ def backend_options(name: str, tmp_path: Path) -> dict[str, Any]:
         "memory": {"store": f"sglang-{tmp_path.name}"},
     }
     return options[name]
+
+
+def controller(storage: Any, pool: Any, *, v1: bool = True) -> Any:
+    """SGLang's HiCacheController with only the state its storage methods read."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    c = HiCacheController.__new__(HiCacheController)
+    c.storage_backend = storage
+    c.storage_host_pool = c.mem_pool_host = pool
+    c.page_size = pool.page_size
+    c.storage_config = storage.storage_config
+    c.prefetch_sync_queue = queue.Queue()
+    c.page_get_func = c._page_get_zero_copy if v1 else c._generic_page_get
+    c.page_set_func = c._page_set_zero_copy if v1 else c._generic_page_set
+    return c
+
+
+def first_indices(indices: torch.Tensor, page_size: int) -> list[int]:
+    return [int(i) for i in indices[::page_size]]
+
+
+def transfer(c: Any, tokens: list[int], keys: list[str], dst: torch.Tensor) -> int:
+    """SGLang's prefetch transfer of ``keys`` into host indices ``dst``: pages loaded."""
+    from sglang.srt.managers.cache_controller import PrefetchOperation
+
+    op = PrefetchOperation("req", tokens)
+    op.hash_value, op.host_indices = keys, dst
+    return int(c._page_transfer(op))
+
+
+def prompt(pages: int, page_size: int, seed: int = 0) -> tuple[list[int], list[str]]:
+    """Token ids of ``pages`` full pages and SGLang's own storage keys for them."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 32000, (pages * page_size,), generator=g).tolist()
+    return tokens, list(get_storage_hash_str(tokens, None, page_size=page_size))

@@ -11,7 +11,6 @@ the page size, a queue), so the calls, batches and result handling are SGLang's 
 from __future__ import annotations
 
 import ctypes
-import queue
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 from sglang.srt.managers.cache_controller import (
-    HiCacheController,
     PrefetchOperation,
     StorageOperation,
 )
@@ -39,15 +37,18 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
-from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang_pools import (
     MHA_LAYOUTS,
     MLA_LAYOUTS,
     backend_options,
+    controller,
     fill_random,
+    first_indices,
     mha_pool,
     mla_pool,
     page_bytes,
+    prompt,
+    transfer,
 )
 from typing_extensions import override
 
@@ -83,40 +84,9 @@ def pool_for(layout: str, mla: bool, **geometry: Any) -> Any:
     return mla_pool(layout, **geometry) if mla else mha_pool(layout, **geometry)
 
 
-def controller(storage: SGLangStorage, pool: Any, *, v1: bool = True) -> Any:
-    """SGLang's HiCacheController with only the state its storage methods read."""
-    c = HiCacheController.__new__(HiCacheController)
-    c.storage_backend = storage
-    c.storage_host_pool = c.mem_pool_host = pool
-    c.page_size = pool.page_size
-    c.storage_config = storage.storage_config
-    c.prefetch_sync_queue = queue.Queue()
-    c.page_get_func = c._page_get_zero_copy if v1 else c._generic_page_get
-    c.page_set_func = c._page_set_zero_copy if v1 else c._generic_page_set
-    return c
-
-
-def first_indices(indices: torch.Tensor, page_size: int) -> list[int]:
-    return [int(i) for i in indices[::page_size]]
-
-
-def transfer(c: Any, tokens: list[int], keys: list[str], dst: torch.Tensor) -> int:
-    """SGLang's prefetch transfer of ``keys`` into host indices ``dst``: pages loaded."""
-    op = PrefetchOperation("req", tokens)
-    op.hash_value, op.host_indices = keys, dst
-    return int(c._page_transfer(op))
-
-
 def pages_at(pool: Any, indices: torch.Tensor, page_size: int) -> list[bytes]:
     """The bytes of each page of ``indices``, by SGLang's tensor path."""
     return [page_bytes(pool, i) for i in first_indices(indices, page_size)]
-
-
-def prompt(pages: int, page_size: int, seed: int = 0) -> tuple[list[int], list[str]]:
-    """Token ids of ``pages`` full pages and SGLang's own storage keys for them."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 32000, (pages * page_size,), generator=g).tolist()
-    return tokens, list(get_storage_hash_str(tokens, None, page_size=page_size))
 
 
 # --------------------------------------------------------------------------- pages
@@ -602,16 +572,6 @@ def test_a_pool_without_one_kv_buffer_fails_the_attach(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv_buffer"):
         b.register_mem_pool_host(pool)
     assert b.backend is None
-    b.close()
-
-
-def test_split_heads_are_not_done_and_say_so(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    b = build("memory", tmp_path)
-    b.storage_config.should_split_heads = True
-    b.register_mem_pool_host(mha_pool("page_head"))
-    assert "split by head group" in caplog.text
     b.close()
 
 
