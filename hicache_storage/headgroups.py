@@ -134,7 +134,14 @@ class HeadSplit:
 
     @classmethod
     def for_pool(cls, pool: Any) -> HeadSplit:
-        """The split of an SDK or SGLang MHA host pool's pages (from its attributes)."""
+        """The split of an SDK or SGLang MHA host pool's pages (from its attributes).
+
+        A pool that knows its own split says so in ``head_split`` (the vLLM
+        connector's block pools).
+        """
+        declared = getattr(pool, "head_split", None)
+        if isinstance(declared, HeadSplit):
+            return declared
         layout = str(getattr(pool, "layout", "") or "")
         heads = getattr(pool, "kv_heads", None) or getattr(pool, "head_num", None)
         head_dim = getattr(pool, "head_dim", None)
@@ -249,19 +256,24 @@ class HeadGroupStore(HiCacheStorage):
         self.group_heads = per
         self._suffixes = [f".h{h}-{h + per - 1}" for h in range(first, end, per)]
         self._max_key = KEY_MAX_LEN - max(len(s) for s in self._suffixes)
-        if writer_id is None:
-            writer_id = agreed_writer_id()
-            if writer_id is None:
-                writer_id = secrets.token_hex(16)
-                if config.tp_size > 1:
+        #: What names this instance's writes; resolved when a pool is attached (only a
+        #: writer attaches one), see :meth:`_resolve_writer`.
+        self.writer_id = None if writer_id is None else str(writer_id)
+        self.tag = b""
+        self._split: HeadSplit | None = None
+
+    def _resolve_writer(self) -> None:
+        if self.writer_id is None:
+            self.writer_id = agreed_writer_id()
+            if self.writer_id is None:
+                self.writer_id = secrets.token_hex(16)
+                if self.config.tp_size > 1:
                     logger.warning(
                         "head groups: no writer_id and no torch.distributed: rank %d draws "
                         "its own, so a smaller TP reads none of this instance's pages",
-                        config.tp_rank,
+                        self.config.tp_rank,
                     )
-        self.writer_id = str(writer_id)
         self.tag = hashlib.blake2b(self.writer_id.encode(), digest_size=TAG_BYTES).digest()
-        self._split: HeadSplit | None = None
 
     # ------------------------------------------------------------------ geometry
 
@@ -276,6 +288,7 @@ class HeadGroupStore(HiCacheStorage):
                 f"{self.config.tp_rank} of {self.config.tp_size} holds {want}"
             )
         super().register_mem_pool_host(mem_pool_host)
+        self._resolve_writer()
         self._split = split
         # The group backend gets the pool too: stores that register host memory (RDMA)
         # then move the page_head groups' slices without staging them.

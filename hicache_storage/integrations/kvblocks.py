@@ -77,6 +77,9 @@ class _BlockPoolBase:
     """What both pools share: page size, the slot checks, the pool facts."""
 
     num_blocks: int
+    #: Where a rank's heads lie in a page, for head-group stores
+    #: (:class:`~hicache_storage.headgroups.HeadSplit`); set by the engine's connector.
+    head_split: Any = None
 
     def __init__(self, block_size: int, dtype: torch.dtype, page_bytes: int) -> None:
         if not isinstance(block_size, int) or block_size <= 0:

@@ -224,7 +224,8 @@ def main(plan_path: str) -> None:
         # (the connector's scheduler and worker halves live there, not here).
         mp = "1" if run.get("multiprocessing") else "0"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = mp
-        with engine(Path(plan["model"]), run["backend"], run.get("options")) as llm:
+        args = run.get("llm_args", {})  # (tensor_parallel_size...)
+        with engine(Path(plan["model"]), run["backend"], run.get("options"), **args) as llm:
             results.append(generate(llm, run["prompts"], run.get("max_tokens", MAX_TOKENS)))
     print("RESULT " + json.dumps(results), flush=True)
 

@@ -108,10 +108,13 @@ def namespace_for(
     opts = ConnectorOptions.from_extra(extra)
     model_id = opts.model_id or resolved
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    # With head groups a page is filed by its groups (the same at every TP size), not
+    # by the rank's head count.
+    grouped = bool(extra.get("head_groups")) and not mla
     layout = [
         "vllm",
         str(getattr(kv_cache_config, "kv_cache_layout", None) or "default"),
-        f"h{int(spec.num_kv_heads)}",
+        "hg" if grouped else f"h{int(spec.num_kv_heads)}",
         f"d{int(spec.head_size)}",
         f"L{len(group.layer_names)}",
     ]
@@ -139,7 +142,7 @@ def namespace_for(
         total = int(mc.get_total_num_kv_heads())
         per = int(spec.num_kv_heads)
         tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-        if tp > 1 and total > 0 and per > 0 and total % per == 0:
+        if (tp > 1 or grouped) and total > 0 and per > 0 and total % per == 0:
             fields["total_kv_heads"] = total
             fields["kv_heads_per_shard"] = per
     return KVCacheNamespace(**fields)

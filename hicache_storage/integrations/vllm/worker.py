@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from hicache_storage.errors import ConfigError
+from hicache_storage.headgroups import HeadSplit, rank_heads
 from hicache_storage.integrations.deadline import Background, Job, Lane
 from hicache_storage.integrations.kvblocks import KVBlockMover, StagedKVBlocks, kv_blocks
 from hicache_storage.integrations.vllm.side import ConnectorSide, Settings, logger
@@ -77,6 +78,10 @@ class _Store:
     job: Job[Any] | None = None
     keys: int = 0
     started: float = field(default_factory=time.perf_counter)
+
+
+def _block_bytes_of(block: torch.Tensor) -> int:
+    return int(block.numel()) * block.element_size()
 
 
 class WorkerSide(ConnectorSide):
@@ -224,7 +229,33 @@ class WorkerSide(ConnectorSide):
             self.rank = int(get_tensor_model_parallel_rank())
         except Exception:  # noqa: BLE001 - no TP group (single process): rank 0
             self.rank = 0
+        if (
+            self.settings.extra_config.get("head_groups")
+            and not self.settings.namespace.rank_replicated
+        ):
+            self.pool.head_split = self._head_split(layers)
         self.connect_or_retry()
+
+    def _head_split(self, layers: list[torch.Tensor]) -> HeadSplit:
+        """Where this rank's heads lie in a page (a block of every layer).
+
+        vLLM's CPU KV is ``[blocks, heads, block_size, 2 * head_size]`` per layer: in a
+        layer's block each head's bytes are one run, so a head group's bytes are one
+        slice per layer (no copy). Other block layouts are refused.
+        """
+        ns = self.settings.namespace
+        first, end = rank_heads(ns.total_kv_heads, self.rank, self.tp_size)
+        heads = end - first
+        block = layers[0][0]
+        if block.dim() < 2 or int(block.shape[0]) != heads or not block.is_contiguous():
+            raise ConfigError(
+                f"head groups need vLLM's KV blocks with the heads outermost "
+                f"([heads, block_size, ...], vLLM's CPU layout); this rank's blocks are "
+                f"{tuple(block.shape)} for {heads} KV heads"
+            )
+        return HeadSplit(
+            heads, _block_bytes_of(block) // heads, heads_outer=True, blocks=len(layers)
+        )
 
     def start_load_kv(self, meta: HiCacheConnectorMetadata) -> None:
         """Read this step's blocks into vLLM's paged KV before the forward pass.

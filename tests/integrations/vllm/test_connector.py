@@ -230,6 +230,26 @@ def test_a_new_engine_process_hits_what_another_stored(
         assert g["cached"] == 0 and g["tokens"] == expected["G"], name
 
 
+def test_a_tp_2_engines_blocks_load_in_a_tp_1_engine(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    """Head groups: TP 2 ranks (one KV head each, vLLM's multiprocess executor, ranks
+    agreeing on their writer through torch.distributed) store blocks of both heads that
+    a TP 1 engine loads, and its output is the uncached one."""
+    options = {"root": str(tmp_path / "kv"), "head_groups": 2}
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    [[first]] = in_new_process(
+        tiny_model, [{"backend": "file", "options": options, "prompts": [F], "llm_args": tp2}],
+        tmp_path,
+    )  # fmt: skip
+    assert first["cached"] == 0 and first["tokens"] == expected["F"]
+    assert sorted({p.name.rpartition(".")[2] for p in _files(tmp_path / "kv")}) == ["h0-0", "h1-1"]
+    with engine(tiny_model, "file", options) as llm:
+        [again] = generate(llm, [F])
+    assert again["cached"] == 2 * BLOCK  # both full blocks, written by the TP 2 ranks
+    assert again["tokens"] == expected["F"]
+
+
 def test_damaged_or_lost_objects_never_change_the_output(
     tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
 ) -> None:

@@ -1241,3 +1241,67 @@ def test_a_failing_partial_query_keeps_the_full_blocks_hit(config: Any) -> None:
     sside(sched).lookup_backends[0].batch_exists_each = broken  # type: ignore[method-assign]
     r = request("r2", [*PROMPT[:96], *range(700, 740)])
     assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, False)
+
+
+def _deployment(config: Any, tp: int, writer: str, kv: dict[str, torch.Tensor] | None,
+                monkeypatch: pytest.MonkeyPatch) -> list[Any]:  # fmt: skip
+    """The ranks of a TP ``tp`` deployment with head groups: (scheduler, worker, KV) each,
+    the KV cut from ``kv``'s heads (zeros when None)."""
+    from vllm.distributed import parallel_state
+
+    config.parallel_config.tensor_parallel_size = tp
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    extra.update(head_groups=2, writer_id=writer)
+    per = 2 // tp
+    spec = dataclasses.replace(SPEC, num_kv_heads=per)
+    out = []
+    for rank in range(tp):
+        monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda r=rank: r)
+        kvc = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_layout="LBHNC",
+                            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])  # fmt: skip
+        sched = HiCacheKVConnector(config, SCHED, kvc)
+        worker = HiCacheKVConnector(config, WORKER, kvc)
+        mine = {
+            n: (t[:, rank * per : (rank + 1) * per].clone() if kv is not None else
+                torch.zeros(NB, per, BLOCK, 64, dtype=torch.bfloat16))
+            for n, t in (kv or dict.fromkeys(LAYERS)).items()
+        }  # fmt: skip
+        worker.register_kv_caches(mine)
+        out.append((sched, worker, mine))
+    return out
+
+
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(2, 1), (1, 2)])
+def test_blocks_stored_at_one_tp_size_load_at_another_with_head_groups(
+    config: Any, monkeypatch: pytest.MonkeyPatch, writer_tp: int, reader_tp: int
+) -> None:
+    # (Engine-free, the ranks cannot share load failures: each says it had none.)
+    monkeypatch.setattr(WorkerSide, "_all_ranks_failed", lambda self, failed, blocks: failed)
+    model = kv_tensors(41)
+    try:
+        for sched, worker, _ in _deployment(config, writer_tp, "a", model, monkeypatch):
+            assert sched.namespace.head_groups == 0  # the rank's own; its store groups it
+            assert "-hg-" in sched.namespace.object_layout
+            store_prompt(sched, worker)
+            assert worker.totals["save_blocks"] == 3 and worker.totals["save_failed_blocks"] == 0
+            worker.shutdown()
+        per = 2 // reader_tp
+        for rank, (sched, worker, kv) in enumerate(
+            _deployment(config, reader_tp, "b", None, monkeypatch)
+        ):
+            r = request("b", PROMPT)
+            assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, False)
+            sched.update_state_after_alloc(r, None, 3 * BLOCK)
+            run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 96)], scheduled={"b": 4}))
+            assert worker.get_block_ids_with_load_errors() == set()
+            for got, want in ((5, 1), (6, 2), (7, 3)):
+                assert same(
+                    block(kv, got),
+                    [t[want, rank * per : (rank + 1) * per] for t in model.values()],
+                )
+            worker.shutdown()
+    finally:
+        config.parallel_config.tensor_parallel_size = 1
+        extra = config.kv_transfer_config.kv_connector_extra_config
+        extra.pop("head_groups", None)
+        extra.pop("writer_id", None)
