@@ -1262,9 +1262,9 @@ def _deployment(config: Any, tp: int, writer: str, kv: dict[str, torch.Tensor] |
         sched = HiCacheKVConnector(config, SCHED, kvc)
         worker = HiCacheKVConnector(config, WORKER, kvc)
         mine = {
-            n: (t[:, rank * per : (rank + 1) * per].clone() if kv is not None else
-                torch.zeros(NB, per, BLOCK, 64, dtype=torch.bfloat16))
-            for n, t in (kv or dict.fromkeys(LAYERS)).items()
+            n: kv[n][:, rank * per : (rank + 1) * per].clone() if kv is not None
+            else torch.zeros(NB, per, BLOCK, 64, dtype=torch.bfloat16)
+            for n in LAYERS
         }  # fmt: skip
         worker.register_kv_caches(mine)
         out.append((sched, worker, mine))
