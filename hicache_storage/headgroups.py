@@ -38,10 +38,12 @@ import dataclasses
 import hashlib
 import logging
 import secrets
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 from typing_extensions import override
 
 from hicache_storage.buffers import PageBuffer, Segment, source_views, target_views
@@ -185,6 +187,16 @@ def _sub(seg: Segment, offset: int, nbytes: int) -> Segment:
 def _array_segment(arr: np.ndarray[Any, Any]) -> Segment:
     view = memoryview(arr.data).cast("B")  # (the array's own buffer)
     return Segment(int(arr.ctypes.data), int(arr.nbytes), view)
+
+
+def _bytes_tensor(view: memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``view``'s bytes, no copy.
+
+    (torch's strided copy is several times faster than numpy's for these transposes.)
+    """
+    with warnings.catch_warnings():  # (a read-only view warns; it is only read)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
 
 
 def _slices(page: PageBuffer, start: int, end: int) -> list[Segment]:
@@ -368,8 +380,8 @@ class HeadGroupStore(HiCacheStorage):
         r = 0
         for seg in page.segments:
             k = seg.nbytes // row
-            src = np.frombuffer(seg.memoryview, dtype=np.uint8).reshape(k, n_groups, group_bytes)
-            body[:, r : r + k, :] = src.transpose(1, 0, 2)
+            src = _bytes_tensor(seg.memoryview).view(k, n_groups, group_bytes)
+            torch.from_numpy(body[:, r : r + k, :]).copy_(src.permute(1, 0, 2))
             r += k
         buf[:, rows * group_bytes :] = np.frombuffer(self.tag, np.uint8)
 
@@ -384,8 +396,8 @@ class HeadGroupStore(HiCacheStorage):
         r = 0
         for seg in page.segments:
             k = seg.nbytes // row
-            dst = np.frombuffer(seg.memoryview, dtype=np.uint8).reshape(k, n_groups, group_bytes)
-            dst[...] = body[:, r : r + k, :].transpose(1, 0, 2)
+            dst = _bytes_tensor(seg.memoryview).view(k, n_groups, group_bytes)
+            dst.copy_(torch.from_numpy(body[:, r : r + k, :]).permute(1, 0, 2))
             r += k
 
     def _group_keys(self, keys: list[str]) -> list[str]:
