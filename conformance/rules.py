@@ -152,6 +152,14 @@ RULES_BY_AREA: dict[str, dict[str, str]] = {
             "SGLang's own backends do."
         ),
     },
+    "pages across TP sizes": {
+        "head-groups": (
+            "Pages two TP ranks store as head groups over the backend (4 KV heads, 4 groups: "
+            "objects `<key>.h<a>-<b>` of several segments, a 16-byte writer tag last) are "
+            "read by a TP 1 rank byte for byte, in `page_head` and `page_first`; a page "
+            "whose groups come from two writers is a miss."
+        ),
+    },
     "the engine's shapes": {
         "engine-batch": (
             "Batches of the engine's size (128 pages, 127 written) round-trip on the legacy "

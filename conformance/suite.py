@@ -774,6 +774,54 @@ class BackendConformance:
                 f"a {n}-page query restores {restorable} (want {want}): exists answered keys wrong",
             )
 
+    # ------------------------------------------------------------------ pages across TP sizes
+
+    @enforces("head-groups")
+    def test_head_group_pages_are_read_at_another_tp_size(self, kit: Kit) -> None:
+        """TP 2 ranks store pages as head groups over the backend; TP 1 reads them."""
+        from hicache_storage.headgroups import HeadGroupStore
+
+        heads, axis = 4, {"page_head": 2, "page_first": 3}
+        layouts = [lay for lay in axis if lay in kit.capabilities.layouts]
+        if not layouts:
+            pytest.skip("not claimed: layout page_head or page_first")
+        for layout in layouts:
+            ns = make_namespace(f"-hg-{layout}", object_layout=layout, total_kv_heads=heads)
+            ps = int(POOL_SHAPE["page_size"])
+            shape = (3, ps)  # pages, page size (2 layers, heads of 8)
+
+            def pool(per: int, lay: str = layout, ps: int = ps) -> HostKVPool:
+                return HostKVPool(3, ps, 2, per, 8, dtype=torch.bfloat16, layout=lay)
+
+            def store(rank: int, tp: int, writer: str, ns: KVCacheNamespace = ns) -> Any:
+                config = StorageConfig(namespace=ns, tp_rank=rank, tp_size=tp)
+                return HeadGroupStore(config, lambda c: kit.backend(c.namespace), heads, writer)
+
+            model = pool(heads)
+            model.kv_buffer.view(torch.int16).random_()
+            idx = torch.arange(3 * shape[1])
+            keys, mixed = unique_keys(3), unique_keys(3)
+            for rank in (0, 1):
+                mine = pool(2)
+                mine.kv_buffer.copy_(model.kv_buffer.narrow(axis[layout], 2 * rank, 2))
+                for ks, writer in ((keys, "w"), (mixed, f"w{rank}")):
+                    b = store(rank, 2, writer)
+                    b.register_mem_pool_host(mine)
+                    r = b.batch_set_v1(ks, idx)
+                    assert r == [True] * 3, rule("head-groups", f"TP 2 rank {rank} stored {r}")
+            reader, back = store(0, 1, "r"), pool(heads)
+            reader.register_mem_pool_host(back)
+            r = reader.batch_get_v1(keys, idx)
+            assert r == [True] * 3, rule("head-groups", f"{layout}: TP 1 read {r}")
+            as_int = torch.int16  # (bytes, not values: random bits hold NaNs)
+            assert torch.equal(back.kv_buffer.view(as_int), model.kv_buffer.view(as_int)), rule(
+                "head-groups", f"{layout}: TP 1 read other bytes than TP 2 stored"
+            )
+            r = reader.batch_get_v1(mixed, idx)
+            assert r == [False] * 3, rule(
+                "head-groups", f"{layout}: pages of two writers' groups read as {r}"
+            )
+
     # ------------------------------------------------------------------ the engine's shapes
 
     @enforces("engine-batch")

@@ -73,6 +73,7 @@ CONTROLLER_KEYS = frozenset(
         "allocator",  # SGLang's host-memory allocator of the dynamic backend ("shm")
         "head_groups",  # pages as head-group objects (hicache_storage.headgroups)
         "writer_id",
+        "writer_scope",
     }
 )
 

@@ -17,15 +17,16 @@ per group) shares the same objects.
   ``layer_first``, ``page_first`` and ``page_first_direct`` keep heads inside each row of
   a token and layer, so a group's bytes are gathered into one buffer to store and
   scattered back after a read (a copy per page, measured in ``benchmarks/head_groups.py``).
-* **One write per page.** A read assembles a page only from groups with the same write
-  tag, else the page is a miss (counted as ``corrupt_objects``). The tag is the writer
+* **One write per rank's page.** A rank assembles a page only from groups with the same
+  write tag; otherwise the page is a miss (counted as ``corrupt_objects``) and the rank
+  removes its groups of it, so the next backup stores it whole. The tag is the writer
   instance's: every rank of one engine instance has the same one (``writer_id`` in the
-  options; else agreed through ``torch.distributed``'s store when it is initialized;
-  else one drawn at random, which ranks of one deployment in separate processes do not
-  share). Groups from two instances (two writes whose bytes may differ: other TP sizes
-  reduce in other orders) never make one page. An instance writes a page's groups once
-  (a stored object is never overwritten), so its tag names one computation of the page,
-  unless one of its group objects is lost alone (evicted, deleted) and written again.
+  options; else agreed through ``torch.distributed``'s store when it is initialized,
+  per ``writer_scope``; else one drawn at random, which ranks of one deployment in
+  separate processes do not share). Groups from two instances (two writes whose bytes
+  may differ: other TP sizes reduce in other orders) never make one rank's page. Not
+  checked: across the ranks of one reader (each checks its own groups), and an
+  instance's own two writes of a page after one of its group objects was lost alone.
 
 Usage: ``head_groups`` (and ``writer_id``) in a backend's extra config make
 :func:`~hicache_storage.registry.create_backend` build the backend this way; or
@@ -93,11 +94,13 @@ def rank_heads(total: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     return head, head + 1
 
 
-def agreed_writer_id() -> str | None:
+def agreed_writer_id(scope: str = "") -> str | None:
     """A writer id every process of this ``torch.distributed`` world shares, or None.
 
     The first process to ask puts a random id in the default store (compare-and-set);
-    the others read it back. None when ``torch.distributed`` is not initialized.
+    the others read it back. ``scope`` keeps apart the writers of one world that are
+    separate instances (SGLang's data-parallel replicas: ``"dp1"``). None when
+    ``torch.distributed`` is not initialized.
     """
     try:
         import torch.distributed as dist
@@ -107,7 +110,8 @@ def agreed_writer_id() -> str | None:
         from torch.distributed import distributed_c10d
 
         store = distributed_c10d._get_default_store()
-        got = store.compare_set(_STORE_KEY, "", secrets.token_hex(16))
+        key = f"{_STORE_KEY}/{scope}" if scope else _STORE_KEY
+        got = store.compare_set(key, "", secrets.token_hex(16))
         text = bytes(got).decode("ascii")
     except Exception as exc:  # noqa: BLE001 - no agreement: the caller draws its own id
         logger.warning("head groups: no writer id from torch.distributed's store (%s)", exc)
@@ -226,6 +230,8 @@ class HeadGroupStore(HiCacheStorage):
             ``G`` equal to the heads).
         writer_id: what names this writer instance's writes (the same on every rank of
             one instance); default: agreed through ``torch.distributed``, else random.
+        writer_scope: which instance of the ``torch.distributed`` world this rank
+            writes for, when one world holds several (``"dp<rank>"``).
     """
 
     def __init__(
@@ -234,6 +240,7 @@ class HeadGroupStore(HiCacheStorage):
         inner_factory: Callable[[StorageConfig], HiCacheStorage],
         head_groups: int,
         writer_id: str | None = None,
+        writer_scope: str = "",
     ) -> None:
         ns = config.namespace
         if ns.rank_replicated:
@@ -267,16 +274,18 @@ class HeadGroupStore(HiCacheStorage):
         self.heads = (first, end)
         self.group_heads = per
         self._suffixes = [f".h{h}-{h + per - 1}" for h in range(first, end, per)]
-        self._max_key = KEY_MAX_LEN - max(len(s) for s in self._suffixes)
+        # One limit for every rank: the longest suffix any group has.
+        self._max_key = KEY_MAX_LEN - len(f".h{total - per}-{total - 1}")
         #: What names this instance's writes; resolved when a pool is attached (only a
         #: writer attaches one), see :meth:`_resolve_writer`.
         self.writer_id = None if writer_id is None else str(writer_id)
+        self.writer_scope = str(writer_scope)
         self.tag = b""
         self._split: HeadSplit | None = None
 
     def _resolve_writer(self) -> None:
         if self.writer_id is None:
-            self.writer_id = agreed_writer_id()
+            self.writer_id = agreed_writer_id(self.writer_scope)
             if self.writer_id is None:
                 self.writer_id = secrets.token_hex(16)
                 if self.config.tp_size > 1:
@@ -407,6 +416,10 @@ class HeadGroupStore(HiCacheStorage):
                     f"key is {len(k)} characters long; with head groups the limit is "
                     f"{self._max_key}"
                 )
+            if k.endswith("."):
+                raise InvalidKeyError(
+                    f"invalid key {k!r}: with head groups a key must not end with '.'"
+                )
         return [k + s for k in keys for s in self._suffixes]
 
     # ------------------------------------------------------------------ pages
@@ -453,6 +466,7 @@ class HeadGroupStore(HiCacheStorage):
             for i, ok in zip(todo, res, strict=True):
                 done[i] = bool(ok)
         out: list[bool] = []
+        bad = [False] * len(keys)
         mixed = 0
         for p, page in enumerate(pages):
             ok = all(done[p * n_groups : (p + 1) * n_groups])
@@ -461,6 +475,7 @@ class HeadGroupStore(HiCacheStorage):
                 page_tags = buf[:, -TAG_BYTES:] if buf is not None else tags[p]
                 if n_groups > 1 and bool((page_tags != page_tags[0]).any()):
                     ok = False
+                    bad[p] = True
                     mixed += 1
             if ok and buf is not None:
                 self._scatter(page, buf)
@@ -469,11 +484,29 @@ class HeadGroupStore(HiCacheStorage):
             self._record(corrupt_objects=mixed)
             self._hicache_state().log(
                 "hg:mixed",
-                "%s: %d page(s) have head groups from different writers; read as misses",
+                "%s: %d page(s) have head groups from different writers; read as misses "
+                "and their groups removed, so the next backup stores them again",
                 self.name,
                 mixed,
             )
+            self._drop([keys[p] for p, ok in enumerate(out) if not ok and bad[p]])
         return out
+
+    def _drop(self, keys: list[str]) -> None:
+        """Remove this rank's groups of ``keys`` (pages of two writers' groups).
+
+        First writer wins never replaces an object, so such a page would stay a miss
+        that ``exists`` calls a hit, and no backup could mend it; without its groups it
+        is a plain miss, and the next backup stores it whole. Best effort: a store that
+        cannot delete keeps them (still misses, never wrong).
+        """
+        if not self.inner.capabilities.delete:
+            return
+        for k in self._group_keys(keys):
+            try:
+                self.inner.delete(k)
+            except Exception as exc:  # noqa: BLE001 - best effort, logged once
+                self._log_failure("delete", exc)
 
     # ------------------------------------------------------------------ exists
 
@@ -575,7 +608,8 @@ class HeadGroupStore(HiCacheStorage):
     @override
     def delete(self, key: str) -> bool:
         validate_key(key)
-        return any(self.inner.delete(k) for k in self._group_keys([key]))
+        gone = [self.inner.delete(k) for k in self._group_keys([key])]  # (every group)
+        return any(gone)
 
     @override
     def clear(self) -> None:
@@ -591,15 +625,18 @@ class HeadGroupStore(HiCacheStorage):
         self.inner.close()
 
 
-def head_group_options(options: Mapping[str, Any]) -> tuple[int | None, str | None]:
-    """``head_groups`` and ``writer_id`` from a backend's extra config (checked)."""
+def head_group_options(options: Mapping[str, Any]) -> tuple[int | None, str | None, str]:
+    """``head_groups``, ``writer_id`` and ``writer_scope`` of an extra config (checked)."""
     groups = options.get("head_groups")
     writer = options.get("writer_id")
+    scope = options.get("writer_scope") or ""
+    if not isinstance(scope, str):
+        raise ConfigError(f"writer_scope must be a string, got {type(scope).__name__}")
     if groups is not None and (not isinstance(groups, int) or isinstance(groups, bool)):
         raise ConfigError(f"head_groups must be an int, got {groups!r}")
     if writer is not None and not isinstance(writer, str):
         raise ConfigError(f"writer_id must be a string, got {type(writer).__name__}")
-    return groups, writer
+    return groups, writer, scope
 
 
 def grouped_namespace(ns: KVCacheNamespace, head_groups: int) -> KVCacheNamespace:

@@ -245,12 +245,13 @@ def create_backend(
     merged = {**config.backend_options(), **options}
     logger.debug("creating backend %s (%s) with options %s", name, cls.__qualname__, sorted(merged))
     try:
-        if config.extra_config.get("head_groups"):
+        if config.extra_config.get("head_groups") and not config.namespace.rank_replicated:
+            # (MLA pages are the same on every rank already: nothing to split.)
             from hicache_storage.headgroups import HeadGroupStore, head_group_options
 
-            groups, writer = head_group_options(config.extra_config)
+            groups, writer, scope = head_group_options(config.extra_config)
             assert groups is not None
-            return HeadGroupStore(config, lambda inner: cls(inner, **merged), groups, writer)
+            return HeadGroupStore(config, lambda inner: cls(inner, **merged), groups, writer, scope)
         return cls(config, **merged)
     except ImportError as exc:
         hint = INSTALL_HINTS.get(name.partition("@")[0])

@@ -51,6 +51,9 @@ __all__ = ["SidePool", "exists_fold", "pool_name", "side_namespace"]
 
 logger = logging.getLogger(__name__)
 
+#: Extra-config keys of the KV pool's pages only (head groups: hicache_storage.headgroups).
+_KV_ONLY = frozenset({"head_groups", "writer_id", "writer_scope"})
+
 #: Pools whose pages hold each TP rank's own state, even in an MLA model.
 PER_RANK_POOLS = frozenset({"mamba"})
 
@@ -134,7 +137,11 @@ class SidePool:
     ) -> SidePool:
         """The backend for ``pool``'s pages (raises what stops it: the attach fails)."""
         namespace, view = side_namespace(kv, name, pool, identity)
-        backend = create_backend(backend_name, dataclasses.replace(config, namespace=namespace))
+        # (Side pools are stored per rank or replicated, never split by head group.)
+        extra = {k: v for k, v in config.extra_config.items() if k not in _KV_ONLY}
+        backend = create_backend(
+            backend_name, dataclasses.replace(config, namespace=namespace, extra_config=extra)
+        )
         try:
             backend.register_mem_pool_host(view)
         except BaseException:

@@ -31,7 +31,14 @@ hicache_storage`` imports no engine.
 #: (the longest SGLang's scheduler and prefetch threads wait for the store in one call).
 #: See ``AdapterOptions`` there.
 SGLANG_ADAPTER_KEYS = frozenset(
-    {"model_id", "kv_cache_dtype", "tenant", "weights_fingerprint", "engine_timeout"}
+    {
+        "model_id",
+        "kv_cache_dtype",
+        "tenant",
+        "weights_fingerprint",
+        "engine_timeout",
+        "total_kv_heads",
+    }
 )
 
 #: Extra-config keys the vLLM connector itself reads (never passed to the backend):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sized
@@ -108,6 +109,10 @@ class AdapterOptions:
         weights_fingerprint: keeps apart checkpoints served under one name.
         engine_timeout: seconds SGLang's scheduler and prefetch threads wait for the
             store in one call (see "Deadlines" in the module docs); 0: no deadline.
+        total_kv_heads: the model's KV heads, for pages shared across TP sizes when
+            there are more TP ranks than KV heads (SGLang's pool then holds one head per
+            rank, and the total cannot be read off it); default: the pool's heads times
+            the TP size.
     """
 
     model_id: str | None = None
@@ -115,6 +120,7 @@ class AdapterOptions:
     tenant: str = ""
     weights_fingerprint: str = ""
     engine_timeout: float = 5.0
+    total_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.engine_timeout <= threading.TIMEOUT_MAX:
@@ -274,7 +280,13 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         }
         heads = getattr(pool, "head_num", None)
         if not mla and isinstance(heads, int) and heads > 0:
-            fields["total_kv_heads"] = heads * int(cfg.tp_size)
+            total = self.options.total_kv_heads or heads * int(cfg.tp_size)
+            if total != heads * int(cfg.tp_size) and not (heads == 1 and int(cfg.tp_size) > total):
+                raise ConfigError(
+                    f"total_kv_heads={total} contradicts the host pool: {heads} KV heads "
+                    f"on each of {cfg.tp_size} TP ranks"
+                )
+            fields["total_kv_heads"] = total
             fields["kv_heads_per_shard"] = heads
         start, end = getattr(pool, "start_layer", None), getattr(pool, "end_layer", None)
         if isinstance(start, int) and isinstance(end, int) and 0 <= start < end:
@@ -378,7 +390,13 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         # store) is the number of head groups a page is stored as, in every layout.
         lcm = getattr(cfg, "tp_lcm_size", None)
         if lcm and not namespace.rank_replicated and "head_groups" not in options:
-            options["head_groups"] = int(lcm)
+            # As many groups as every TP size up to the LCM needs, but never more than
+            # there are heads (more ranks than heads share whole heads).
+            options["head_groups"] = math.gcd(int(lcm), namespace.total_kv_heads or int(lcm))
+        dp_rank = getattr(cfg, "dp_rank", None)
+        if isinstance(dp_rank, int) and "writer_scope" not in options:
+            # (data-parallel replicas of one torch.distributed world: separate writers)
+            options["writer_scope"] = f"dp{dp_rank}"
         config = StorageConfig(
             namespace=namespace,
             tp_rank=int(cfg.tp_rank),

@@ -85,6 +85,8 @@ EXPECTED = [
     # a hybrid model's side pools (what SGLang's v2 transfers move)
     ("IgnoresPool", "side_pool_pages_round_trip", "pool-round-trip"),
     ("WarmNamespaceExists", "states_are_restorable_only_where_stored", "pool-trailing-states"),
+    # pages split by head group (shared across TP sizes)
+    ("DropsSmallSegments", "head_group_pages_are_read_at_another_tp_size", "head-groups"),
 ]
 FILE_BASED = {
     "InPlaceFile",

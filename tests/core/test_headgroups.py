@@ -114,9 +114,33 @@ def test_groups_of_two_writers_never_make_one_page(tmp_path: Path, layout: str) 
     assert reader.batch_exists(KEYS) == PAGES  # every object is there...
     assert reader.batch_get_v1(KEYS, IDX) == [False] * PAGES  # ...but no page is one write
     assert reader.get_stats().corrupt_objects == PAGES
-    # The first writer wins: B's later whole-page write changes nothing.
+    # The reader removed those pages' groups: plain misses now, so the next backup (B's,
+    # whole) stores them again, and they read as B's.
+    assert reader.batch_exists(KEYS) == 0
     write(tmp_path, layout, 1, b, writer="B")
-    assert reader.batch_get_v1(KEYS, IDX) == [False] * PAGES
+    assert reader.batch_get_v1(KEYS, IDX) == [True] * PAGES
+    assert torch.equal(pool.kv_buffer, b.kv_buffer)
+
+
+def test_delete_removes_every_group(tmp_path: Path) -> None:
+    write(tmp_path, "page_first", 1, model_pool("page_first"))
+    s = store(tmp_path, "page_first", 0, 1)
+    assert s.delete(KEYS[0]) is True
+    assert not list(tmp_path.rglob(f"{KEYS[0]}.*"))
+    assert s.batch_exists_each(KEYS[:2]) == [False, True]
+
+
+def test_side_pools_and_mla_are_never_split(tmp_path: Path) -> None:
+    mla = KVCacheNamespace("m", "bf16", PS, rank_replicated=True)
+    config = StorageConfig(namespace=mla, extra_config={"head_groups": 2})
+    assert not isinstance(create_backend("file", config, root=str(tmp_path)), HeadGroupStore)
+
+
+def test_every_rank_takes_the_same_keys(tmp_path: Path) -> None:
+    limits = {store(tmp_path, "page_first", r, 8)._max_key for r in range(8)}
+    assert len(limits) == 1
+    with pytest.raises(InvalidKeyError, match="must not end with"):
+        store(tmp_path, "page_first", 0, 1).batch_exists(["abc."])
 
 
 def test_a_missing_group_is_a_miss_for_the_ranks_that_need_it(tmp_path: Path) -> None:

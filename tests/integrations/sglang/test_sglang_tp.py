@@ -14,18 +14,20 @@ from typing import Any
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang_pools import (
     MHA_LAYOUTS,
     backend_options,
     controller,
+    mamba_pool,
     mha_pool,
     page_bytes,
     prompt,
     transfer,
 )
 
+from hicache_storage.errors import ConfigError
 from hicache_storage.headgroups import HeadGroupStore
 from hicache_storage.integrations.sglang import SGLangStorage
 
@@ -35,9 +37,10 @@ HEAD_AXIS = {"layer_first": 3, "page_first": 3, "page_first_direct": 4, "page_he
 
 
 def adapter(name: str, tmp_path: Path, tp_rank: int, tp_size: int, lcm: int,
-            writer: str, v1: bool = True) -> SGLangStorage:  # fmt: skip
+            writer: str, v1: bool = True, **more: Any) -> SGLangStorage:  # fmt: skip
     extra = {"backend_name": name, "module_path": MODULE, "class_name": "SGLangStorage",
-             "interface_v1": v1, "writer_id": writer, **backend_options(name, tmp_path)}  # fmt: skip
+             "interface_v1": v1, "writer_id": writer, **backend_options(name, tmp_path),
+             **more}  # fmt: skip
     cfg = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
@@ -140,3 +143,41 @@ def test_sglangs_tensor_path_shares_pages_too(tmp_path: Path, layout: str) -> No
     assert [page_bytes(pool, i) for i in range(0, PAGES * PS, PS)] == [
         page_bytes(model, i) for i in range(0, PAGES * PS, PS)
     ]
+
+
+def test_a_hybrid_models_side_pools_attach_beside_head_groups(tmp_path: Path) -> None:
+    storage = adapter("file", tmp_path, 0, 1, 2, "a")
+    storage.register_mem_pool_host(mha_pool("page_first", heads=2))
+    assert isinstance(storage.backend, HeadGroupStore)
+    storage.register_mem_host_pool_v2(mamba_pool(), PoolName.MAMBA)
+    storage.register_mem_host_pool_v2(mha_pool("page_first", layers=2, heads=1), PoolName.SWA)
+    assert sorted(storage._sides) == ["mamba", "swa"]
+    assert not any(isinstance(side.backend, HeadGroupStore) for side in storage._sides.values())
+    storage.close()
+
+
+def test_more_ranks_than_heads_share_whole_heads(tmp_path: Path) -> None:
+    """4 KV heads, deployments at TP 8 (each head on two ranks) and TP 2, tp_lcm_size 8:
+    4 groups of one head; TP 8 names the model's heads with total_kv_heads."""
+    model = mha_pool("page_head", heads=HEADS, device_tokens=PAGES * PS, ratio=1.0)
+    _, keys = prompt(PAGES, PS)
+    idx = torch.arange(PAGES * PS)
+    for r in range(8):
+        storage = adapter("file", tmp_path, r, 8, 8, "a", total_kv_heads=HEADS)
+        pool = mha_pool("page_head", heads=1, device_tokens=PAGES * PS, ratio=1.0)
+        pool.kv_buffer.copy_(model.kv_buffer.narrow(HEAD_AXIS["page_head"], r // 2, 1))
+        storage.register_mem_pool_host(pool)
+        assert isinstance(storage.backend, HeadGroupStore)
+        assert storage.backend.head_groups == HEADS
+        assert storage.backend.writer_scope == "dp0"  # (SGLang's config names dp_rank 0)
+        assert storage.batch_set_v1(keys, idx) == [True] * PAGES
+    for r, (storage, pool) in enumerate(deployment("file", tmp_path, "page_head", 2, None, "b")):
+        assert storage.batch_get_v1(keys, idx) == [True] * PAGES
+        want = rank_pool("page_head", r, 2, model)
+        assert [page_bytes(pool, i) for i in range(0, PAGES * PS, PS)] == [
+            page_bytes(want, i) for i in range(0, PAGES * PS, PS)
+        ]
+    with pytest.raises(ConfigError, match="contradicts the host pool"):
+        adapter("file", tmp_path, 0, 2, 8, "c", total_kv_heads=6).register_mem_pool_host(
+            mha_pool("page_head", heads=2)
+        )
