@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import logging
 import secrets
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,9 @@ logger = logging.getLogger(__name__)
 
 #: Bytes of the write tag at the end of every head-group object.
 TAG_BYTES = 16
+#: Staging memory per thread for the layouts that gather a group's bytes (a batch is
+#: moved in runs of pages that fit it, one page at least).
+STAGING_BYTES = 64 << 20
 _STORE_KEY = "hicache-storage/writer-id"
 
 
@@ -282,6 +286,7 @@ class HeadGroupStore(HiCacheStorage):
         self.writer_scope = str(writer_scope)
         self.tag = b""
         self._split: HeadSplit | None = None
+        self._local = threading.local()  # each thread's staging arena
 
     def _resolve_writer(self) -> None:
         if self.writer_id is None:
@@ -331,6 +336,34 @@ class HeadGroupStore(HiCacheStorage):
             )
         ]
 
+    def _arena(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """This thread's staging memory, at least ``nbytes``.
+
+        (Kept from call to call: fresh memory costs a page fault per 4 KiB at each.)
+        """
+        arena: np.ndarray[Any, Any] | None = getattr(self._local, "arena", None)
+        if arena is None or arena.nbytes < nbytes:
+            arena = np.empty(-(-nbytes // (1 << 20)) << 20, dtype=np.uint8)
+            self._local.arena = arena
+        return arena
+
+    def _chunks(self, pages: Sequence[PageBuffer]) -> list[tuple[int, int]]:
+        """Runs of pages whose staging fits :data:`STAGING_BYTES` (one page at least)."""
+        split = self._split
+        if split is None or split.heads_outer:
+            return [(0, len(pages))]
+        out: list[tuple[int, int]] = []
+        lo, size = 0, 0
+        extra = TAG_BYTES * len(self._suffixes)
+        for i, page in enumerate(pages):
+            need = page.nbytes + extra
+            if i > lo and size + need > STAGING_BYTES:
+                out.append((lo, i))
+                lo, size = i, 0
+            size += need
+        out.append((lo, len(pages)))
+        return out
+
     def _pages(
         self, pages: Sequence[PageBuffer], tags: np.ndarray[Any, Any] | None
     ) -> tuple[list[PageBuffer | None], list[np.ndarray[Any, Any] | None]]:
@@ -338,7 +371,8 @@ class HeadGroupStore(HiCacheStorage):
 
         ``tags`` None: a write (every object ends with this instance's tag); else a read
         (each object's tag lands in ``tags[page, group]``). A page of the wrong size gives
-        ``None`` buffers (it fails).
+        ``None`` buffers (it fails). The row layouts stage in this thread's arena: the
+        buffers are valid until this thread's next call.
         """
         split = self._split
         assert split is not None
@@ -347,6 +381,10 @@ class HeadGroupStore(HiCacheStorage):
         own_tag = None if tags is not None else _array_segment(np.frombuffer(self.tag, np.uint8))
         out: list[PageBuffer | None] = []
         staged: list[np.ndarray[Any, Any] | None] = []
+        arena = None
+        if not split.heads_outer:
+            arena = self._arena(sum(p.nbytes for p in pages) + TAG_BYTES * n_groups * len(pages))
+        used = 0
         for p, page in enumerate(pages):
 
             def tag_of(g: int, p: int = p) -> Segment:
@@ -374,7 +412,10 @@ class HeadGroupStore(HiCacheStorage):
                 staged.append(None)
                 continue
             rows = page.nbytes // row
-            buf = np.empty((n_groups, rows * group_bytes + TAG_BYTES), dtype=np.uint8)
+            width = rows * group_bytes + TAG_BYTES
+            assert arena is not None
+            buf = arena[used : used + n_groups * width].reshape(n_groups, width)
+            used += n_groups * width
             if tags is None:
                 self._gather(page, buf, rows, row, group_bytes)
             out.extend(PageBuffer([_array_segment(buf[g])]) for g in range(n_groups))
@@ -431,6 +472,13 @@ class HeadGroupStore(HiCacheStorage):
                 "hg:nopool", "%s: pages before register_mem_pool_host(); all fail", self.name
             )
             return [False] * len(keys)
+        self._group_keys(keys)  # (bad keys raise before anything is stored)
+        out: list[bool] = []
+        for lo, hi in self._chunks(pages):
+            out += self._set_chunk(keys[lo:hi], pages[lo:hi])
+        return out
+
+    def _set_chunk(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         n_groups = len(self._suffixes)
         group_pages, _ = self._pages(pages, None)
         flat_keys = self._group_keys(keys)
@@ -452,6 +500,13 @@ class HeadGroupStore(HiCacheStorage):
                 "hg:nopool", "%s: pages before register_mem_pool_host(); all fail", self.name
             )
             return [False] * len(keys)
+        self._group_keys(keys)  # (bad keys raise before anything is read)
+        out: list[bool] = []
+        for lo, hi in self._chunks(pages):
+            out += self._get_chunk(keys[lo:hi], pages[lo:hi])
+        return out
+
+    def _get_chunk(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         n_groups = len(self._suffixes)
         tags = np.zeros((len(keys), n_groups, TAG_BYTES), dtype=np.uint8)
         group_pages, staged = self._pages(pages, tags)
