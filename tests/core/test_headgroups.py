@@ -206,3 +206,16 @@ def test_a_key_too_long_for_the_group_suffix_is_refused(tmp_path: Path) -> None:
     s = store(tmp_path, "page_first", 0, 1)
     with pytest.raises(InvalidKeyError, match="head groups"):
         s.batch_exists(["k" * 198])
+
+
+def test_a_batch_larger_than_the_staging_memory_moves_in_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hicache_storage import headgroups
+
+    model = model_pool("page_first")
+    monkeypatch.setattr(headgroups, "STAGING_BYTES", 2 * model.page_bytes)  # 2 pages a run
+    write(tmp_path, "page_first", 2, model)
+    [(got, pool)] = read(tmp_path, "page_first", 1)
+    assert got == [True] * PAGES
+    assert torch.equal(pool.kv_buffer, model.kv_buffer)
