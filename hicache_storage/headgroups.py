@@ -465,61 +465,61 @@ class HeadGroupStore(HiCacheStorage):
 
     # ------------------------------------------------------------------ pages
 
-    @override
-    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+    def _in_runs(
+        self,
+        keys: list[str],
+        pages: Sequence[PageBuffer],
+        run: Callable[[list[str], Sequence[PageBuffer]], list[bool]],
+    ) -> list[bool]:
+        """``run`` over the runs of pages that fit the staging memory (all fail unattached)."""
         if self._split is None:
             self._hicache_state().log(
                 "hg:nopool", "%s: pages before register_mem_pool_host(); all fail", self.name
             )
             return [False] * len(keys)
-        self._group_keys(keys)  # (bad keys raise before anything is stored)
+        self._group_keys(keys)  # (bad keys raise before anything is moved)
         out: list[bool] = []
         for lo, hi in self._chunks(pages):
-            out += self._set_chunk(keys[lo:hi], pages[lo:hi])
+            out += run(keys[lo:hi], pages[lo:hi])
         return out
 
-    def _set_chunk(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        n_groups = len(self._suffixes)
-        group_pages, _ = self._pages(pages, None)
+    def _move(
+        self,
+        op: Callable[[list[str], Sequence[PageBuffer]], list[bool]],
+        keys: list[str],
+        group_pages: list[PageBuffer | None],
+    ) -> list[bool]:
+        """Run ``op`` (the inner store's page call) on the groups that have a buffer.
+
+        One answer per group of ``keys``' pages, page-major; False where there is none.
+        """
         flat_keys = self._group_keys(keys)
         todo = [i for i, gp in enumerate(group_pages) if gp is not None]
         done = [False] * len(flat_keys)
         if todo:
-            res = self.inner.batch_set_pages(
-                [flat_keys[i] for i in todo],
-                [group_pages[i] for i in todo],  # type: ignore[misc]
-            )
+            res = op([flat_keys[i] for i in todo], [group_pages[i] for i in todo])  # type: ignore[misc]
             for i, ok in zip(todo, res, strict=True):
                 done[i] = bool(ok)
+        return done
+
+    @override
+    def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        return self._in_runs(keys, pages, self._set_run)
+
+    def _set_run(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+        n_groups = len(self._suffixes)
+        done = self._move(self.inner.batch_set_pages, keys, self._pages(pages, None)[0])
         return [all(done[p * n_groups : (p + 1) * n_groups]) for p in range(len(keys))]
 
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        if self._split is None:
-            self._hicache_state().log(
-                "hg:nopool", "%s: pages before register_mem_pool_host(); all fail", self.name
-            )
-            return [False] * len(keys)
-        self._group_keys(keys)  # (bad keys raise before anything is read)
-        out: list[bool] = []
-        for lo, hi in self._chunks(pages):
-            out += self._get_chunk(keys[lo:hi], pages[lo:hi])
-        return out
+        return self._in_runs(keys, pages, self._get_run)
 
-    def _get_chunk(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
+    def _get_run(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         n_groups = len(self._suffixes)
         tags = np.zeros((len(keys), n_groups, TAG_BYTES), dtype=np.uint8)
         group_pages, staged = self._pages(pages, tags)
-        flat_keys = self._group_keys(keys)
-        todo = [i for i, gp in enumerate(group_pages) if gp is not None]
-        done = [False] * len(flat_keys)
-        if todo:
-            res = self.inner.batch_get_pages(
-                [flat_keys[i] for i in todo],
-                [group_pages[i] for i in todo],  # type: ignore[misc]
-            )
-            for i, ok in zip(todo, res, strict=True):
-                done[i] = bool(ok)
+        done = self._move(self.inner.batch_get_pages, keys, group_pages)
         out: list[bool] = []
         bad = [False] * len(keys)
         mixed = 0
