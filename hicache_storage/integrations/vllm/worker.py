@@ -80,10 +80,6 @@ class _Store:
     started: float = field(default_factory=time.perf_counter)
 
 
-def _block_bytes_of(block: torch.Tensor) -> int:
-    return int(block.numel()) * block.element_size()
-
-
 class WorkerSide(ConnectorSide):
     """Loads and stores of one TP rank (see the module docs)."""
 
@@ -253,9 +249,8 @@ class WorkerSide(ConnectorSide):
                 f"([heads, block_size, ...], vLLM's CPU layout); this rank's blocks are "
                 f"{tuple(block.shape)} for {heads} KV heads"
             )
-        return HeadSplit(
-            heads, _block_bytes_of(block) // heads, heads_outer=True, blocks=len(layers)
-        )
+        head_bytes = int(block.numel()) * block.element_size() // heads
+        return HeadSplit(heads, head_bytes, heads_outer=True, blocks=len(layers))
 
     def start_load_kv(self, meta: HiCacheConnectorMetadata) -> None:
         """Read this step's blocks into vLLM's paged KV before the forward pass.
