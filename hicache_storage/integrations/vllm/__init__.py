@@ -64,10 +64,17 @@ checks (a flipped bit, a truncated object) are a failed load, never KV. Counters
 through :meth:`~HiCacheKVConnector.get_kv_connector_stats` (logged by vLLM) and
 :attr:`HiCacheKVConnector.totals`.
 
+**Hybrid models** (vLLM's hybrid allocator, which the connector supports): a model with
+sliding-window layers beside full ones has a KV cache group of each, and vLLM keeps only
+each request's window of sliding-window blocks. Each group's blocks are objects of the
+group's own namespace; a hit is a length at which every group can be restored (the full
+groups' blocks up to it, the window's blocks of each sliding-window group), and loads
+run in the background, so that a failed one fails its request as a whole (vLLM takes no
+failed blocks of such a model) and vLLM recomputes it.
+
 **Not supported** (refused at engine start with :class:`ConfigError`, never wrong
-pages): models with more than one KV cache group (hybrid attention; vLLM keeps one group
-for a connector without hybrid support), sliding-window or chunked attention specs,
-pipeline parallelism, and decode/prefill context parallelism.
+pages): state (Mamba) and chunked-local attention groups, groups of different block
+sizes, pipeline parallelism, and decode/prefill context parallelism.
 
 Layout, as vLLM's own connectors: :mod:`.connector` (the class vLLM loads, a thin
 facade), :mod:`.scheduler` (the scheduler side: lookups and plans) and :mod:`.worker`

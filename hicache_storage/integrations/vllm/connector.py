@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from hicache_storage.errors import ConfigError
@@ -25,7 +26,7 @@ from hicache_storage.integrations.vllm.metadata import (
     HiCacheConnectorMetadata,
     HiCacheKVConnectorStats,
 )
-from hicache_storage.integrations.vllm.namespace import namespace_for, the_group
+from hicache_storage.integrations.vllm.namespace import group_shapes, namespaces_for
 from hicache_storage.integrations.vllm.options import ConnectorOptions
 from hicache_storage.integrations.vllm.scheduler import SchedulerSide
 from hicache_storage.integrations.vllm.side import ConnectorSide, Settings
@@ -46,8 +47,13 @@ logger = logging.getLogger("hicache_storage.integrations.vllm")
 LIVE: weakref.WeakSet[HiCacheKVConnector] = weakref.WeakSet()
 
 
-class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM's KV connector v1 over any hicache-storage backend (see the package docs)."""
+class HiCacheKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """vLLM's KV connector v1 over any hicache-storage backend (see the package docs).
+
+    It supports vLLM's hybrid allocator (``SupportsHMA``): a model with sliding-window
+    layers beside full ones keeps a KV cache group of each, and only each request's
+    window of sliding-window blocks.
+    """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -57,11 +63,15 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         options = ConnectorOptions.from_extra(extra)
         if kv_cache_config is None:
             raise ConfigError("HiCacheKVConnector needs vLLM's KV cache config (vLLM >= 0.32)")
+        namespaces = namespaces_for(vllm_config, kv_cache_config, extra)
+        shapes = group_shapes(kv_cache_config)
         self.settings = Settings(
             backend_name=name,
             extra_config=extra,
             options=options,
-            namespace=namespace_for(vllm_config, kv_cache_config, extra),
+            namespace=namespaces[0],
+            namespaces=namespaces,
+            groups=shapes,
             tp_size=int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1),
             load_on=bool(getattr(ktc, "is_kv_consumer", True)),
             save_on=bool(getattr(ktc, "is_kv_producer", True)),
@@ -81,9 +91,10 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     policy,
                 )
         else:
-            group = the_group(kv_cache_config)
             self._side = self.connector_worker = WorkerSide(
-                self.settings, list(group.layer_names), int(kv_cache_config.num_blocks)
+                self.settings,
+                [list(shape.layer_names) for shape in shapes],
+                int(kv_cache_config.num_blocks),
             )
         LIVE.add(self)
 
@@ -157,8 +168,14 @@ class HiCacheKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """See :meth:`SchedulerSide.request_finished`."""
-        return self._scheduler().request_finished(request, block_ids)
+        """See :meth:`SchedulerSide.request_finished` (one KV cache group)."""
+        return self._scheduler().request_finished(request, (list(block_ids),))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """See :meth:`SchedulerSide.request_finished` (a block list per KV cache group)."""
+        return self._scheduler().request_finished(request, tuple(block_ids))
 
     # ------------------------------------------------------------------ worker side
 

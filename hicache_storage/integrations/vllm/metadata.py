@@ -13,10 +13,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 __all__ = [
     "COUNTERS",
+    "NULL_BLOCK",
     "HiCacheConnectorMetadata",
     "HiCacheKVConnectorStats",
     "LoadSpec",
     "SaveSpec",
+    "held_blocks",
 ]
 
 #: The connector's counters (sums over an interval, and since start in ``totals``).
@@ -46,18 +48,30 @@ COUNTERS = (
 )
 
 
+#: vLLM's null block: the place of a block a request does not hold (a sliding-window
+#: group's blocks before the window). Never loaded, stored or tainted.
+NULL_BLOCK = 0
+
+
+def held_blocks(groups: list[list[int]]) -> set[int]:
+    """Every block of ``groups`` (one list per KV cache group) but the null block."""
+    return {b for ids in groups for b in ids if b != NULL_BLOCK}
+
+
 @dataclass
 class LoadSpec:
     """Blocks of one request to read from the store.
 
-    Before the forward pass, or with ``background`` while vLLM runs other requests (the
-    request waits for it; the workers report it in ``get_finished``). ``failed``: a
-    background load that could not be planned, reported as failed at once.
+    ``block_ids`` has one list per KV cache group, one block per key; a null block is a
+    place the group does not hold (nothing to read). Before the forward pass, or with
+    ``background`` while vLLM runs other requests (the request waits for it; the
+    workers report it in ``get_finished``). ``failed``: a background load that could
+    not be planned, reported as failed at once.
     """
 
     req_id: str
     keys: list[str]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     background: bool = False
     failed: bool = False
 
@@ -66,8 +80,9 @@ class LoadSpec:
 class SaveSpec:
     """Newly computed full blocks of one request to store after the forward pass.
 
-    ``prefix_block_ids`` are the request's blocks from its first up to the last one
-    stored here; those from ``computed_from`` on were computed by this request, the
+    ``block_ids`` and ``prefix_block_ids`` have one list per KV cache group (a null
+    block: a place the group does not hold, not stored). ``prefix_block_ids`` are the
+    request's blocks from its first up to the last one stored here; those from ``computed_from`` on were computed by this request, the
     ones before it came from vLLM's prefix cache or from the store. The worker stores
     nothing computed over a block that failed to load (see
     :meth:`~hicache_storage.integrations.vllm.worker.WorkerSide.wait_for_save`).
@@ -75,8 +90,8 @@ class SaveSpec:
 
     req_id: str
     keys: list[str]
-    block_ids: list[int]
-    prefix_block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]]
+    prefix_block_ids: list[list[int]] = field(default_factory=list)
     computed_from: int = 0
     #: The last, partly computed block of a finished request (counted apart).
     partial: bool = False

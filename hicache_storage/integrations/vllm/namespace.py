@@ -10,39 +10,90 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from hicache_storage.errors import ConfigError
 from hicache_storage.integrations.vllm.options import ConnectorOptions
 from hicache_storage.integrations.weights import model_identity
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype, storage_namespace_seed
 
-__all__ = ["model_digest", "namespace_for", "request_seed", "the_group"]
+__all__ = [
+    "GroupShape",
+    "group_shapes",
+    "kv_groups",
+    "model_digest",
+    "namespace_for",
+    "namespaces_for",
+    "request_seed",
+]
 
 
-def the_group(kv_cache_config: Any) -> Any:
-    """The one KV cache group the connector moves; :class:`ConfigError` for anything else."""
+@dataclass(frozen=True)
+class GroupShape:
+    """What the connector needs of one KV cache group beyond its namespace.
+
+    ``window``: a sliding-window group's window in tokens (None: the group keeps every
+    block); ``retained``: the tokens vLLM keeps before the window as well.
+    """
+
+    layer_names: tuple[str, ...]
+    window: int | None = None
+    retained: int = 0
+
+    def first_held(self, tokens: int, block_size: int) -> int:
+        """The first block this group holds once ``tokens`` tokens are computed.
+
+        vLLM's rule for a sliding window: the blocks wholly before the window (and the
+        retained tokens) are null; a full-attention group holds every block.
+        """
+        if self.window is None:
+            return 0
+        return max(0, tokens - self.window + 1 - self.retained) // block_size
+
+
+def kv_groups(kv_cache_config: Any) -> list[Any]:
+    """The KV cache groups the connector moves; :class:`ConfigError` for anything else.
+
+    Full attention, MLA and sliding-window groups, of one block size. With vLLM's hybrid
+    allocator (the connector supports it) a model with sliding-window layers beside
+    full ones has a group of each; without it, vLLM files every layer as full attention.
+    """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
+    if not groups:
+        raise ConfigError("HiCacheKVConnector found no KV cache group in vLLM's config")
+    sizes = set()
+    for g in groups:
+        spec = g.kv_cache_spec
+        sizes.add(int(getattr(spec, "block_size", 0)))
+        if type(spec) in _MOVED:
+            continue
         raise ConfigError(
-            f"HiCacheKVConnector moves models with one KV cache group; this one has "
-            f"{len(groups)} ({[type(g.kv_cache_spec).__name__ for g in groups]})"
+            f"HiCacheKVConnector moves full-attention, MLA and sliding-window KV blocks, "
+            f"not {type(spec).__name__} (groups: "
+            f"{[type(x.kv_cache_spec).__name__ for x in groups]}): a state or chunked "
+            "group is not moved yet"
         )
-    spec = groups[0].kv_cache_spec
-    # A model with sliding-window or chunked layers beside full ones: vLLM (its hybrid
-    # allocator off, as it turns it off for this connector) files every layer as full
-    # attention, the window kept on the spec: every block of every layer stays, so the
-    # blocks move as any full-attention block does.
-    if not isinstance(spec, (FullAttentionSpec, MLAAttentionSpec)):
-        local = "sliding-window" if getattr(spec, "sliding_window", None) else "local"
-        raise ConfigError(
-            f"HiCacheKVConnector moves full-attention KV blocks, not {type(spec).__name__}: "
-            f"in a model whose every layer is {local}, vLLM keeps only each request's "
-            "window of blocks, which the connector does not move yet"
-        )
-    return groups[0]
+    if len(sizes) != 1:
+        raise ConfigError(f"HiCacheKVConnector needs one block size for every group, not {sizes}")
+    return groups
+
+
+#: The spec classes moved (subclasses such as sinks or MLA sliding windows are not).
+_MOVED = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+
+
+def group_shapes(kv_cache_config: Any) -> tuple[GroupShape, ...]:
+    """Each group's layers and window (see :class:`GroupShape`)."""
+    out = []
+    for g in kv_groups(kv_cache_config):
+        spec = g.kv_cache_spec
+        window = int(spec.sliding_window) if isinstance(spec, SlidingWindowSpec) else None
+        retained = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        out.append(GroupShape(tuple(g.layer_names), window, retained if window else 0))
+    return tuple(out)
 
 
 #: Keys of a model's resolved HF config that do not change what its KV holds.
@@ -78,16 +129,18 @@ def _stable_str(obj: object) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", str(obj))
 
 
-def namespace_for(
+def namespaces_for(
     vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]
-) -> KVCacheNamespace:
-    """The namespace of the blocks of this vLLM deployment (the same on every role).
+) -> tuple[KVCacheNamespace, ...]:
+    """The namespaces of this vLLM deployment's blocks, one per KV cache group.
 
-    Built from what both the scheduler and the workers see: the model config, the KV
-    cache config and the connector's extra config. Raises :class:`ConfigError` for a
-    deployment the connector does not move (see the module's "Not supported").
+    The same on every role: built from what both the scheduler and the workers see (the
+    model config, the KV cache config and the connector's extra config). A model of one
+    group has the one namespace it always had. With several groups (vLLM's hybrid
+    allocator), each group's blocks are objects of their own namespace, named by the
+    group's place, kind, window and layers: one group's block is never read as
+    another's. Raises :class:`ConfigError` for a deployment the connector does not move.
     """
-    mc = vllm_config.model_config
     pc = vllm_config.parallel_config
     for what, size in (
         ("pipeline parallelism", getattr(pc, "pipeline_parallel_size", 1)),
@@ -96,7 +149,34 @@ def namespace_for(
     ):
         if int(size or 1) > 1:
             raise ConfigError(f"HiCacheKVConnector does not support {what} (size {size}) yet")
-    group = the_group(kv_cache_config)
+    groups = kv_groups(kv_cache_config)
+    out = []
+    for i, group in enumerate(groups):
+        tag = None
+        if len(groups) > 1:
+            spec = group.kv_cache_spec
+            kind = (
+                f"swa{int(spec.sliding_window)}" if isinstance(spec, SlidingWindowSpec) else "full"
+            )
+            names = hashlib.sha256("\0".join(group.layer_names).encode()).hexdigest()[:8]
+            tag = f"g{i}of{len(groups)}-{kind}-{names}"
+        out.append(_namespace(vllm_config, kv_cache_config, group, extra, tag))
+    return tuple(out)
+
+
+def namespace_for(
+    vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]
+) -> KVCacheNamespace:
+    """The namespace of the first KV cache group's blocks (see :func:`namespaces_for`)."""
+    return namespaces_for(vllm_config, kv_cache_config, extra)[0]
+
+
+def _namespace(
+    vllm_config: Any, kv_cache_config: Any, group: Any, extra: dict[str, Any], tag: str | None
+) -> KVCacheNamespace:
+    """The namespace of one group's blocks (``tag`` names the group among several)."""
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
     spec = group.kv_cache_spec
     mla = isinstance(spec, MLAAttentionSpec) or bool(getattr(mc, "use_mla", False))
     # The weights' identity: a relative path or an unpinned name says nothing of them.
@@ -126,6 +206,8 @@ def namespace_for(
         layout.append(f"q{getattr(quant, 'name', quant)}")
     if cache_dtype != "auto":
         layout.append(cache_dtype)  # fp8 variants may share a torch dtype
+    if tag is not None:
+        layout.append(tag)
     fingerprint = f"w-{weights}+vllm-cfg-{model_digest(mc)}"
     if opts.weights_fingerprint:
         fingerprint = f"{opts.weights_fingerprint}+{fingerprint}"

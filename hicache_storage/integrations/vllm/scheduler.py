@@ -23,7 +23,7 @@ from typing_extensions import override
 from hicache_storage.integrations.adapterkit import failsafe
 from hicache_storage.integrations.deadline import Lane
 from hicache_storage.integrations.vllm.metadata import HiCacheConnectorMetadata, LoadSpec, SaveSpec
-from hicache_storage.integrations.vllm.namespace import request_seed
+from hicache_storage.integrations.vllm.namespace import GroupShape, request_seed
 from hicache_storage.integrations.vllm.side import ConnectorSide, Settings
 from hicache_storage.keys import page_hashes, partial_page_hash, partial_page_hashes
 from hicache_storage.registry import create_backend
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 __all__ = ["SchedulerSide"]
 
+#: A lookup's answer: the leading run every full group holds, which of its blocks each
+#: group holds (all, for a full group), and the stored partial block after it.
+_Found = tuple[int, list[list[bool]], "tuple[str, int] | None"]
+
 
 @dataclass
 class _Req:
@@ -42,11 +46,13 @@ class _Req:
     keys: list[str]  # one per full block of its tokens (prompt, then output), as known
     prompt_len: int
     stored: int  # leading blocks known to be in the store (or sent to be stored)
+    #: Leading blocks the store holds in every group keeping all its blocks (loadable).
+    run: int = 0
     request: Any = None  # vLLM's Request: its token ids grow as it generates
     seed: str | None = None  # the chain's namespace seed
     local_blocks: int = 0  # vLLM's own prefix hit, in blocks, at the lookup
     load: tuple[int, int, list[str]] | None = None  # blocks [start, end) to load, their keys
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # one list per KV cache group
     computed_from: int = 0  # first block this request computes (after hits and loads)
     done: int | None = None  # tokens computed once the last planned step has run
     saves_sent: bool = False  # a store of its blocks was planned (async: may still read them)
@@ -68,42 +74,51 @@ class SchedulerSide(ConnectorSide):
         self._background_loads: list[LoadSpec] = []
         #: Partial last blocks of finished requests, to store with the next step.
         self._finish_saves: list[SaveSpec] = []
-        #: One backend per distinct shard: a block is a hit only if every rank's is stored.
-        self.lookup_backends: list[HiCacheStorage] = []
+        #: Per KV cache group, one backend per distinct shard: a block is a hit only if
+        #: every rank's is stored (in every group that must hold it).
+        self.group_backends: list[list[HiCacheStorage]] = []
+        self.shapes = settings.groups or (GroupShape(()),)
         self._lookup_lane = Lane("hicache-vllm-lookup")
 
     # ------------------------------------------------------------------ ConnectorSide
 
+    @property
+    def lookup_backends(self) -> list[HiCacheStorage]:
+        """The first group's backends, one per distinct shard."""
+        return self.group_backends[0] if self.group_backends else []
+
     @override
     def ready(self) -> bool:
         """True once attached (see :meth:`ConnectorSide.ready`)."""
-        return bool(self.lookup_backends)
+        return bool(self.group_backends)
 
     @override
     def _build(self) -> None:
-        out: list[HiCacheStorage] = []
-        seen: set[str | None] = set()
+        out: list[list[HiCacheStorage]] = []
         try:
-            for rank in range(self.settings.tp_size):
-                config = self.settings.storage_config(rank)
-                if config.shard in seen:
-                    continue
-                seen.add(config.shard)
-                out.append(create_backend(self.settings.backend_name, config))
+            for group in range(len(self.shapes)):
+                seen: set[str | None] = set()
+                out.append([])
+                for rank in range(self.settings.tp_size):
+                    config = self.settings.storage_config(rank, group)
+                    if config.shard in seen:
+                        continue
+                    seen.add(config.shard)
+                    out[-1].append(create_backend(self.settings.backend_name, config))
         except BaseException:
-            for b in out:
+            for b in (b for part in out for b in part):
                 b.close()
             raise
         if self._closed.is_set():
-            for b in out:
+            for b in (b for part in out for b in part):
                 b.close()
             return
-        self.lookup_backends = out
+        self.group_backends = out
 
     @override
     def _take_backends(self) -> list[HiCacheStorage]:
-        out, self.lookup_backends = self.lookup_backends, []
-        return out
+        out, self.group_backends = self.group_backends, []
+        return [b for part in out for b in part]
 
     @override
     def _lanes(self) -> list[Lane]:
@@ -200,54 +215,21 @@ class SchedulerSide(ConnectorSide):
         # of which every token but the last is a hit (num_tokens - 1, in blocks rounded up).
         num_tokens = len(self._tokens(state))
         limit = -(-(num_tokens - 1) // self.block_size)
-        stored = 0
+        stored, hit_tokens = 0, 0
+        found: _Found = (0, [], None)
         state.partial = None
         if self.settings.load_on and state.keys and self.ready():
             t0 = time.perf_counter()
-            backends, keys = list(self.lookup_backends), state.keys
-            bs = self.block_size
-            partial_on = self.settings.options.partial_blocks
-
-            def lookup(job: Job[Any] | None) -> tuple[int, tuple[str, int] | None]:
-                run = len(keys)
-                for backend in backends:
-                    run = min(run, int(backend.batch_exists(keys[:run])))
-                    if run == 0 or (job is not None and job.cut):
-                        return run, None
-                # After the run, the block a finished request left partly computed (the
-                # last block of an answer): the longest stored version, on every rank.
-                most = min(bs - 1, num_tokens - 1 - run * bs)
-                if most <= 0 or not partial_on:
-                    return run, None
-                try:
-                    candidates = self._partial_keys(state, run, most)
-                    have = [True] * len(candidates)
-                    for backend in backends:
-                        if (job is not None and job.cut) or not any(have):
-                            break
-                        ask = [k for (k, _), h in zip(candidates, have, strict=True) if h]
-                        answers = iter(backend.batch_exists_each(ask))
-                        have = [h and bool(next(answers, False)) for h in have]
-                except Exception as exc:  # noqa: BLE001 - the full blocks' run still holds
-                    self.count(hook_errors=1)
-                    self._log("lookup", "HiCacheKVConnector: partial lookup failed (%s)", exc)
-                    return run, None
-                found = [c for c, ok in zip(candidates, have, strict=True) if ok]
-                return run, (found[0] if found else None)
-
-            ok, found = self.on_lane(self._lookup_lane, lookup, "lookup")
-            stored, partial = found if ok and found is not None else (0, None)
-            state.partial = partial
+            found = self._lookup(state, num_tokens)
+            stored, hit_tokens, state.partial = self._restorable(state, found, num_tokens, local)
             self.count(
                 lookups=1,
                 lookup_blocks=limit,
-                lookup_hit_blocks=min(stored, limit),
+                lookup_hit_blocks=min(found[0], limit),
                 lookup_seconds=time.perf_counter() - t0,
             )
         state.stored = stored
-        hit_tokens = min(min(stored, limit) * self.block_size, num_tokens - 1)
-        if state.partial is not None and stored <= limit:
-            hit_tokens = min(stored * self.block_size + state.partial[1], num_tokens - 1)
+        state.run = found[0] if hit_tokens else 0
         if retry_failed:
             state.stored = local  # (what vLLM recomputes is stored again)
             return 0, False
@@ -256,14 +238,100 @@ class SchedulerSide(ConnectorSide):
         state.background_load = self._load_in_background(req_id)
         return hit_tokens - local * self.block_size, state.background_load
 
+    def _lookup(self, state: _Req, num_tokens: int) -> _Found:
+        """What the store holds of ``state``'s blocks, on every rank and group (on the lane).
+
+        The leading run of blocks every group keeping all its blocks holds; which of
+        that run's blocks each sliding-window group holds; and after the run, the
+        longest stored partial version of the next block (every group holds it).
+        """
+        groups, keys = [list(g) for g in self.group_backends], state.keys
+        shapes, bs = self.shapes, self.block_size
+        partial_on = self.settings.options.partial_blocks
+
+        def lookup(job: Job[Any] | None) -> _Found:
+            run = len(keys)
+            for shape, backends in zip(shapes, groups, strict=True):
+                for backend in backends if shape.window is None else ():
+                    run = min(run, int(backend.batch_exists(keys[:run])))
+                    if run == 0 or (job is not None and job.cut):
+                        return run, [], None
+            held: list[list[bool]] = []
+            for shape, backends in zip(shapes, groups, strict=True):
+                have = [True] * run
+                for backend in backends if shape.window is not None else ():
+                    if job is not None and job.cut:
+                        return 0, [], None
+                    answers = iter(backend.batch_exists_each(keys[:run]))
+                    have = [h and bool(next(answers, False)) for h in have]
+                held.append(have)
+            # After the run, the block a finished request left partly computed (the
+            # last block of an answer): the longest stored version, on every rank.
+            most = min(bs - 1, num_tokens - 1 - run * bs)
+            if most <= 0 or not partial_on:
+                return run, held, None
+            try:
+                candidates = self._partial_keys(state, run, most)
+                have = [True] * len(candidates)
+                for backend in (b for part in groups for b in part):
+                    if (job is not None and job.cut) or not any(have):
+                        break
+                    ask = [k for (k, _), h in zip(candidates, have, strict=True) if h]
+                    answers = iter(backend.batch_exists_each(ask))
+                    have = [h and bool(next(answers, False)) for h in have]
+            except Exception as exc:  # noqa: BLE001 - the full blocks' run still holds
+                self.count(hook_errors=1)
+                self._log("lookup", "HiCacheKVConnector: partial lookup failed (%s)", exc)
+                return run, held, None
+            found = [c for c, ok in zip(candidates, have, strict=True) if ok]
+            return run, held, (found[0] if found else None)
+
+        ok, found = self.on_lane(self._lookup_lane, lookup, "lookup")
+        return found if ok and found is not None else (0, [], None)
+
+    def _restorable(
+        self, state: _Req, found: _Found, num_tokens: int, local: int
+    ) -> tuple[int, int, tuple[str, int] | None]:
+        """``(stored, hit_tokens, partial)``: the longest hit every group can restore.
+
+        At most every token but the last. A sliding-window group needs, at a hit of N
+        tokens, the blocks vLLM holds for it there (its window); the hit is the longest
+        length (the stored partial block's, then each block boundary down) at which each
+        such group's blocks from vLLM's own hit on are stored. ``stored``: the leading
+        blocks every group holds (what need not be stored again).
+        """
+        run, held, partial = found
+        bs = self.block_size
+        stored = run
+        for have in held:
+            stored = min(stored, next((p for p, h in enumerate(have) if not h), run))
+        limit = -(-(num_tokens - 1) // bs)
+        lengths: list[tuple[int, tuple[str, int] | None]] = []
+        if partial is not None and run <= limit:
+            lengths.append((min(run * bs + partial[1], num_tokens - 1), partial))
+        lengths += [(min(k * bs, num_tokens - 1), None) for k in range(min(run, limit), local, -1)]
+        for hit, part in lengths:
+            end = min(-(-hit // bs), run)  # (a partial block was looked up in every group)
+            if all(
+                all(have[max(shape.first_held(hit, bs), local) : end])
+                for shape, have in zip(self.shapes, held, strict=False)
+                if shape.window is not None
+            ):
+                return stored, hit, part
+        return stored, 0, None
+
     def _load_in_background(self, req_id: str) -> bool:
         """Whether a hit loads in the background (see ``async_loads``).
 
         Unset: when another request is running (its decoding never waits for this load),
         not for a lone request (loaded before the forward pass, its lowest TTFT), and
         never with tensor parallelism (the ranks share a step's load failures before
-        anything computed over them is stored: the synchronous path).
+        anything computed over them is stored: the synchronous path). Always with several
+        KV cache groups: vLLM takes a failed load of such a model only as a request
+        failed as a whole (it is recomputed), which only a background load can report.
         """
+        if self.settings.hybrid:
+            return True
         choice = self.settings.options.async_loads
         if choice is not None:
             return choice
@@ -300,8 +368,8 @@ class SchedulerSide(ConnectorSide):
         # Blocks holding the hit: the last one may hold the token vLLM computes, and is
         # loaded whole (vLLM writes that token's KV over its slot afterwards).
         end = start + -(-int(num_external_tokens) // self.block_size)
-        keys = state.keys[start : min(end, state.stored, len(state.keys))]
-        if state.partial is not None and end > state.stored >= start:
+        keys = state.keys[start : min(end, state.run, len(state.keys))]
+        if state.partial is not None and end > state.run >= start:
             keys.append(state.partial[0])  # (loaded whole: vLLM computes the rest of it)
         end = start + len(keys)
         state.load = (start, end, keys)
@@ -309,8 +377,8 @@ class SchedulerSide(ConnectorSide):
         if state.background_load:
             # The request is not scheduled until its load is reported: its blocks are
             # known now, and the load goes to the workers with the next step.
-            ids = list(blocks.get_block_ids()[0])
-            self._background_loads.append(LoadSpec(request.request_id, keys, ids[start:end], True))
+            ids = [list(g)[start:end] for g in blocks.get_block_ids()]
+            self._background_loads.append(LoadSpec(request.request_id, keys, ids, True))
             state.load = None
             state.load_pending = True
 
@@ -326,8 +394,9 @@ class SchedulerSide(ConnectorSide):
             state = self._reqs.get(str(getattr(new, "req_id", "")))
             try:
                 # Blocks past what the request already has computed are its own, afresh.
-                ids = list(new.block_ids[0])
-                meta.fresh_blocks.extend(ids[new.num_computed_tokens // self.block_size :])
+                ids = [list(g) for g in new.block_ids]
+                for g in ids:
+                    meta.fresh_blocks.extend(g[new.num_computed_tokens // self.block_size :])
                 if state is not None:
                     state.load_pending = False  # scheduled: a background load (if any) landed
                     state.block_ids = ids
@@ -340,18 +409,20 @@ class SchedulerSide(ConnectorSide):
             try:
                 assert cached is not None
                 new_ids = cached.new_block_ids[i]
-                if new_ids is not None:
-                    fresh = list(new_ids[0])
-                    if req_id in cached.resumed_req_ids:
-                        fresh = fresh[cached.num_computed_tokens[i] // self.block_size :]
-                    meta.fresh_blocks.extend(fresh)
+                resumed = req_id in cached.resumed_req_ids
+                first = cached.num_computed_tokens[i] // self.block_size if resumed else 0
+                for g in new_ids or ():
+                    meta.fresh_blocks.extend(list(g)[first:])
                 if state is None:
                     continue
-                if req_id in cached.resumed_req_ids:
-                    state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                if resumed:
+                    state.block_ids = [list(g) for g in new_ids] if new_ids is not None else []
                     state.done = None
                 elif new_ids is not None:
-                    state.block_ids.extend(new_ids[0])
+                    if not state.block_ids:
+                        state.block_ids = [[] for _ in new_ids]
+                    for mine, g in zip(state.block_ids, new_ids, strict=True):
+                        mine.extend(g)
                 self._plan_safely(meta, req_id, state, cached.num_computed_tokens[i], scheduled)
             except Exception as exc:  # noqa: BLE001 - vLLM's scheduler must not see it
                 self._request_failed(meta, req_id, state, exc)
@@ -405,7 +476,7 @@ class SchedulerSide(ConnectorSide):
         if state.load is not None:
             a, b, keys = state.load
             state.load = None
-            meta.loads.append(LoadSpec(req_id, keys, state.block_ids[a:b]))
+            meta.loads.append(LoadSpec(req_id, keys, [g[a:b] for g in state.block_ids]))
 
     def _plan(
         self,
@@ -432,7 +503,7 @@ class SchedulerSide(ConnectorSide):
         full = min(
             min(state.done, self._known_tokens(state)) // self.block_size,
             len(state.keys),
-            len(state.block_ids),
+            min((len(g) for g in state.block_ids), default=0),
         )
         if full > state.stored:
             a = state.stored
@@ -440,8 +511,8 @@ class SchedulerSide(ConnectorSide):
                 SaveSpec(
                     req_id,
                     state.keys[a:full],
-                    state.block_ids[a:full],
-                    prefix_block_ids=state.block_ids[:full],
+                    [g[a:full] for g in state.block_ids],
+                    prefix_block_ids=[g[:full] for g in state.block_ids],
                     computed_from=state.computed_from,
                 )
             )
@@ -450,9 +521,11 @@ class SchedulerSide(ConnectorSide):
 
     @failsafe(lambda self, args: (False, None))
     def request_finished(
-        self, request: Any, block_ids: list[int]
+        self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Forget ``request``; True: vLLM keeps its blocks until the workers report it.
+
+        ``block_ids``: the request's blocks, one list per KV cache group.
 
         With ``async_saves``, a request some of whose blocks were sent to be stored is
         freed only once the workers' stores have read them (:meth:`WorkerSide.get_finished`);
@@ -476,7 +549,7 @@ class SchedulerSide(ConnectorSide):
         return False, None
 
     def _save_partial(
-        self, req_id: str, state: _Req, block_ids: list[int], request: Any = None
+        self, req_id: str, state: _Req, block_ids: tuple[list[int], ...], request: Any = None
     ) -> bool:
         """Plan the store of a finished request's last, partly computed block.
 
@@ -498,7 +571,7 @@ class SchedulerSide(ConnectorSide):
         full, m = divmod(done, bs)
         if not 0 < full <= len(state.keys) or m == 0 or full != state.stored:
             return False  # (nothing partial, or the blocks before it are not all stored)
-        if full >= len(block_ids):
+        if not block_ids or any(full >= len(g) for g in block_ids):
             return False
         tokens = list(self._tokens(state)[full * bs : full * bs + m])
         key = partial_page_hash(tokens, prior_hash=state.keys[full - 1])
@@ -506,8 +579,11 @@ class SchedulerSide(ConnectorSide):
             SaveSpec(
                 req_id,
                 [key],
-                [int(block_ids[full])],
-                prefix_block_ids=[*state.block_ids[:full], int(block_ids[full])],
+                [[int(g[full])] for g in block_ids],
+                prefix_block_ids=[
+                    [*mine[:full], int(g[full])]
+                    for mine, g in zip(state.block_ids, block_ids, strict=True)
+                ],
                 computed_from=state.computed_from,
                 partial=True,
             )

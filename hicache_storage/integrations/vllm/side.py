@@ -20,6 +20,7 @@ from hicache_storage.errors import BackendError
 from hicache_storage.integrations.adapterkit import failure_text
 from hicache_storage.integrations.deadline import call_with_deadline
 from hicache_storage.integrations.vllm.metadata import COUNTERS
+from hicache_storage.integrations.vllm.namespace import GroupShape
 from hicache_storage.integrations.vllm.options import ADAPTER_KEYS, ConnectorOptions
 from hicache_storage.keys import KVCacheNamespace
 from hicache_storage.ratelimit import RateLimitedLog
@@ -56,11 +57,23 @@ class Settings:
     #: Whether this deployment loads from the store (a KV consumer) and stores (a producer).
     load_on: bool
     save_on: bool
+    #: Each KV cache group's namespace and shape (the first group's namespace is
+    #: ``namespace``); one group unless vLLM's hybrid allocator made several.
+    namespaces: tuple[KVCacheNamespace, ...] = ()
+    groups: tuple[GroupShape, ...] = ()
 
-    def storage_config(self, tp_rank: int) -> StorageConfig:
-        """The backend's config for TP rank ``tp_rank`` (the connector's keys left out)."""
+    @property
+    def hybrid(self) -> bool:
+        """More than one KV cache group (vLLM's hybrid allocator)."""
+        return len(self.namespaces) > 1
+
+    def storage_config(self, tp_rank: int, group: int = 0) -> StorageConfig:
+        """The backend's config for TP rank ``tp_rank`` and KV cache group ``group``.
+
+        The connector's own keys are left out.
+        """
         return StorageConfig(
-            namespace=self.namespace,
+            namespace=self.namespaces[group] if self.namespaces else self.namespace,
             tp_rank=tp_rank,
             tp_size=self.tp_size,
             extra_config={k: v for k, v in self.extra_config.items() if k not in ADAPTER_KEYS},

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from hicache_storage.errors import ConfigError
+from hicache_storage.errors import ConfigError, HostIndicesError
 from hicache_storage.headgroups import HeadSplit, rank_heads
 from hicache_storage.integrations.deadline import Background, Job, Lane
 from hicache_storage.integrations.kvblocks import KVBlockMover, StagedKVBlocks, kv_blocks
+from hicache_storage.integrations.vllm.metadata import NULL_BLOCK, held_blocks
 from hicache_storage.integrations.vllm.side import ConnectorSide, Settings, logger
 from hicache_storage.keys import normalize_dtype
 from hicache_storage.registry import create_backend
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     )
     from hicache_storage.protocol import HiCacheStorage
 
-__all__ = ["WorkerSide"]
+__all__ = ["GroupMovers", "WorkerSide"]
 
 #: Finished request ids remembered, to report a delayed free only once vLLM told of it.
 _RECENT_FINISHED = 4096
@@ -57,12 +58,75 @@ BACKGROUND_LANE = 2
 MAX_QUEUED_STORES = 256
 
 
+@dataclass(frozen=True)
+class GroupMovers:
+    """One block mover per KV cache group: a block place moves in every group at once.
+
+    Each group's blocks are objects of the group's own namespace (its backend). A key's
+    result is True when every group's block of that place moved whole, False when one
+    did not, None when no group holds the place (null blocks only: nothing moved).
+    """
+
+    movers: tuple[KVBlockMover, ...]
+
+    def save(
+        self, keys: list[str], groups: list[list[int]], job: Job[Any] | None = None, lane: int = 1
+    ) -> list[bool | None]:
+        """Store each group's blocks of ``groups`` (one list per group) under ``keys``."""
+        return self._move(True, keys, groups, job, lane)
+
+    def load(
+        self, keys: list[str], groups: list[list[int]], job: Job[Any] | None = None, lane: int = 0
+    ) -> list[bool | None]:
+        """Read ``keys`` into each group's blocks of ``groups``."""
+        return self._move(False, keys, groups, job, lane)
+
+    def _move(
+        self, save: bool, keys: list[str], groups: list[list[int]], job: Job[Any] | None, lane: int
+    ) -> list[bool | None]:
+        if len(groups) != len(self.movers) or any(len(ids) != len(keys) for ids in groups):
+            raise HostIndicesError(
+                f"{len(keys)} keys for blocks {[len(ids) for ids in groups]} of "
+                f"{len(self.movers)} groups"
+            )
+        out: list[bool | None] = [None] * len(keys)
+        for mover, ids in zip(self.movers, groups, strict=True):
+            places = [p for p, b in enumerate(ids) if b != NULL_BLOCK]
+            if not places:
+                continue
+            move = mover.save if save else mover.load
+            got = move([keys[p] for p in places], [ids[p] for p in places], job, lane)
+            for p, ok in zip(places, got, strict=True):
+                out[p] = bool(ok) and out[p] is not False
+        return out
+
+    def moved_bytes(self, groups: list[list[int]], results: list[bool | None]) -> int:
+        """The bytes of the held blocks of the places that moved."""
+        return sum(
+            mover.pool.page_bytes * len(_at([ids], results, True))
+            for mover, ids in zip(self.movers, groups, strict=False)
+        )
+
+
+def _at(groups: list[list[int]], results: list[bool | None], ok: bool) -> set[int]:
+    """The held blocks of the places whose result is ``ok`` (None counts as moved).
+
+    A place with no result (a spec whose keys and blocks disagree) failed.
+    """
+    return {
+        b
+        for ids in groups
+        for i, b in enumerate(ids)
+        if b != NULL_BLOCK and ((results[i] if i < len(results) else False) is not False) == ok
+    }
+
+
 @dataclass(eq=False)
 class _Load:
     """A background load: the request waiting for it, and the blocks it writes."""
 
     req_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one list per KV cache group
     job: Job[Any] | None = None
     queued: float = field(default_factory=time.monotonic)
     started: float | None = None  # when the loader thread took it (its deadline counts)
@@ -83,14 +147,15 @@ class _Store:
 class WorkerSide(ConnectorSide):
     """Loads and stores of one TP rank (see the module docs)."""
 
-    def __init__(self, settings: Settings, layer_names: list[str], num_blocks: int) -> None:
+    def __init__(self, settings: Settings, group_layers: list[list[str]], num_blocks: int) -> None:
         super().__init__(settings)
-        self._layer_names = list(layer_names)
+        #: Each KV cache group's layers (one group unless vLLM's hybrid allocator).
+        self._group_layers = [list(names) for names in group_layers]
         self._num_blocks = int(num_blocks)
         self.tp_size = settings.tp_size
-        self.backend: HiCacheStorage | None = None
-        self.mover: KVBlockMover | None = None
-        self.pool: Any = None
+        self.backends: list[HiCacheStorage] = []
+        self.movers: GroupMovers | None = None
+        self.pools: list[Any] = []
         self.rank = 0
         self._writer = True
         self._load_errors: set[int] = set()
@@ -114,10 +179,25 @@ class WorkerSide(ConnectorSide):
 
     # ------------------------------------------------------------------ ConnectorSide
 
+    @property
+    def backend(self) -> HiCacheStorage | None:
+        """The first group's backend (None until attached)."""
+        return self.backends[0] if self.backends else None
+
+    @property
+    def mover(self) -> KVBlockMover | None:
+        """The first group's block mover (None until attached)."""
+        return self.movers.movers[0] if self.movers is not None else None
+
+    @property
+    def pool(self) -> Any:
+        """The first group's page pool (None until vLLM registers its KV)."""
+        return self.pools[0] if self.pools else None
+
     @override
     def ready(self) -> bool:
         """True once attached (see :meth:`ConnectorSide.ready`)."""
-        return self.mover is not None
+        return self.movers is not None
 
     @override
     def _build(self) -> None:
@@ -125,8 +205,8 @@ class WorkerSide(ConnectorSide):
 
     @override
     def _take_backends(self) -> list[HiCacheStorage]:
-        backend, self.backend, self.mover = self.backend, None, None
-        return [backend] if backend is not None else []
+        backends, self.backends, self.movers = self.backends, [], None
+        return backends
 
     @override
     def _lanes(self) -> list[Lane]:
@@ -158,27 +238,32 @@ class WorkerSide(ConnectorSide):
     # ------------------------------------------------------------------ attaching
 
     def _attach(self) -> None:
-        """Build the worker's backend and register the KV pool with it."""
-        config = self.settings.storage_config(self.rank)
-        backend = create_backend(self.settings.backend_name, config)
+        """Build the worker's backend for each group and register its KV pool with it."""
+        backends: list[HiCacheStorage] = []
+        movers: list[KVBlockMover] = []
         try:
-            mover = KVBlockMover.attach(backend, self.pool)
+            for group, pool in enumerate(self.pools):
+                config = self.settings.storage_config(self.rank, group)
+                backends.append(create_backend(self.settings.backend_name, config))
+                movers.append(KVBlockMover.attach(backends[-1], pool))
         except BaseException:
-            backend.close()
+            for b in backends:
+                b.close()
             raise
         if self._closed.is_set():
-            backend.close()
+            for b in backends:
+                b.close()
             return
-        old, self.backend, self.mover = self.backend, backend, mover
+        old, self.backends, self.movers = self.backends, backends, GroupMovers(tuple(movers))
         self._writer = config.is_storage_writer
-        if old is not None:
-            old.close()
+        for b in old:
+            b.close()
         logger.info(
-            "HiCacheKVConnector: %s backend, namespace %s, %s pages of %d bytes",
+            "HiCacheKVConnector: %s backend, namespaces %s, %s pages of %s bytes",
             self.settings.backend_name,
-            self.settings.namespace.digest,
+            ", ".join(ns.digest for ns in self.settings.namespaces or (self.settings.namespace,)),
             type(self.pool).__name__,
-            self.pool.page_bytes,
+            "/".join(str(p.page_bytes) for p in self.pools),
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -188,11 +273,12 @@ class WorkerSide(ConnectorSide):
         the KV cache config says, so a deployment never runs with a connector that would
         store or load wrong bytes.
         """
-        missing = [n for n in self._layer_names if n not in kv_caches]
+        names = [n for group in self._group_layers for n in group]
+        missing = [n for n in names if n not in kv_caches]
         if missing:
             raise ConfigError(f"vLLM registered no KV tensor for layers {missing}")
-        layers = [kv_caches[n] for n in self._layer_names]
-        for n, t in zip(self._layer_names, layers, strict=True):
+        for n in names:
+            t = kv_caches[n]
             if int(t.shape[0]) != self._num_blocks:
                 raise ConfigError(
                     f"layer {n}'s KV has {int(t.shape[0])} blocks, the KV cache config "
@@ -208,17 +294,24 @@ class WorkerSide(ConnectorSide):
         # deadline never touches vLLM's KV again). A staged pool has a lane each for
         # loads before the forward pass, stores and background loads: none waits for
         # another's I/O.
-        direct_ok = all(t.device.type == "cpu" and t[0].is_contiguous() for t in layers)
+        direct_ok = all(
+            kv_caches[n].device.type == "cpu" and kv_caches[n][0].is_contiguous() for n in names
+        )
         staged = (
             opts.staging if opts.staging is not None else (opts.engine_timeout > 0 or not direct_ok)
         )
-        self.pool = kv_blocks(
-            layers,
-            self.block_size,
-            staging_rows=opts.staging_blocks,
-            staged=staged,
-            lanes=BACKGROUND_LANE + 1 if staged else 1,
-        )
+        # One pool per group, over the group's layers (the groups of a hybrid model share
+        # vLLM's KV tensors, each block id belonging to one group at a time).
+        self.pools = [
+            kv_blocks(
+                [kv_caches[n] for n in group],
+                self.block_size,
+                staging_rows=opts.staging_blocks,
+                staged=staged,
+                lanes=BACKGROUND_LANE + 1 if staged else 1,
+            )
+            for group in self._group_layers
+        ]
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -229,7 +322,8 @@ class WorkerSide(ConnectorSide):
             self.settings.extra_config.get("head_groups")
             and not self.settings.namespace.rank_replicated
         ):
-            self.pool.head_split = self._head_split(layers)
+            for pool, group in zip(self.pools, self._group_layers, strict=True):
+                pool.head_split = self._head_split([kv_caches[n] for n in group])
         self.connect_or_retry()
 
     def _head_split(self, layers: list[torch.Tensor]) -> HeadSplit:
@@ -268,7 +362,8 @@ class WorkerSide(ConnectorSide):
         # A store still queued may read these blocks (freed by a preempted request, and
         # not "fresh": vLLM counts a loaded block as computed): cut it first.
         self._guard_stores(
-            {b for s in specs for b in s.block_ids}, isinstance(self.pool, StagedKVBlocks)
+            {b for s in specs for b in held_blocks(s.block_ids)},
+            isinstance(self.pool, StagedKVBlocks),
         )
         failed, loaded = self._load(specs)
         if self.tp_size > 1:
@@ -290,29 +385,28 @@ class WorkerSide(ConnectorSide):
         """
         staged = isinstance(self.pool, StagedKVBlocks)
         self.count(background_loads=len(specs))
-        self._guard_stores({b for s in specs for b in s.block_ids}, staged)
-        mover = self.mover if self.ready() else None
-        page_bytes = self.pool.page_bytes if self.pool is not None else 0
+        self._guard_stores({b for s in specs for b in held_blocks(s.block_ids)}, staged)
+        movers = self.movers if self.ready() else None
         for spec in specs:
-            if spec.failed or not spec.block_ids:
+            if spec.failed or not held_blocks(spec.block_ids):
                 with self._lock:
                     self._recv_done.add(spec.req_id)
                     if spec.failed:
                         self._recv_failed.add(spec.req_id)
                 continue
-            ld = _Load(spec.req_id, list(spec.block_ids))
+            ld = _Load(spec.req_id, [list(g) for g in spec.block_ids])
 
-            def load(job: Job[Any], spec: LoadSpec = spec, ld: _Load = ld) -> list[bool]:
+            def load(job: Job[Any], spec: LoadSpec = spec, ld: _Load = ld) -> list[bool | None]:
                 ld.started = time.monotonic()
-                if mover is None or job.cut:
-                    return [False] * len(spec.block_ids)
+                if movers is None or job.cut:
+                    return [False] * len(spec.keys)
                 if not staged:
-                    return mover.load(spec.keys, spec.block_ids, None)
-                return mover.load(spec.keys, spec.block_ids, job, lane=BACKGROUND_LANE)
+                    return movers.load(spec.keys, spec.block_ids, None)
+                return movers.load(spec.keys, spec.block_ids, job, lane=BACKGROUND_LANE)
 
-            def done(job: Job[Any], ld: _Load = ld) -> None:
+            def done(job: Job[Any], ld: _Load = ld, spec: LoadSpec = spec) -> None:
                 ok = list(job.result) if job.error is None and job.result is not None else []
-                ok += [False] * (len(ld.block_ids) - len(ok))
+                ok += [False] * (max([len(spec.keys), *map(len, spec.block_ids)]) - len(ok))
                 if job.error is not None:
                     self.count(hook_errors=1)
                     self._log(
@@ -320,14 +414,14 @@ class WorkerSide(ConnectorSide):
                         "HiCacheKVConnector: a load failed (%s); vLLM recomputes",
                         self.failure(job.error),
                     )
-                good = sum(ok)
+                good = sum(1 for x in ok if x)
                 self.count(
                     load_blocks=good,
-                    load_failed_blocks=len(ok) - good,
-                    load_bytes=good * page_bytes,
+                    load_failed_blocks=sum(1 for x in ok if x is False),
+                    load_bytes=movers.moved_bytes(ld.block_ids, ok) if movers is not None else 0,
                     load_seconds=time.monotonic() - ld.queued,
                 )
-                failed = {b for b, x in zip(ld.block_ids, ok, strict=True) if not x}
+                failed = _at(ld.block_ids, ok, False)
                 with self._lock:
                     self._bg_loads.remove(ld)
                     if not ld.reported:
@@ -339,9 +433,17 @@ class WorkerSide(ConnectorSide):
             ld.job = self._loader.submit(load, done)
 
     def _settle_load(self, ld: _Load, failed: set[int]) -> None:
-        """Report ``ld``'s request as loaded, ``failed`` blocks as load errors (lock held)."""
-        self._load_errors.update(failed)
-        self.tainted.difference_update(set(ld.block_ids) - failed)
+        """Report ``ld``'s request as loaded, ``failed`` blocks as load errors (lock held).
+
+        With several KV cache groups vLLM cannot take failed blocks (their ids are not
+        unique across groups in its scheduler): the request fails as a whole, and vLLM
+        recomputes it (or fails it, by its ``kv_load_failure_policy``).
+        """
+        if failed and self.settings.hybrid:
+            self._recv_failed.add(ld.req_id)
+        else:
+            self._load_errors.update(failed)
+        self.tainted.difference_update(held_blocks(ld.block_ids) - failed)
         self.tainted.update(failed)
         self._recv_done.add(ld.req_id)
 
@@ -380,7 +482,7 @@ class WorkerSide(ConnectorSide):
                     cut = not ld.reported
                     if cut:
                         ld.reported = True
-                        self._settle_load(ld, set(ld.block_ids))
+                        self._settle_load(ld, held_blocks(ld.block_ids))
                 if cut:
                     self.count(load_timeouts=1)
                     self._log(
@@ -419,13 +521,12 @@ class WorkerSide(ConnectorSide):
         and the late bytes land in the lane's staging rows only.
         """
         t0 = time.perf_counter()
-        mover = self.mover if self.ready() else None
-        blocks = [b for spec in specs for b in spec.block_ids]
+        movers = self.movers if self.ready() else None
 
-        def load(job: Job[Any] | None) -> list[list[bool]]:
-            if mover is None:
-                return [[False] * len(spec.block_ids) for spec in specs]
-            return [mover.load(spec.keys, spec.block_ids, job) for spec in specs]
+        def load(job: Job[Any] | None) -> list[list[bool | None]]:
+            if movers is None:
+                return [[False] * len(spec.keys) for spec in specs]
+            return [movers.load(spec.keys, spec.block_ids, job) for spec in specs]
 
         try:
             done, results = self.on_lane(self._load_lane, load, "load")
@@ -437,17 +538,26 @@ class WorkerSide(ConnectorSide):
                 self.failure(exc),
             )
             done, results = False, None
-        oks = [x for part in results or () for x in part] if done else [False] * len(blocks)
-        failed = {b for b, x in zip(blocks, oks, strict=True) if not x}
-        loaded = {b for b, x in zip(blocks, oks, strict=True) if x} - failed
-        good = sum(1 for x in oks if x)
+        parts: list[list[bool | None]] = (
+            list(results)
+            if done and results is not None
+            else [[False] * len(s.keys) for s in specs]
+        )
+        failed: set[int] = set()
+        loaded: set[int] = set()
+        moved = 0
+        for spec, ok in zip(specs, parts, strict=True):
+            failed |= _at(spec.block_ids, ok, False)
+            loaded |= _at(spec.block_ids, ok, True)
+            moved += movers.moved_bytes(spec.block_ids, ok) if movers is not None else 0
+        oks = [x for ok in parts for x in ok]
         self.count(
-            load_blocks=good,
-            load_failed_blocks=len(oks) - good,
-            load_bytes=good * (self.pool.page_bytes if self.pool is not None else 0),
+            load_blocks=sum(1 for x in oks if x),
+            load_failed_blocks=sum(1 for x in oks if x is False),
+            load_bytes=moved,
             load_seconds=time.perf_counter() - t0,
         )
-        return failed, loaded
+        return failed, loaded - failed
 
     def _clean_blocks(self, spec: SaveSpec) -> bool:
         """Whether the blocks of ``spec`` were computed over clean KV; updates the taint.
@@ -460,15 +570,19 @@ class WorkerSide(ConnectorSide):
         clean KV, or handed to a request afresh (:meth:`_fresh`).
         """
         tainted = self.tainted
-        first = len(spec.prefix_block_ids) - len(spec.block_ids)  # the stored range
+        places = min((len(g) for g in spec.prefix_block_ids), default=0)
+        first = places - len(spec.keys)  # the stored range
         bad = False
-        for idx, b in enumerate(spec.prefix_block_ids):
+        for idx in range(places):
+            # A place's blocks in every group: each layer's KV there depends on every
+            # layer's before it.
+            ids = {g[idx] for g in spec.prefix_block_ids} - {NULL_BLOCK}
             if idx < first or idx < spec.computed_from:
-                bad = bad or b in tainted
+                bad = bad or not ids.isdisjoint(tainted)
             elif bad:
-                tainted.add(b)
+                tainted.update(ids)
             else:
-                tainted.discard(b)
+                tainted.difference_update(ids)
         return not bad
 
     def _fresh(self, meta: HiCacheConnectorMetadata) -> None:
@@ -494,22 +608,22 @@ class WorkerSide(ConnectorSide):
             return
         with self._lock:
             specs = [s for s in meta.saves if self._clean_blocks(s)]
-        skipped = sum(len(s.block_ids) for s in meta.saves) - sum(len(s.block_ids) for s in specs)
+        skipped = sum(len(s.keys) for s in meta.saves) - sum(len(s.keys) for s in specs)
         if skipped:
             self.count(save_skipped_blocks=skipped)
         keys = [k for s in specs for k in s.keys]
-        blocks = [b for s in specs for b in s.block_ids]
         if not keys:
             return
+        groups = [[b for s in specs for b in s.block_ids[g]] for g in range(len(self.pools))]
         partial = [s.partial for s in specs for _ in s.keys]
         if self.settings.options.async_saves:
-            self._store_in_background(specs, keys, blocks, partial)
+            self._store_in_background(specs, keys, groups, partial)
             return
         t0 = time.perf_counter()
-        mover = self.mover if self.ready() else None
+        movers = self.movers if self.ready() else None
 
-        def save(job: Job[Any] | None) -> list[bool]:
-            return mover.save(keys, blocks, job) if mover is not None else [False] * len(keys)
+        def save(job: Job[Any] | None) -> list[bool | None]:
+            return movers.save(keys, groups, job) if movers is not None else [False] * len(keys)
 
         try:
             done, result = self.on_lane(self._save_lane, save, "save")
@@ -521,19 +635,38 @@ class WorkerSide(ConnectorSide):
                 self.failure(exc),
             )
             done, result = False, None
-        ok = list(result) if done and result is not None else [False] * len(keys)
-        good = sum(ok)
-        parts = sum(x and p for x, p in zip(ok, partial, strict=False))
+        ok: list[bool | None] = list(result) if done and result is not None else []
+        ok += [False] * (len(keys) - len(ok))
+        self._count_saves(movers, groups, ok, partial, time.perf_counter() - t0, cut=False)
+
+    def _count_saves(
+        self,
+        movers: GroupMovers | None,
+        groups: list[list[int]],
+        ok: list[bool | None],
+        partial: list[bool],
+        seconds: float,
+        cut: bool,
+    ) -> None:
+        """Count a store's results (a place no group holds is not counted)."""
+        good = sum(1 for x in ok if x)
+        bad = sum(1 for x in ok if x is False)
+        parts = sum(1 for x, p in zip(ok, partial, strict=False) if x and p)
         self.count(
             save_blocks=good - parts,
             save_partial_blocks=parts,
-            save_failed_blocks=len(ok) - good,
-            save_bytes=good * self.pool.page_bytes,
-            save_seconds=time.perf_counter() - t0,
+            save_failed_blocks=0 if cut else bad,
+            save_cut_blocks=bad if cut else 0,
+            save_bytes=movers.moved_bytes(groups, ok) if movers is not None else 0,
+            save_seconds=seconds,
         )
 
     def _store_in_background(
-        self, specs: list[SaveSpec], keys: list[str], blocks: list[int], partial: list[bool]
+        self,
+        specs: list[SaveSpec],
+        keys: list[str],
+        groups: list[list[int]],
+        partial: list[bool],
     ) -> None:
         """Queue the step's stores on the background thread (see the module docs)."""
         with self._lock:
@@ -547,35 +680,27 @@ class WorkerSide(ConnectorSide):
                 MAX_QUEUED_STORES,
             )
             return
-        mover = self.mover if self.ready() else None
+        movers = self.movers if self.ready() else None
         staged = isinstance(self.pool, StagedKVBlocks)
-        page_bytes = self.pool.page_bytes if self.pool is not None else 0
-        st = _Store({s.req_id for s in specs}, set(blocks), keys=len(keys))
+        st = _Store({s.req_id for s in specs}, held_blocks(groups), keys=len(keys))
 
-        def save(job: Job[Any]) -> list[bool]:
-            if mover is None or job.cut:
+        def save(job: Job[Any]) -> list[bool | None]:
+            if movers is None or job.cut:
                 return [False] * len(keys)
             # Staged: every copy from vLLM's KV inside the job's gate. Direct: the store
             # reads vLLM's KV itself, and before_step waits for it instead.
-            return mover.save(keys, blocks, job if staged else None)
+            return movers.save(keys, groups, job if staged else None)
 
         def done(job: Job[Any]) -> None:
             ok = list(job.result) if job.error is None and job.result is not None else []
             ok += [False] * (len(keys) - len(ok))
-            good = sum(ok)
-            parts = sum(x and p for x, p in zip(ok, partial, strict=False))
             if job.error is not None:
                 self.count(hook_errors=1)
                 self._log(
                     "save", "HiCacheKVConnector: a store failed (%s)", self.failure(job.error)
                 )
-            self.count(
-                save_blocks=good - parts,
-                save_partial_blocks=parts,
-                save_failed_blocks=len(ok) - good if not job.cut else 0,
-                save_cut_blocks=len(ok) - good if job.cut else 0,
-                save_bytes=good * page_bytes,
-                save_seconds=time.perf_counter() - st.started,
+            self._count_saves(
+                movers, groups, ok, partial, time.perf_counter() - st.started, cut=job.cut
             )
             with self._lock:
                 self._stores.remove(st)
@@ -639,7 +764,9 @@ class WorkerSide(ConnectorSide):
         another). A staged store still to read one is cut (what it copied is stored, the
         rest dropped and counted as ``save_cut_blocks``); a direct store is waited for.
         """
-        self._guard_stores(set(meta.fresh_blocks), isinstance(self.pool, StagedKVBlocks))
+        self._guard_stores(
+            set(meta.fresh_blocks) - {NULL_BLOCK}, isinstance(self.pool, StagedKVBlocks)
+        )
 
     def get_finished(
         self, meta: HiCacheConnectorMetadata | None, finished_req_ids: set[str]

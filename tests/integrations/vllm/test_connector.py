@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -498,25 +499,100 @@ def test_flipped_bytes_in_shm_never_change_the_output_by_default(
     assert t["load_failed_blocks"] == 2 and t["load_blocks"] == 0
 
 
-def test_a_sliding_window_model_hits_and_answers_as_without_the_store(tmp_path: Path) -> None:
-    """A model with a sliding-window layer beside a full one (Gemma's and gpt-oss's kind):
-    vLLM, its hybrid allocator off for this connector, keeps every block of every layer,
-    so the second identical prompt is a hit, in this process and in a new one, and the
-    output is the one vLLM gives without the connector."""
+@pytest.fixture(scope="module")
+def swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with a sliding-window layer (window 16) beside a full one."""
     from vllm_engine import build_tiny_model
 
-    model = build_tiny_model(tmp_path / "swa-model", seed=5, sliding_window=16,
-                             layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-    prompt = list(range(300, 400))  # 100 tokens: 3 full blocks, well past the window
-    with engine(model, None) as llm:
-        want = generate(llm, [prompt], max_tokens=12)[0]["tokens"]
+    return build_tiny_model(tmp_path_factory.mktemp("swa-model"), seed=5, sliding_window=16,
+                            layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+
+
+SWA_PROMPT = list(range(300, 400))  # 100 tokens: 3 full blocks, well past the window
+
+
+@pytest.fixture(scope="module")
+def swa_expected(swa_model: Path) -> list[int]:
+    """The sliding-window model's greedy output of ``SWA_PROMPT`` without the connector."""
+    with engine(swa_model, None) as llm:
+        return generate(llm, [SWA_PROMPT], max_tokens=12)[0]["tokens"]
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid-allocator", "one-group"])
+def test_a_sliding_window_model_hits_and_answers_as_without_the_store(
+    swa_model: Path, swa_expected: list[int], tmp_path: Path, hybrid: bool
+) -> None:
+    """A model with a sliding-window layer beside a full one (Gemma's and gpt-oss's kind).
+
+    With vLLM's hybrid allocator (on by default: the connector supports it) the model
+    has a KV cache group of each kind, and vLLM keeps only the window's blocks of the
+    sliding-window group: a hit loads every full-attention block and only the window's
+    sliding-window blocks. With it off, vLLM files every layer as full attention. Either
+    way the second identical prompt is a hit, in this process and in a new one, and the
+    output is the one vLLM gives without the connector.
+    """
+    args: dict[str, Any] = {} if hybrid else {"disable_hybrid_kv_cache_manager": True}
     options = {"root": str(tmp_path / "kv")}
-    with engine(model, "file", options) as llm:
-        first = generate(llm, [prompt], max_tokens=12)[0]
-        assert first["cached"] == 0 and first["tokens"] == want
-        again = generate(llm, [prompt], max_tokens=12)[0]
-        assert again["cached"] == 3 * BLOCK and again["tokens"] == want
-        assert totals(llm)["load_failed_blocks"] == 0
-    runs = [{"backend": "file", "options": options, "prompts": [prompt], "max_tokens": 12}]
-    ((new,),) = in_new_process(model, runs, tmp_path)
-    assert new["cached"] == 3 * BLOCK and new["tokens"] == want  # a new process: from the store
+    with engine(swa_model, "file", options, **args) as llm:
+        settings = llm.hicache_connectors["SCHEDULER"].settings
+        assert settings.hybrid == hybrid and len(settings.namespaces) == (2 if hybrid else 1)
+        first = generate(llm, [SWA_PROMPT], max_tokens=12)[0]
+        assert first["cached"] == 0 and first["tokens"] == swa_expected
+        again = generate(llm, [SWA_PROMPT], max_tokens=12)[0]
+        assert again["cached"] == 3 * BLOCK and again["tokens"] == swa_expected
+        t = totals(llm)
+        page = llm.hicache_connectors["WORKER"].connector_worker.pool.page_bytes
+    assert t["load_failed_blocks"] == 0 and t["load_blocks"] == 3
+    # Hybrid: a page of each group is one layer's block; at a hit of 96 tokens the
+    # window (16 tokens) lies in the third block, the only sliding-window one loaded.
+    assert t["load_bytes"] == (3 + 1) * page if hybrid else 3 * page
+    runs = [{"backend": "file", "options": options, "prompts": [SWA_PROMPT], "max_tokens": 12,
+             "llm_args": args}]  # fmt: skip
+    ((new,),) = in_new_process(swa_model, runs, tmp_path)
+    assert new["cached"] == 3 * BLOCK and new["tokens"] == swa_expected  # from the store
+
+
+def test_a_sliding_window_hit_is_a_length_every_group_can_restore(
+    swa_model: Path, swa_expected: list[int], tmp_path: Path
+) -> None:
+    """With vLLM's hybrid allocator, a sliding-window block the store lost shortens the
+    hit to where the window does not need it; one outside the window costs nothing; a
+    damaged one fails the request's load as a whole (vLLM takes no failed blocks of a
+    hybrid model), which vLLM recomputes. The output never changes."""
+    root = tmp_path / "kv"
+    with engine(swa_model, "file", {"root": str(root)}) as llm:
+        sched = llm.hicache_connectors["SCHEDULER"]
+        assert generate(llm, [SWA_PROMPT], max_tokens=12)[0]["tokens"] == swa_expected
+        totals(llm)
+        keys = sched.keys_for(SimpleNamespace(request_id="x", prompt_token_ids=SWA_PROMPT,
+                                              lora_request=None, mm_features=[], cache_salt=None,
+                                              prompt_embeds=None))  # fmt: skip
+        assert keys is not None and len(keys) == 3
+        swa = next(i for i, g in enumerate(sched.settings.groups) if g.window is not None)
+        backend = sched.connector_scheduler.group_backends[swa][0]
+        assert backend.batch_exists_each(keys) == [True, True, True]
+        # Outside the window at 96 tokens: the first block. Lost, the hit stays 96.
+        backend.delete(keys[0])
+        out = generate(llm, [SWA_PROMPT], max_tokens=12)[0]
+        assert out["cached"] == 3 * BLOCK and out["tokens"] == swa_expected
+        # The window's block at 96 tokens: lost, the hit is 64 (whose window is in the
+        # second block, stored).
+        backend.delete(keys[2])
+        out = generate(llm, [SWA_PROMPT], max_tokens=12)[0]
+        assert out["cached"] == 2 * BLOCK and out["tokens"] == swa_expected
+        t0 = totals(llm)
+        # Damaged: the second block's object flipped in place. The lookup finds it, the
+        # load fails its check; the request is recomputed whole.
+        ns = sched.settings.namespaces[swa]
+        damaged = 0
+        for path in _files(root):
+            if ns.digest in str(path):
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0x5A
+                path.write_bytes(bytes(data))
+                damaged += 1
+        assert damaged >= 2  # (blocks 2 and 3 of the prompt, the answer's partial block)
+        out = generate(llm, [SWA_PROMPT], max_tokens=12)[0]
+        t = totals(llm)
+    assert out["tokens"] == swa_expected
+    assert t["load_failed_blocks"] > t0["load_failed_blocks"]

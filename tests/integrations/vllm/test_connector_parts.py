@@ -23,9 +23,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -92,6 +94,19 @@ def config(base_config: Any, tmp_path: Path) -> Iterator[Any]:
 def kv_config(spec: Any = SPEC, groups: int = 1) -> KVCacheConfig:
     group = KVCacheGroupSpec(list(LAYERS), spec)
     return KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[group] * groups,
+                         kv_cache_layout="LBHNC")  # fmt: skip
+
+
+SWA = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
+                        sliding_window=40)  # fmt: skip
+
+
+def hybrid_config(extra: list[Any] = ()) -> KVCacheConfig:  # type: ignore[assignment]
+    """vLLM's hybrid allocator's config: a full-attention group (layer 0) and a
+    sliding-window group (layer 1, window 40 tokens), then a group of each of ``extra``."""
+    groups = [KVCacheGroupSpec([LAYERS[0]], SPEC), KVCacheGroupSpec([LAYERS[1]], SWA)]
+    groups += [KVCacheGroupSpec([f"extra.{i}"], spec) for i, spec in enumerate(extra)]
+    return KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=groups,
                          kv_cache_layout="LBHNC")  # fmt: skip
 
 
@@ -189,7 +204,12 @@ def test_chunked_prefill_stores_each_block_once_then_a_new_request_loads_them(co
     m2 = run_step(sched, worker, step(cached=[("r1", [12, 13], 40, False)], scheduled={"r1": 40}))
     m3 = run_step(sched, worker, step(cached=[("r1", None, 80, False)], scheduled={"r1": 20}))
     m4 = run_step(sched, worker, step(cached=[("r1", None, 100, False)], scheduled={"r1": 1}))
-    assert [[s.block_ids for s in m.saves] for m in (m1, m2, m3, m4)] == [[[5]], [[9]], [[12]], []]
+    assert [[s.block_ids[0] for s in m.saves] for m in (m1, m2, m3, m4)] == [
+        [[5]],
+        [[9]],
+        [[12]],
+        [],
+    ]
     assert not any(m.loads for m in (m1, m2, m3, m4))
     assert worker.totals["save_blocks"] == 3 and worker.totals["save_failed_blocks"] == 0
     stored = [block(kv, b) for b in (5, 9, 12)]
@@ -204,10 +224,10 @@ def test_chunked_prefill_stores_each_block_once_then_a_new_request_loads_them(co
     m = run_step(sched, worker, step([new_req("r2", [20, 21, 22, 23], 96)], scheduled={"r2": 4}),
                  finished={"r1"})  # fmt: skip
     assert m.delayed_frees == ["r1"] and m.sent == {"r1"}
-    assert [(s.block_ids, len(s.keys)) for s in m.loads] == [([20, 21, 22], 3)]
+    assert [(s.block_ids[0], len(s.keys)) for s in m.loads] == [([20, 21, 22], 3)]
     # r2's full blocks are all stored already; r1's last block (4 tokens with KV) is
     # stored as a partial block before vLLM frees it.
-    assert [(s.req_id, s.block_ids) for s in m.saves] == [("r1", [13])]
+    assert [(s.req_id, s.block_ids[0]) for s in m.saves] == [("r1", [13])]
     assert all(same(block(kv, b), s) for b, s in zip((20, 21, 22), stored, strict=True))
     assert worker.get_block_ids_with_load_errors() == set()
     assert sched.totals["lookup_hit_blocks"] == 3
@@ -223,7 +243,7 @@ def test_a_finished_requests_partial_last_block_serves_the_next_turn(config: Any
     run_step(sched, worker, step([new_req("r1", [5, 9, 12, 13], 0)], scheduled={"r1": 100}))
     assert sched.request_finished(r, [5, 9, 12, 13]) == (True, None)
     m = run_step(sched, worker, step(), finished={"r1"})
-    assert [(s.block_ids, len(s.keys)) for s in m.saves] == [([13], 1)] and m.sent == {"r1"}
+    assert [(s.block_ids[0], len(s.keys)) for s in m.saves] == [([13], 1)] and m.sent == {"r1"}
     assert worker.totals["save_blocks"] == 3 and worker.totals["save_partial_blocks"] == 1
     partial = block(kv, 13)
     turn2 = request("r2", [*PROMPT, *range(700, 710)])
@@ -231,7 +251,7 @@ def test_a_finished_requests_partial_last_block_serves_the_next_turn(config: Any
     sched.update_state_after_alloc(turn2, None, 100)
     m = run_step(sched, worker, step([new_req("r2", [20, 21, 22, 23], 100)],
                                       scheduled={"r2": 10}))  # fmt: skip
-    assert [(s.block_ids, len(s.keys)) for s in m.loads] == [([20, 21, 22, 23], 4)]
+    assert [(s.block_ids[0], len(s.keys)) for s in m.loads] == [([20, 21, 22, 23], 4)]
     assert worker.get_block_ids_with_load_errors() == set()
     assert same(block(kv, 23), partial)  # loaded whole; vLLM computes from slot 4 on
     # Another 4-token tail that differs: never a hit of that partial block.
@@ -246,13 +266,13 @@ def test_generated_blocks_are_stored_once_their_kv_and_tokens_exist(config: Any)
     r = request("a", prompt, all_token_ids=list(prompt))
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     m = run_step(sched, worker, step([new_req("a", [1, 2], 0)], scheduled={"a": 60}))
-    assert [s.block_ids for s in m.saves] == [[1]]
+    assert [s.block_ids[0] for s in m.saves] == [[1]]
     computed = 60
     saves = []
     for tok in range(1000, 1010):  # decode: the token sampled last step is fed now
         r.all_token_ids.append(tok)
         m = run_step(sched, worker, step(cached=[("a", None, computed, False)], scheduled={"a": 1}))
-        saves.append([s.block_ids for s in m.saves])
+        saves.append([s.block_ids[0] for s in m.saves])
         computed += 1
     # Block 2 (tokens 32..63) is full once token 63's KV is computed: the 4th decode step.
     assert saves == [[], [], [], [[2]], [], [], [], [], [], []]
@@ -270,7 +290,7 @@ def test_generated_blocks_are_stored_once_their_kv_and_tokens_exist(config: Any)
     assert sched.get_num_new_matched_tokens(r2, 0) == (2 * BLOCK, False)
     sched.update_state_after_alloc(r2, None, 2 * BLOCK)
     m = run_step(sched, worker, step([new_req("b", [7, 8, 9, 10], 64)], scheduled={"b": 37}))
-    assert [s.block_ids for s in m.loads] == [[7, 8]]
+    assert [s.block_ids[0] for s in m.loads] == [[7, 8]]
     assert same(block(kv, 8), block(kv, 2))
 
 
@@ -284,7 +304,7 @@ def test_the_output_cap_bounds_what_is_stored(config: Any) -> None:
     r.all_token_ids.extend(range(1000, 1000 + 3 * BLOCK))  # 3 blocks of answer
     m = run_step(sched, worker, step(cached=[("a", None, 32, False)], scheduled={"a": 96}))
     # The prompt's block, then 32 output tokens: one more block, not three.
-    assert [s.block_ids for s in m.saves] == [[2]]
+    assert [s.block_ids[0] for s in m.saves] == [[2]]
     assert worker.totals["save_blocks"] == 2
 
 
@@ -297,14 +317,14 @@ def test_a_full_hit_loads_the_last_block_and_leaves_one_token(config: Any) -> No
     assert sched.get_num_new_matched_tokens(r, 0) == (3 * BLOCK - 1, False)
     sched.update_state_after_alloc(r, None, 3 * BLOCK - 1)
     m = run_step(sched, worker, step([new_req("b", [7, 8, 9], 95)], scheduled={"b": 1}))
-    assert [s.block_ids for s in m.loads] == [[7, 8, 9]] and m.saves == []
+    assert [s.block_ids[0] for s in m.loads] == [[7, 8, 9]] and m.saves == []
     assert same(block(kv, 9), block(kv, 3))
     # vLLM's own hit of two blocks: the store adds the third, less the last token.
     r = request("c", prompt)
     assert sched.get_num_new_matched_tokens(r, 2 * BLOCK) == (BLOCK - 1, False)
     sched.update_state_after_alloc(r, None, BLOCK - 1)
     m = run_step(sched, worker, step([new_req("c", [1, 2, 12], 95)], scheduled={"c": 1}))
-    assert [s.block_ids for s in m.loads] == [[12]]
+    assert [s.block_ids[0] for s in m.loads] == [[12]]
 
 
 class Blocks:
@@ -343,7 +363,7 @@ def test_a_background_load_is_reported_once_it_has_landed(config: Any) -> None:
     sched, worker, kv, _ = background_load(config, 31)
     # The next step (b is not in it: vLLM holds it until its load is reported).
     m = run_step(sched, worker, step())
-    assert [(s.block_ids, s.background) for s in m.loads] == [([5, 6, 7], True)]
+    assert [(s.block_ids[0], s.background) for s in m.loads] == [([5, 6, 7], True)]
     assert wside(worker).flush(30, loads=True)
     m = run_step(sched, worker, step())
     assert worker.get_finished(set()) == (None, None)  # reported once, in the last step
@@ -515,7 +535,7 @@ def test_a_request_whose_background_load_failed_is_not_offered_it_again(
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     # Computed afresh: its blocks are stored again (the store had them; no harm).
     m = run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 0)], scheduled={"b": 100}))
-    assert [s.block_ids for s in m.saves] == [[5, 6, 7]]
+    assert [s.block_ids[0] for s in m.saves] == [[5, 6, 7]]
 
 
 def test_only_blocks_beyond_vllms_own_hit_are_loaded(config: Any) -> None:
@@ -528,7 +548,7 @@ def test_only_blocks_beyond_vllms_own_hit_are_loaded(config: Any) -> None:
     assert sched.get_num_new_matched_tokens(r, 2 * BLOCK) == (BLOCK, False)
     sched.update_state_after_alloc(r, None, BLOCK)
     m = run_step(sched, worker, step([new_req("b", [1, 2, 7, 8], 96)], scheduled={"b": 4}))
-    assert [s.block_ids for s in m.loads] == [[7]]
+    assert [s.block_ids[0] for s in m.loads] == [[7]]
     assert same(block(kv, 7), block(kv, 3))
     # vLLM's own hit covers the store's run: nothing to load.
     assert sched.get_num_new_matched_tokens(request("c", PROMPT), 3 * BLOCK) == (0, False)
@@ -544,7 +564,7 @@ def test_blocks_vllm_had_but_the_store_lost_are_stored_again(config: Any) -> Non
     assert sched.get_num_new_matched_tokens(r, 2 * BLOCK) == (0, False)
     sched.update_state_after_alloc(r, None, 0)
     m = run_step(sched, worker, step([new_req("b", [1, 5, 6, 7], 64)], scheduled={"b": 36}))
-    assert m.loads == [] and [s.block_ids for s in m.saves] == [[5, 6]]
+    assert m.loads == [] and [s.block_ids[0] for s in m.saves] == [[5, 6]]
 
 
 def test_a_resumed_request_uses_its_new_blocks(config: Any) -> None:
@@ -557,8 +577,8 @@ def test_a_resumed_request_uses_its_new_blocks(config: Any) -> None:
     assert sched.get_num_new_matched_tokens(r, 0) == (BLOCK, False)
     sched.update_state_after_alloc(r, None, BLOCK)
     m = run_step(sched, worker, step(cached=[("a", [30, 31], 32, True)], scheduled={"a": 40}))
-    assert [s.block_ids for s in m.loads] == [[30]]
-    assert [s.block_ids for s in m.saves] == [[31]]
+    assert [s.block_ids[0] for s in m.loads] == [[30]]
+    assert [s.block_ids[0] for s in m.saves] == [[31]]
     assert same(block(kv, 30), block(kv, 1))
 
 
@@ -635,12 +655,16 @@ def test_tensor_parallel_shards_must_all_hold_a_block(config: Any) -> None:
 
 
 def test_unsupported_deployments_are_refused_at_start(config: Any) -> None:
-    with pytest.raises(ConfigError, match="one KV cache group"):
-        HiCacheKVConnector(config, SCHED, kv_config(groups=2))
-    sliding = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
-                                dtype=torch.bfloat16, sliding_window=64)  # fmt: skip
-    with pytest.raises(ConfigError, match="full-attention"):
-        HiCacheKVConnector(config, SCHED, kv_config(sliding))
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
+    with pytest.raises(ConfigError, match="MambaSpec"):
+        HiCacheKVConnector(config, SCHED, hybrid_config(extra=[mamba]))
+    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
+                                        dtype=torch.bfloat16, attention_chunk_size=64)  # fmt: skip
+    with pytest.raises(ConfigError, match="ChunkedLocalAttentionSpec"):
+        HiCacheKVConnector(config, SCHED, kv_config(chunked))
+    other = dataclasses.replace(SPEC, block_size=2 * BLOCK)
+    with pytest.raises(ConfigError, match="one block size"):
+        HiCacheKVConnector(config, SCHED, hybrid_config(extra=[other]))
     pc = config.parallel_config
     pc.pipeline_parallel_size = 2
     try:
@@ -716,7 +740,7 @@ def test_metadata_is_plain_data() -> None:
 
     from hicache_storage.integrations.vllm import LoadSpec, SaveSpec
 
-    meta = HiCacheConnectorMetadata([LoadSpec("r", ["k"], [1])], [SaveSpec("r", ["k2"], [2])])
+    meta = HiCacheConnectorMetadata([LoadSpec("r", ["k"], [[1]])], [SaveSpec("r", ["k2"], [[2]])])
     assert pickle.loads(pickle.dumps(meta)) == meta
 
 
@@ -743,17 +767,19 @@ def test_nothing_computed_over_a_failed_load_is_stored(config: Any, tmp_path: Pa
     # This step loads blocks 0-1 (block 1 fails) and computes block 2 over it.
     blocks = [10, 11, 12, 13, 14]
     m = run_step(sched, worker, step([new_req("b", blocks, 64)], scheduled={"b": 36}))
-    assert [s.block_ids for s in m.loads] == [[10, 11]] and [s.block_ids for s in m.saves] == [[12]]
+    assert [s.block_ids[0] for s in m.loads] == [[10, 11]] and [
+        s.block_ids[0] for s in m.saves
+    ] == [[12]]
     assert worker.get_block_ids_with_load_errors() == {11}
     assert worker.totals["save_skipped_blocks"] == 1 and worker.totals["save_blocks"] == 2
     # A step planned before vLLM saw the failure (async scheduling): skipped too.
     m = run_step(sched, worker, step(cached=[("b", None, 100, False)], scheduled={"b": 50}))
-    assert [s.block_ids for s in m.saves] == [[13]]
+    assert [s.block_ids[0] for s in m.saves] == [[13]]
     assert worker.totals["save_skipped_blocks"] == 2 and worker.totals["save_blocks"] == 2
     # vLLM goes back to the failed block and computes blocks 1-3 again, in place: now
     # they are stored, and a new request loads all four, equal to what was computed.
     m = run_step(sched, worker, step(cached=[("b", None, 32, False)], scheduled={"b": 118}))
-    assert [s.block_ids for s in m.saves] == [[11, 12, 13]]
+    assert [s.block_ids[0] for s in m.saves] == [[11, 12, 13]]
     assert worker.totals["save_blocks"] == 5 and wside(worker).tainted == set()
     computed = [block(kv, b) for b in blocks[:4]]
     r2 = request("c", long_prompt)
@@ -771,7 +797,7 @@ def test_a_block_shared_after_a_failed_load_taints_the_sharer(config: Any) -> No
     assert sched.get_num_new_matched_tokens(r, BLOCK) == (0, False)
     sched.update_state_after_alloc(r, None, 0)
     m = run_step(sched, worker, step([new_req("a", [5, 6, 7, 8], 32)], scheduled={"a": 68}))
-    assert [s.block_ids for s in m.saves] == [[5, 6, 7]]  # the store lacks all three
+    assert [s.block_ids[0] for s in m.saves] == [[5, 6, 7]]  # the store lacks all three
     assert worker.totals["save_blocks"] == 0 and worker.totals["save_skipped_blocks"] == 3
     assert wside(worker).tainted == {5, 6, 7}  # computed over block 5
     # Block 5 loaded whole later: clean again.
@@ -1305,3 +1331,163 @@ def test_blocks_stored_at_one_tp_size_load_at_another_with_head_groups(
         extra = config.kv_transfer_config.kv_connector_extra_config
         extra.pop("head_groups", None)
         extra.pop("writer_id", None)
+
+
+# ---------------------------------------------------------------------- hybrid models
+
+
+class GroupBlocks:
+    """vLLM's ``KVCacheBlocks`` of a hybrid model: one list of block ids per group."""
+
+    def __init__(self, *groups: list[int]) -> None:
+        self.groups = groups
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple(self.groups)
+
+
+def hybrid_pair(config: Any, seed: int = 0) -> tuple[HiCacheKVConnector, HiCacheKVConnector, Any]:
+    """Connectors of a hybrid model whose two groups share one KV tensor, as vLLM's
+    hybrid allocator lays them out (a block id belongs to one group at a time)."""
+    sched = HiCacheKVConnector(config, SCHED, hybrid_config())
+    worker = HiCacheKVConnector(config, WORKER, hybrid_config())
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(NB, 2, BLOCK, 64, generator=g).to(torch.bfloat16)
+    worker.register_kv_caches({LAYERS[0]: kv, LAYERS[1]: kv})
+    return sched, worker, kv
+
+
+def hybrid_req(req_id: str, full: list[int], swa: list[int], computed: int) -> SimpleNamespace:
+    return SimpleNamespace(req_id=req_id, block_ids=(full, swa), num_computed_tokens=computed)
+
+
+def test_each_group_of_a_hybrid_model_has_a_namespace_of_its_own(config: Any) -> None:
+    sched = HiCacheKVConnector(config, SCHED, hybrid_config())
+    full, swa = sched.settings.namespaces
+    assert sched.settings.hybrid and full.digest != swa.digest
+    assert "-g0of2-full-" in full.object_layout and "-g1of2-swa40-" in swa.object_layout
+    assert [g.window for g in sched.settings.groups] == [None, 40]
+    # A model of one group keeps the namespace it always had.
+    one = HiCacheKVConnector(config, SCHED, kv_config())
+    assert not one.settings.hybrid and one.namespace.object_layout == "vllm-LBHNC-h2-d32-L2"
+    # A model whose every layer has a sliding window is one group, moved too.
+    assert HiCacheKVConnector(config, SCHED, kv_config(SWA)).settings.groups[0].window == 40
+
+
+def test_a_hybrid_models_blocks_are_stored_per_group_and_a_hit_loads_the_window(
+    config: Any,
+) -> None:
+    sched, worker, kv = hybrid_pair(config, seed=3)
+    r = request("r1", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    sched.update_state_after_alloc(r, None, 0)
+    m = run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [20, 21, 22, 23], 0)],
+                                     scheduled={"r1": 100}))  # fmt: skip
+    assert [s.block_ids for s in m.saves] == [[[5, 9, 12], [20, 21, 22]]]
+    keys = sched.keys_for(r)
+    assert keys is not None
+    for backends in sside(sched).group_backends:
+        assert backends[0].batch_exists_each(keys) == [True, True, True]
+    page = wside(worker).pools[0].page_bytes
+    assert worker.totals["save_blocks"] == 3 and worker.totals["save_bytes"] == 6 * page
+    want = {b: kv[b].clone() for b in (5, 9, 12, 21, 22)}
+    null = kv[0].clone()
+    # The same prompt again: every full block, and the window's (40 tokens before the
+    # 96th: blocks 1 and 2) of the sliding-window group; vLLM's null block for block 0.
+    r2 = request("r2", PROMPT)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (3 * BLOCK, True)  # (in the background)
+    sched.update_state_after_alloc(r2, GroupBlocks([30, 31, 32], [0, 41, 42]), 3 * BLOCK)
+    m = run_step(sched, worker, step())
+    assert [(s.block_ids, s.background) for s in m.loads] == [([[30, 31, 32], [0, 41, 42]], True)]
+    assert wside(worker).flush(30, loads=True)
+    results = worker.get_transfer_results(set())
+    assert results.finished_recving == {"r2"} and not results.failed_recving
+    for dst, src in ((30, 5), (31, 9), (32, 12), (41, 21), (42, 22)):
+        assert torch.equal(kv[dst], want[src])
+    assert torch.equal(kv[0], null)
+    assert worker.totals["load_blocks"] == 3 and worker.totals["load_bytes"] == 5 * page
+
+
+def test_a_hybrid_hit_is_a_length_every_group_can_restore(config: Any) -> None:
+    sched, worker, _ = hybrid_pair(config)
+    r = request("r1", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, 0)
+    run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [20, 21, 22, 23], 0)],
+                                 scheduled={"r1": 100}))  # fmt: skip
+    keys = sched.keys_for(r)
+    assert keys is not None
+    swa = sside(sched).group_backends[1][0]
+    # Block 0 is outside the window at 96 tokens: lost, the hit stays.
+    swa.delete(keys[0])
+    assert sched.get_num_new_matched_tokens(request("a", PROMPT), 0) == (3 * BLOCK, True)
+    # Block 2 is in it: lost too, no length below is restorable either (each window
+    # reaches block 0)...
+    swa.delete(keys[2])
+    assert sched.get_num_new_matched_tokens(request("b", PROMPT), 0) == (0, False)
+    # ...unless vLLM holds block 0 itself: 64 tokens, whose window is blocks 0 and 1.
+    assert sched.get_num_new_matched_tokens(request("c", PROMPT), BLOCK) == (BLOCK, True)
+    # A full-attention group's lost block ends the run there, whatever the window.
+    sside(sched).group_backends[0][0].delete(keys[1])
+    assert sched.get_num_new_matched_tokens(request("d", PROMPT), BLOCK) == (0, False)
+
+
+def test_a_failed_hybrid_load_fails_its_request_never_blocks(config: Any) -> None:
+    """vLLM's scheduler takes no failed block ids from a model with several groups (it
+    raises): the request is reported failed as a whole, and vLLM recomputes it."""
+    sched, worker, _ = hybrid_pair(config)
+    r = request("r1", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, 0)
+    run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [20, 21, 22, 23], 0)],
+                                 scheduled={"r1": 100}))  # fmt: skip
+    keys = sched.keys_for(r)
+    assert keys is not None
+    r2 = request("r2", PROMPT)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (3 * BLOCK, True)
+    sside(sched).group_backends[1][0].delete(keys[2])  # (lost after the lookup)
+    sched.update_state_after_alloc(r2, GroupBlocks([30, 31, 32], [0, 41, 42]), 3 * BLOCK)
+    run_step(sched, worker, step())
+    assert wside(worker).flush(30, loads=True)
+    results = worker.get_transfer_results(set())
+    assert results.finished_recving == {"r2"} and results.failed_recving == {"r2"}
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.totals["load_failed_blocks"] == 1
+    # vLLM looks the request up again: no hit (the same load would fail again).
+    assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+
+
+def test_a_hybrid_store_skips_the_null_blocks_before_the_window(config: Any) -> None:
+    """vLLM's own prefix hit leaves the sliding-window group's blocks before the window
+    null: the full group's blocks are stored, the window group's held ones only."""
+    sched, worker, _ = hybrid_pair(config)
+    r = request("r1", PROMPT)
+    assert sched.get_num_new_matched_tokens(r, 2 * BLOCK) == (0, False)  # (store empty)
+    sched.update_state_after_alloc(r, None, 0)
+    m = run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [0, 21, 22, 23], 64)],
+                                     scheduled={"r1": 36}))  # fmt: skip
+    assert [s.block_ids for s in m.saves] == [[[5, 9, 12], [0, 21, 22]]]
+    keys = sched.keys_for(r)
+    assert keys is not None
+    full, swa = (b[0] for b in sside(sched).group_backends)
+    assert full.batch_exists_each(keys) == [True, True, True]
+    assert swa.batch_exists_each(keys) == [False, True, True]
+    page = wside(worker).pools[0].page_bytes
+    t = worker.totals
+    assert t["save_blocks"] == 3 and t["save_failed_blocks"] == 0 and t["save_bytes"] == 5 * page
+
+
+def test_a_taint_in_any_group_stops_what_is_computed_over_it(config: Any) -> None:
+    """Every layer's KV at a place depends on every layer's before it: a tainted block
+    of any group taints the blocks computed after it, in every group."""
+    from hicache_storage.integrations.vllm import SaveSpec
+
+    _, worker, _ = hybrid_pair(config)
+    side = wside(worker)
+    side.tainted.add(21)
+    spec = SaveSpec("r", ["k"], [[12], [22]], prefix_block_ids=[[5, 9, 12], [0, 21, 22]],
+                    computed_from=2)  # fmt: skip
+    assert side._clean_blocks(spec) is False
+    assert side.tainted == {12, 21, 22}
+    side.tainted.clear()
+    assert side._clean_blocks(spec) is True and side.tainted == set()
