@@ -552,6 +552,29 @@ def test_a_sliding_window_model_hits_and_answers_as_without_the_store(
     assert new["cached"] == 3 * BLOCK and new["tokens"] == swa_expected  # from the store
 
 
+def test_a_sliding_window_models_next_turn_hits_through_the_answer(
+    swa_model: Path, tmp_path: Path
+) -> None:
+    """With vLLM's hybrid allocator the blocks of an answer are stored in every group as
+    they fill (the sliding-window group's before vLLM frees them, out of the window),
+    and the answer's last, partial block too: a new engine serves the next turn up to
+    the last token with KV, and its output is vLLM's own."""
+    with engine(swa_model, None) as llm:
+        answer = generate(llm, [SWA_PROMPT], max_tokens=40)[0]["tokens"]
+        turn2 = SWA_PROMPT + answer + list(range(900, 910))
+        want = generate(llm, [turn2], max_tokens=12)[0]["tokens"]
+    options = {"root": str(tmp_path / "kv")}
+    with engine(swa_model, "file", options) as llm:
+        assert llm.hicache_connectors["SCHEDULER"].settings.hybrid
+        assert generate(llm, [SWA_PROMPT], max_tokens=40)[0]["tokens"] == answer
+        t = totals(llm)
+    assert t["save_blocks"] == 4 and t["save_partial_blocks"] == 1  # (places, all groups)
+    with engine(swa_model, "file", options) as llm:
+        out = generate(llm, [turn2], max_tokens=12)[0]
+    # 139 tokens have KV: 4 full blocks and 11 tokens of the fifth.
+    assert out["cached"] == 4 * BLOCK + 11 and out["tokens"] == want
+
+
 def test_a_sliding_window_hit_is_a_length_every_group_can_restore(
     swa_model: Path, swa_expected: list[int], tmp_path: Path
 ) -> None:
