@@ -205,6 +205,16 @@ class HiCacheKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if meta is not None and self.connector_worker is not None:
             self.connector_worker.before_step_safely(meta)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """See :meth:`WorkerSide.before_step`.
+
+        VLLM calls this before it writes any block of the step (zeroing, copies),
+        earlier than :meth:`bind_connector_metadata`.
+        """
+        meta = kv_connector_metadata
+        if isinstance(meta, HiCacheConnectorMetadata) and self.connector_worker is not None:
+            self.connector_worker.before_step_safely(meta)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose stores are done (delayed frees) and whose background loads are."""
         results = self.get_transfer_results(finished_req_ids)

@@ -225,7 +225,11 @@ class SchedulerSide(ConnectorSide):
             self.count(
                 lookups=1,
                 lookup_blocks=limit,
-                lookup_hit_blocks=min(found[0], limit),
+                lookup_hit_blocks=(
+                    -(-hit_tokens // self.block_size)
+                    if state.partial is None
+                    else hit_tokens // self.block_size
+                ),
                 lookup_seconds=time.perf_counter() - t0,
             )
         state.stored = stored
@@ -253,9 +257,11 @@ class SchedulerSide(ConnectorSide):
             run = len(keys)
             for shape, backends in zip(shapes, groups, strict=True):
                 for backend in backends if shape.window is None else ():
+                    if job is not None and job.cut:
+                        return 0, [], None
                     run = min(run, int(backend.batch_exists(keys[:run])))
-                    if run == 0 or (job is not None and job.cut):
-                        return run, [], None
+                    if run == 0:
+                        return 0, [], None
             held: list[list[bool]] = []
             for shape, backends in zip(shapes, groups, strict=True):
                 have = [True] * run
@@ -302,9 +308,13 @@ class SchedulerSide(ConnectorSide):
         """
         run, held, partial = found
         bs = self.block_size
+        if len(held) != len(self.shapes):  # (no answer from every group: no hit)
+            return 0, 0, None
+        # Stored again from here: a window group's blocks after the last it holds (a
+        # gap before, such as vLLM's null blocks before a writer's window, stays).
         stored = run
         for have in held:
-            stored = min(stored, next((p for p, h in enumerate(have) if not h), run))
+            stored = min(stored, max((p + 1 for p, h in enumerate(have) if h), default=0))
         limit = -(-(num_tokens - 1) // bs)
         lengths: list[tuple[int, tuple[str, int] | None]] = []
         if partial is not None and run <= limit:
@@ -327,10 +337,11 @@ class SchedulerSide(ConnectorSide):
         not for a lone request (loaded before the forward pass, its lowest TTFT), and
         never with tensor parallelism (the ranks share a step's load failures before
         anything computed over them is stored: the synchronous path). Always with several
-        KV cache groups: vLLM takes a failed load of such a model only as a request
-        failed as a whole (it is recomputed), which only a background load can report.
+        KV cache groups or a sliding window: vLLM takes a failed load of such a model
+        only as a request failed as a whole (see ``Settings.whole_request_loads``), which
+        only a background load can report.
         """
-        if self.settings.hybrid:
+        if self.settings.whole_request_loads:
             return True
         choice = self.settings.options.async_loads
         if choice is not None:
@@ -353,6 +364,8 @@ class SchedulerSide(ConnectorSide):
         except Exception as exc:  # noqa: BLE001 - vLLM's scheduler must not see it
             self._hook_failed("update_state_after_alloc", exc)
             if background:
+                assert state is not None
+                state.load_pending = True  # (looked up again: no hit, not the same load)
                 self._background_loads.append(
                     LoadSpec(request.request_id, [], [], background=True, failed=True)
                 )
@@ -390,6 +403,15 @@ class SchedulerSide(ConnectorSide):
         """
         meta = HiCacheConnectorMetadata()
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        # vLLM's own block tables of the scheduled requests, where it offers them: a
+        # sliding-window group's blocks that left the window are null there, while the
+        # tables kept from the steps' new blocks still name them (freed, maybe reused).
+        exact = getattr(scheduler_output, "kv_connector_block_state", None)
+
+        def table(req_id: str) -> list[list[int]] | None:
+            ids = exact.get_block_ids(req_id) if exact is not None else None
+            return [list(g) for g in ids] if ids is not None else None
+
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
             state = self._reqs.get(str(getattr(new, "req_id", "")))
             try:
@@ -399,7 +421,7 @@ class SchedulerSide(ConnectorSide):
                     meta.fresh_blocks.extend(g[new.num_computed_tokens // self.block_size :])
                 if state is not None:
                     state.load_pending = False  # scheduled: a background load (if any) landed
-                    state.block_ids = ids
+                    state.block_ids = table(new.req_id) or ids
                     self._plan_safely(meta, new.req_id, state, new.num_computed_tokens, scheduled)
             except Exception as exc:  # noqa: BLE001 - vLLM's scheduler must not see it
                 self._request_failed(meta, getattr(new, "req_id", None), state, exc)
@@ -415,6 +437,7 @@ class SchedulerSide(ConnectorSide):
                     meta.fresh_blocks.extend(list(g)[first:])
                 if state is None:
                     continue
+                state.load_pending = False  # scheduled: a background load (if any) landed
                 if resumed:
                     state.block_ids = [list(g) for g in new_ids] if new_ids is not None else []
                     state.done = None
@@ -423,6 +446,7 @@ class SchedulerSide(ConnectorSide):
                         state.block_ids = [[] for _ in new_ids]
                     for mine, g in zip(state.block_ids, new_ids, strict=True):
                         mine.extend(g)
+                state.block_ids = table(req_id) or state.block_ids
                 self._plan_safely(meta, req_id, state, cached.num_computed_tokens[i], scheduled)
             except Exception as exc:  # noqa: BLE001 - vLLM's scheduler must not see it
                 self._request_failed(meta, req_id, state, exc)
@@ -580,10 +604,7 @@ class SchedulerSide(ConnectorSide):
                 req_id,
                 [key],
                 [[int(g[full])] for g in block_ids],
-                prefix_block_ids=[
-                    [*mine[:full], int(g[full])]
-                    for mine, g in zip(state.block_ids, block_ids, strict=True)
-                ],
+                prefix_block_ids=[[int(b) for b in g[: full + 1]] for g in block_ids],
                 computed_from=state.computed_from,
                 partial=True,
             )

@@ -67,6 +67,16 @@ class Settings:
         """More than one KV cache group (vLLM's hybrid allocator)."""
         return len(self.namespaces) > 1
 
+    @property
+    def whole_request_loads(self) -> bool:
+        """A failed load must fail its request as a whole (loads in the background).
+
+        With several groups vLLM takes no failed block ids (it raises); with a sliding
+        window it would roll back to a length whose window it no longer holds (its
+        blocks before the window are null) and compute over them.
+        """
+        return self.hybrid or any(g.window is not None for g in self.groups)
+
     def storage_config(self, tp_rank: int, group: int = 0) -> StorageConfig:
         """The backend's config for TP rank ``tp_rank`` and KV cache group ``group``.
 

@@ -388,10 +388,12 @@ class WorkerSide(ConnectorSide):
         self._guard_stores({b for s in specs for b in held_blocks(s.block_ids)}, staged)
         movers = self.movers if self.ready() else None
         for spec in specs:
-            if spec.failed or not held_blocks(spec.block_ids):
+            # Keys with no block to land in (a spec that contradicts itself) are a failed
+            # load, never one reported done over bytes that were not loaded.
+            if spec.failed or not spec.keys or not held_blocks(spec.block_ids):
                 with self._lock:
                     self._recv_done.add(spec.req_id)
-                    if spec.failed:
+                    if spec.failed or spec.keys:
                         self._recv_failed.add(spec.req_id)
                 continue
             ld = _Load(spec.req_id, [list(g) for g in spec.block_ids])
@@ -435,11 +437,11 @@ class WorkerSide(ConnectorSide):
     def _settle_load(self, ld: _Load, failed: set[int]) -> None:
         """Report ``ld``'s request as loaded, ``failed`` blocks as load errors (lock held).
 
-        With several KV cache groups vLLM cannot take failed blocks (their ids are not
-        unique across groups in its scheduler): the request fails as a whole, and vLLM
-        recomputes it (or fails it, by its ``kv_load_failure_policy``).
+        With several KV cache groups or a sliding window, vLLM cannot take failed blocks
+        (see :attr:`Settings.whole_request_loads`): the request fails as a whole, and
+        vLLM recomputes it (or fails it, by its ``kv_load_failure_policy``).
         """
-        if failed and self.settings.hybrid:
+        if failed and self.settings.whole_request_loads:
             self._recv_failed.add(ld.req_id)
         else:
             self._load_errors.update(failed)

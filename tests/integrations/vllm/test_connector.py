@@ -552,6 +552,36 @@ def test_a_sliding_window_model_hits_and_answers_as_without_the_store(
     assert new["cached"] == 3 * BLOCK and new["tokens"] == swa_expected  # from the store
 
 
+def test_a_model_whose_every_layer_has_a_window_hits_and_answers_as_without_the_store(
+    tmp_path: Path,
+) -> None:
+    """Every layer sliding (window 16): one group, of which vLLM keeps only the window's
+    blocks. A hit loads the window's block alone, and the output is vLLM's own; a
+    damaged one fails the request's load as a whole (vLLM recomputes it)."""
+    from vllm_engine import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "all-swa", seed=6, sliding_window=16,
+                             layer_types=["sliding_attention", "sliding_attention"])  # fmt: skip
+    with engine(model, None) as llm:
+        want = generate(llm, [SWA_PROMPT], max_tokens=12)[0]["tokens"]
+    root = tmp_path / "kv"
+    with engine(model, "file", {"root": str(root)}) as llm:
+        settings = llm.hicache_connectors["SCHEDULER"].settings
+        assert settings.groups[0].window == 16 and settings.whole_request_loads
+        assert generate(llm, [SWA_PROMPT], max_tokens=12)[0]["tokens"] == want
+        again = generate(llm, [SWA_PROMPT], max_tokens=12)[0]
+        assert again["cached"] == 3 * BLOCK and again["tokens"] == want
+        t = totals(llm)
+        page = llm.hicache_connectors["WORKER"].connector_worker.pool.page_bytes
+        assert t["load_blocks"] == 1 and t["load_bytes"] == page  # (the window's block)
+        for path in _files(root):
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x5A
+            path.write_bytes(bytes(data))
+        out = generate(llm, [SWA_PROMPT], max_tokens=12)[0]
+        assert out["tokens"] == want and totals(llm)["load_failed_blocks"] == 1
+
+
 def test_a_sliding_window_models_next_turn_hits_through_the_answer(
     swa_model: Path, tmp_path: Path
 ) -> None:

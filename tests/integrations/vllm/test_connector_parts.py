@@ -1491,3 +1491,90 @@ def test_a_taint_in_any_group_stops_what_is_computed_over_it(config: Any) -> Non
     assert side.tainted == {12, 21, 22}
     side.tainted.clear()
     assert side._clean_blocks(spec) is True and side.tainted == set()
+
+
+def test_a_model_whose_every_layer_has_a_window_fails_loads_per_request(config: Any) -> None:
+    """One sliding-window group: vLLM would roll a failed block back to a length whose
+    window it no longer holds (null blocks) and compute over them; the load runs in the
+    background and a failure fails the request as a whole instead."""
+    sched = HiCacheKVConnector(config, SCHED, kv_config(SWA))
+    worker = HiCacheKVConnector(config, WORKER, kv_config(SWA))
+    worker.register_kv_caches(kv_tensors(4))
+    assert not sched.settings.hybrid and sched.settings.whole_request_loads
+    r = request("r1", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, 0)
+    run_step(sched, worker, step([new_req("r1", [5, 9, 12, 13], 0)], scheduled={"r1": 100}))
+    keys = sched.keys_for(r)
+    assert keys is not None
+    r2 = request("r2", PROMPT)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (3 * BLOCK, True)
+    sside(sched).lookup_backends[0].delete(keys[1])  # (lost after the lookup)
+    sched.update_state_after_alloc(r2, Blocks([0, 31, 32]), 3 * BLOCK)
+    run_step(sched, worker, step())
+    assert wside(worker).flush(30, loads=True)
+    results = worker.get_transfer_results(set())
+    assert results.failed_recving == {"r2"} and worker.get_block_ids_with_load_errors() == set()
+    assert worker.totals["load_failed_blocks"] == 1
+
+
+def test_hybrid_plans_follow_vllms_own_block_tables(config: Any) -> None:
+    """The tables vLLM offers each step (``kv_connector_block_state``) are the truth: a
+    sliding-window block that left the window is null there, never a stale id; a
+    request back from a background load through the cached list is no longer pending;
+    a hit counts the blocks it returns; null places before a writer's window are not
+    stored again at every hit."""
+    sched, worker, _ = hybrid_pair(config)
+    r = request("r1", PROMPT)
+    sched.get_num_new_matched_tokens(r, 2 * BLOCK)
+    sched.update_state_after_alloc(r, None, 0)
+    run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [0, 21, 22, 23], 64)],
+                                 scheduled={"r1": 36}))  # fmt: skip
+    saved = worker.totals["save_blocks"]
+    assert saved == 3
+    # Another request hits all three (block 0 of the window group is not needed at 96).
+    r2 = request("r2", PROMPT)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (3 * BLOCK, True)
+    assert sched.totals["lookup_hit_blocks"] == 3
+    sched.update_state_after_alloc(r2, GroupBlocks([30, 31, 32], [0, 41, 42]), 3 * BLOCK)
+    run_step(sched, worker, step())
+    assert wside(worker).flush(30, loads=True)
+    assert sside(sched)._reqs["r2"].load_pending
+    # Scheduled again through the cached list (resumed), with vLLM's exact tables.
+    tables = {"r2": ([30, 31, 32, 33], [0, 0, 42, 43])}
+    out = step(cached=[("r2", [33], 96, True)], scheduled={"r2": 4})
+    out.scheduled_cached_reqs.new_block_ids = [([30, 31, 32, 33], [0, 41, 42, 43])]
+    out.kv_connector_block_state = SimpleNamespace(get_block_ids=tables.get)
+    m = run_step(sched, worker, out)
+    state = sside(sched)._reqs["r2"]
+    assert not state.load_pending and state.block_ids == [[30, 31, 32, 33], [0, 0, 42, 43]]
+    assert m.saves == [] and worker.totals["save_blocks"] == saved  # nothing stored again
+    # The window block 1 missing from vLLM's table: the lookup of a third request still
+    # hits, and a stale id (41) is in no plan.
+    assert all(41 not in g for s in m.saves for g in s.prefix_block_ids)
+
+
+def test_a_failed_alloc_hook_is_not_offered_the_same_load_again(config: Any) -> None:
+    """``update_state_after_alloc`` raising for a background load: the load is sent as
+    failed (vLLM recomputes), and the lookup vLLM makes then is a miss."""
+    sched, worker, _ = hybrid_pair(config)
+    r = request("r1", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, 0)
+    run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [20, 21, 22, 23], 0)],
+                                 scheduled={"r1": 100}))  # fmt: skip
+    r2 = request("r2", PROMPT)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (3 * BLOCK, True)
+
+    class Broken:
+        def get_block_ids(self) -> Any:
+            raise RuntimeError("boom")
+
+    sched.update_state_after_alloc(r2, Broken(), 3 * BLOCK)
+    m = sched.build_connector_meta(step())
+    assert [(s.req_id, s.failed) for s in m.loads] == [("r2", True)]
+    worker.bind_connector_metadata(m)
+    worker.start_load_kv(None)
+    assert worker.get_transfer_results(set()).failed_recving == {"r2"}
+    worker.clear_connector_metadata()
+    assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
