@@ -28,6 +28,7 @@ from hicache_storage.integrations.vllm.metadata import (
 )
 from hicache_storage.integrations.vllm.namespace import group_shapes, namespaces_for
 from hicache_storage.integrations.vllm.options import ConnectorOptions
+from hicache_storage.integrations.vllm.prom import HiCachePromMetrics
 from hicache_storage.integrations.vllm.scheduler import SchedulerSide
 from hicache_storage.integrations.vllm.side import ConnectorSide, Settings
 from hicache_storage.integrations.vllm.worker import WorkerSide
@@ -270,6 +271,22 @@ class HiCacheKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> HiCacheKVConnectorStats:
         """VLLM rebuilds the workers' stats from their dicts with this."""
         return HiCacheKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> HiCachePromMetrics:
+        """The connector's series on vLLM's ``/metrics`` (see :mod:`.prom`)."""
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+        backend = str(extra.get("backend_name", "unknown"))
+        return HiCachePromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, backend
+        )
 
     def shutdown(self) -> None:
         """Close the backends (and stop trying to reach an unreachable one)."""

@@ -21,6 +21,9 @@ __all__ = [
     "held_blocks",
 ]
 
+#: Call durations an aggregate keeps per operation (vLLM's logger joins many steps').
+MAX_JOINED_LATENCIES = 8192
+
 #: The connector's counters (sums over an interval, and since start in ``totals``).
 COUNTERS = (
     "connect_errors",
@@ -123,9 +126,15 @@ class HiCacheKVConnectorStats(KVConnectorStats):  # type: ignore[misc]
         self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> HiCacheKVConnectorStats:
-        """Add ``other``'s counters to these (workers and scheduler sum)."""
+        """Add ``other``'s counters to these (workers and scheduler sum).
+
+        Call durations (``<op>_latencies``) are joined, up to :data:`MAX_JOINED_LATENCIES`.
+        """
         for k, v in (other.data or {}).items():
-            self.data[k] = self.data.get(k, 0) + v
+            if isinstance(v, list):
+                self.data[k] = [*self.data.get(k, []), *v][:MAX_JOINED_LATENCIES]
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:

@@ -31,7 +31,13 @@ if TYPE_CHECKING:
     from hicache_storage.integrations.deadline import Job, Lane
     from hicache_storage.protocol import HiCacheStorage
 
-__all__ = ["RETRY_FIRST_SECONDS", "RETRY_MAX_SECONDS", "ConnectorSide", "Settings"]
+__all__ = [
+    "MAX_LATENCIES",
+    "RETRY_FIRST_SECONDS",
+    "RETRY_MAX_SECONDS",
+    "ConnectorSide",
+    "Settings",
+]
 
 logger = logging.getLogger("hicache_storage.integrations.vllm")
 
@@ -40,6 +46,9 @@ T = TypeVar("T")
 #: Seconds before the first new try to reach a backend that was unreachable; the delay
 #: doubles after each failed try, up to :data:`RETRY_MAX_SECONDS`.
 RETRY_FIRST_SECONDS = 1.0
+#: Call durations kept per operation and stats interval (vLLM sends an interval's stats
+#: with each engine step; past it, calls are counted but not timed one by one).
+MAX_LATENCIES = 1024
 RETRY_MAX_SECONDS = 30.0
 
 
@@ -103,7 +112,7 @@ class ConnectorSide:
         self.block_size = settings.namespace.page_size
         self._log = RateLimitedLog(logger)
         self._lock = threading.Lock()
-        self._interval: dict[str, float] = {}
+        self._interval: dict[str, Any] = {}
         #: Counters since the connector started (never reset); see :data:`COUNTERS`.
         self.totals: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         # An unreachable backend is tried again on a thread of its own (doubling delays).
@@ -130,13 +139,22 @@ class ConnectorSide:
     # ------------------------------------------------------------------ counting, logging
 
     def count(self, **counts: float) -> None:
-        """Add to the counters (see :data:`COUNTERS`)."""
+        """Add to the counters (see :data:`COUNTERS`).
+
+        Each ``<op>_seconds`` counted is one call of ``<op>``: its duration is kept in
+        the interval's ``<op>_latencies`` too (at most :data:`MAX_LATENCIES`), for
+        vLLM's Prometheus histograms.
+        """
         with self._lock:
             for k, v in counts.items():
                 self._interval[k] = self._interval.get(k, 0) + v
                 self.totals[k] = self.totals.get(k, 0) + v
+                if k.endswith("_seconds"):
+                    kept = self._interval.setdefault(k[: -len("seconds")] + "latencies", [])
+                    if len(kept) < MAX_LATENCIES:
+                        kept.append(float(v))
 
-    def take_interval(self) -> dict[str, float]:
+    def take_interval(self) -> dict[str, Any]:
         """The counters since the last call, then zero."""
         with self._lock:
             data, self._interval = self._interval, {}
