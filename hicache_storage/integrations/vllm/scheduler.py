@@ -280,7 +280,9 @@ class SchedulerSide(ConnectorSide):
                 candidates = self._partial_keys(state, run, most)
                 have = [True] * len(candidates)
                 for backend in (b for part in groups for b in part):
-                    if (job is not None and job.cut) or not any(have):
+                    if job is not None and job.cut:
+                        return run, held, None
+                    if not any(have):
                         break
                     ask = [k for (k, _), h in zip(candidates, have, strict=True) if h]
                     answers = iter(backend.batch_exists_each(ask))
@@ -303,18 +305,32 @@ class SchedulerSide(ConnectorSide):
         At most every token but the last. A sliding-window group needs, at a hit of N
         tokens, the blocks vLLM holds for it there (its window); the hit is the longest
         length (the stored partial block's, then each block boundary down) at which each
-        such group's blocks from vLLM's own hit on are stored. ``stored``: the leading
-        blocks every group holds (what need not be stored again).
+        such group's blocks from vLLM's own hit on are stored. ``stored``: the blocks
+        not to store again: the full groups' run, less any block a window group lacks
+        from where this request computes on (it stores those; a gap before, such as
+        vLLM's null blocks before another writer's window, stays).
         """
         run, held, partial = found
         bs = self.block_size
         if len(held) != len(self.shapes):  # (no answer from every group: no hit)
             return 0, 0, None
-        # Stored again from here: a window group's blocks after the last it holds (a
-        # gap before, such as vLLM's null blocks before a writer's window, stays).
+        hit, part = self._longest(run, held, partial, num_tokens, local)
+        start = max(local, hit // bs)
         stored = run
         for have in held:
-            stored = min(stored, max((p + 1 for p, h in enumerate(have) if h), default=0))
+            stored = min(stored, next((p for p in range(start, run) if not have[p]), run))
+        return stored, hit, part
+
+    def _longest(
+        self,
+        run: int,
+        held: list[list[bool]],
+        partial: tuple[str, int] | None,
+        num_tokens: int,
+        local: int,
+    ) -> tuple[int, tuple[str, int] | None]:
+        """The longest hit every group can restore (see :meth:`_restorable`); 0: none."""
+        bs = self.block_size
         limit = -(-(num_tokens - 1) // bs)
         lengths: list[tuple[int, tuple[str, int] | None]] = []
         if partial is not None and run <= limit:
@@ -327,8 +343,8 @@ class SchedulerSide(ConnectorSide):
                 for shape, have in zip(self.shapes, held, strict=False)
                 if shape.window is not None
             ):
-                return stored, hit, part
-        return stored, 0, None
+                return hit, part
+        return 0, None
 
     def _load_in_background(self, req_id: str) -> bool:
         """Whether a hit loads in the background (see ``async_loads``).
@@ -406,11 +422,17 @@ class SchedulerSide(ConnectorSide):
         # vLLM's own block tables of the scheduled requests, where it offers them: a
         # sliding-window group's blocks that left the window are null there, while the
         # tables kept from the steps' new blocks still name them (freed, maybe reused).
-        exact = getattr(scheduler_output, "kv_connector_block_state", None)
+        # (Only where a window group can have nulls: a full group's table only grows.)
+        windowed = any(shape.window is not None for shape in self.shapes)
+        exact = getattr(scheduler_output, "kv_connector_block_state", None) if windowed else None
 
         def table(req_id: str) -> list[list[int]] | None:
-            ids = exact.get_block_ids(req_id) if exact is not None else None
-            return [list(g) for g in ids] if ids is not None else None
+            try:
+                ids = exact.get_block_ids(req_id) if exact is not None else None
+                return [list(g) for g in ids] if ids is not None else None
+            except Exception as exc:  # noqa: BLE001 - the tables built from the steps hold
+                self._hook_failed("kv_connector_block_state", exc)
+                return None
 
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
             state = self._reqs.get(str(getattr(new, "req_id", "")))

@@ -1578,3 +1578,28 @@ def test_a_failed_alloc_hook_is_not_offered_the_same_load_again(config: Any) -> 
     assert worker.get_transfer_results(set()).failed_recving == {"r2"}
     worker.clear_connector_metadata()
     assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+
+
+def test_a_window_block_the_store_lost_is_stored_again_by_the_request_that_computes_it(
+    config: Any,
+) -> None:
+    sched, worker, _ = hybrid_pair(config)
+    r = request("r1", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, 0)
+    run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [20, 21, 22, 23], 0)],
+                                 scheduled={"r1": 100}))  # fmt: skip
+    keys = sched.keys_for(r)
+    assert keys is not None
+    swa = sside(sched).group_backends[1][0]
+    swa.delete(keys[2])  # (evicted from one group only)
+    r2 = request("r2", PROMPT)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (2 * BLOCK, True)  # window at 64: 0-1
+    sched.update_state_after_alloc(r2, GroupBlocks([30, 31], [40, 41]), 2 * BLOCK)
+    run_step(sched, worker, step())
+    assert wside(worker).flush(30, loads=True)
+    m = run_step(sched, worker, step([hybrid_req("r2", [30, 31, 32, 33], [40, 41, 42, 43], 64)],
+                                     scheduled={"r2": 36}))  # fmt: skip
+    assert [(s.keys, s.block_ids) for s in m.saves] == [(keys[2:3], [[32], [42]])]
+    assert swa.batch_exists_each(keys) == [True, True, True]
+    assert sched.get_num_new_matched_tokens(request("r3", PROMPT), 0) == (3 * BLOCK, True)
