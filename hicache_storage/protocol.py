@@ -242,7 +242,9 @@ class HiCacheStorage(abc.ABC):
         self.config = config if config is not None else StorageConfig()
         self.namespace = self.config.namespace
         self.mem_pool_host: HostPool | None = None
-        self._hicache_state()
+        self._hicache_state().stats.bind(
+            self.name or type(self).__name__, self.namespace.digest, self.usage
+        )
 
     @override
     def __init_subclass__(cls, **kwargs: Any) -> None:

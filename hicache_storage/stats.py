@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hicache_storage import metrics
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["OpStats", "StatsRecorder", "StorageStats"]
 
@@ -68,14 +73,36 @@ class StorageStats:
 
 
 class StatsRecorder:
-    """Thread-safe accumulator behind :meth:`HiCacheStorage.get_stats`."""
+    """Thread-safe accumulator behind :meth:`HiCacheStorage.get_stats`.
+
+    Once bound to a backend (:meth:`bind`), it also feeds :mod:`hicache_storage.metrics`
+    when those are on.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats = StorageStats()
+        self._labels: tuple[str, str] | None = None
+        self._usage: Callable[[], dict[str, int]] | None = None
+        self._usage_clock = metrics.UsageClock()
+
+    def bind(
+        self, backend: str, namespace_digest: str, usage: Callable[[], dict[str, int]]
+    ) -> None:
+        """Name the backend in the metrics (its registry name and namespace)."""
+        self._labels = (backend, namespace_digest[:12])
+        self._usage = usage
 
     def record(self, op: str, items: int, ok: int, errors: int, seconds: float) -> None:
         """Add one call of ``op``."""
+        m = metrics.current() if self._labels is not None else None
+        if m is not None and self._labels is not None:
+            m.op(self._labels, op, items, ok, errors, seconds)
+            if self._usage is not None and self._usage_clock.due():
+                try:
+                    m.usage(self._labels, self._usage())
+                except Exception:  # noqa: BLE001, S110 - a gauge left as it was
+                    pass
         with self._lock:
             s = self._stats.ops.get(op)
             if s is None:
@@ -88,6 +115,9 @@ class StatsRecorder:
 
     def add(self, **counters: int) -> None:
         """Add to the scalar counters (``bytes_read=...``, ``corrupt_objects=...``)."""
+        m = metrics.current() if self._labels is not None else None
+        if m is not None and self._labels is not None:
+            m.add(self._labels, counters)
         with self._lock:
             for name, value in counters.items():
                 setattr(self._stats, name, getattr(self._stats, name) + value)

@@ -22,7 +22,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   "${pip_q[@]}" pip 2> >(grep -v "is ignored" >&2)
   # torch first, pinned, so pip takes the local CPU wheel and never a CUDA build.
   "${pip_q[@]}" torch==2.13.0 2> >(grep -v "is ignored" >&2)
-  "${pip_q[@]}" -e ".[redis,s3,mooncake,nixl]" --group dev 2> >(grep -v "is ignored" >&2)
+  "${pip_q[@]}" -e ".[redis,s3,mooncake,nixl,metrics]" --group dev 2> >(grep -v "is ignored" >&2)
   echo "$want" > "$stamp"
 fi
 

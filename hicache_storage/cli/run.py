@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ from hicache_storage.tier.workload import RunResult, Workload, replay, summary
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Callable
 
 __all__ = ["add_run_args", "run_workload"]
 
@@ -73,6 +75,21 @@ def add_run_args(p: argparse.ArgumentParser, positive: Any) -> None:
         "--plot", default=None, metavar="FILE.png", help="hit ratio and bandwidth over time"
     )
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics on 127.0.0.1:N/metrics while the job runs "
+        "(needs the metrics extra)",
+    )
+    o.add_argument(
+        "--metrics-hold",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --metrics-port: keep serving this long after the run (for a last scrape)",
+    )
 
 
 def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
@@ -116,7 +133,12 @@ def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
         kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=torch.bfloat16,
     )  # fmt: skip
     ns = KVCacheNamespace.for_pool(host, model_id="hicache-storage-run", tenant=args.tenant)
-    backend = build_backend(args.backend, ns, options)
+    stop_metrics = _serve_metrics(args.metrics_port)
+    try:
+        backend = build_backend(args.backend, ns, options)
+    except BaseException:
+        stop_metrics()
+        raise
     try:
         if args.clear and backend.capabilities.delete:
             backend.clear()
@@ -156,16 +178,42 @@ def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
             device_pages=args.device_pages,
             working_set_pages=_working_set(workload, args.page_size),
         )
+    except BaseException:
+        stop_metrics()
+        raise
     finally:
         backend.close()
-    if args.plot is not None:
-        _plot(result, args.plot)
-        report["plot"] = args.plot
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print(report)
+    try:
+        if args.plot is not None:
+            _plot(result, args.plot)
+            report["plot"] = args.plot
+        if args.json:
+            print(json.dumps(report, indent=2), flush=True)
+        else:
+            _print(report)
+        if args.metrics_port is not None and args.metrics_hold > 0:
+            time.sleep(args.metrics_hold)  # (the report is out: a last scrape)
+    finally:
+        stop_metrics()
     return 0 if report["verification_errors"] == 0 else 1
+
+
+def _serve_metrics(port: int | None) -> Callable[[], None]:
+    """Serve the metrics on 127.0.0.1:``port`` (None: off); what stops them."""
+    if port is None:
+        return lambda: None
+    if not 0 < port < 65536:
+        raise ConfigError(f"--metrics-port must be 1-65535, got {port}")
+    from hicache_storage import metrics
+
+    try:
+        stop = metrics.serve(port)
+    except metrics.MetricsUnavailableError as exc:
+        raise ConfigError(f"--metrics-port: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {port}: {exc.strerror or exc}") from None
+    print(f"metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr)
+    return stop
 
 
 def _backend_get_gbps(backend: Any, like: HostKVPool, keys: list[str], pages: int = 128) -> float:
