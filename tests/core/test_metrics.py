@@ -173,3 +173,34 @@ def test_the_main_job_serves_its_metrics_while_it_runs(tmp_path: Path) -> None:
     assert stored > 0 and stored * page == report["bytes_written_to_storage"]
     assert series["hicache_bytes_written_total||"] == report["bytes_written_to_storage"]
     assert series["hicache_operations_total|batch_set_v1|"] >= 1
+
+
+DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "hicache-storage.json"
+
+
+def dashboard_series(prefix: str) -> set[str]:
+    """The series the Grafana dashboard's queries name, of ``prefix``."""
+    import re
+
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    return {
+        m for e in exprs for m in re.findall(r"[a-z:_]*hicache_[a-z_]+", e) if m.startswith(prefix)
+    }
+
+
+def exported(families: Any) -> set[str]:
+    """Every series name of ``families`` (a family's samples, with their suffixes)."""
+    out = set()
+    for fam in families:
+        out.add(fam.name)
+        out.update(fam.name + s for s in ("_total", "_bucket", "_count", "_sum"))
+        out.update(s.name for s in fam.samples)
+    return out
+
+
+def test_the_dashboard_names_only_series_the_backends_export(tmp_path: Path) -> None:
+    metrics.enable()
+    _backend(tmp_path).close()
+    wanted = dashboard_series("hicache_")
+    assert {"hicache_pages_total", "hicache_operation_seconds_bucket"} <= wanted
+    assert wanted <= exported(REGISTRY.collect())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_engine import BLOCK, kv_transfer_config
 
 PROMPT = list(range(100, 200))  # 100 tokens: 3 full blocks and 4 tokens
+DASHBOARD = Path(__file__).parents[3] / "docs" / "grafana" / "hicache-storage.json"
 PAGE_BYTES = 2 * 2 * BLOCK * 2 * 32 * 2  # layers x K/V x tokens x heads x head size x bf16
 
 
@@ -140,3 +142,8 @@ def test_vllm_serve_shows_the_connectors_series_with_what_the_requests_did(
     labels = next(dict(ls) for (n, ls) in s if n == blocks)
     assert labels.get("model_name") == str(tiny_model) and "engine" in labels
     assert any(n.startswith("vllm:num_requests") for n, _ in s)
+    # The Grafana dashboard (docs/grafana) names only series this server exports.
+    wanted = set(re.findall(r"vllm:hicache_[a-z_]+", DASHBOARD.read_text()))
+    families = list(text_string_to_metric_families(text))
+    names = {f.name + x for f in families for x in ("", "_total", "_bucket", "_count", "_sum")}
+    assert wanted and wanted <= names
