@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from typing_extensions import override
 
+from hicache_storage.breaker import Health
 from hicache_storage.config import Size, StorageConfig, redact_text, redacting_repr
 from hicache_storage.errors import BackendError, BackendUnavailableError, ConfigError, ErrorMap
 from hicache_storage.protocol import Capabilities
@@ -623,16 +624,24 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
 
     # ------------------------------------------------------------------ the rest
 
-    def health(self) -> int:
-        """0 healthy, 1 not set up or closed, 2 master unreachable.
+    @override
+    def health(self) -> Health:
+        """The client's health check.
 
-        The client's health check, or 2 after a call the master failed in the last seconds.
+        ``down``: not set up, closed, or the master unreachable (also right after a call
+        the master failed in the last seconds).
         """
         if self._mc is None:
-            return 1
+            return Health("down", "not set up or closed")
         if self._down_until and time.monotonic() < self._down_until:
-            return 2
-        return int(self._mc.health_check())
+            return Health("down", "the master failed a call in the last seconds")
+        try:
+            code = int(self._mc.health_check())
+        except Exception as exc:  # noqa: BLE001 - the probe's answer
+            return Health("down", type(exc).__name__)
+        if code == 0:
+            return Health("ok")
+        return Health("down", "master unreachable" if code == 2 else f"health check {code}")
 
     @override
     def close(self) -> None:

@@ -69,6 +69,7 @@ from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.stats import StatsRecorder
 
 if TYPE_CHECKING:
+    from hicache_storage.breaker import CircuitBreaker
     from hicache_storage.protocol import HiCacheStorage
 
 __all__ = [
@@ -229,6 +230,12 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             self._log_failure(name, BackendClosedError(f"{type(self).__name__} is closed"))
             state.stats.record(name, n, 0, n, 0.0)
             return spec.failure(n)
+        breaker = state.breaker
+        if breaker is not None and not breaker.allow():
+            # The store is known to be down: the engine gets its answer at once.
+            state.stats.add(breaker_rejections=1)
+            state.stats.record(name, n, 0, n, 0.0)
+            return spec.failure(n)
         active[me] = 0
         t0 = time.perf_counter()
         errors = 0
@@ -256,6 +263,8 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                 "violation:" + name, "contract violation: %s; replaced by a safe result", message
             )
         state.stats.record(name, n, spec.count_ok(result), errors, elapsed)
+        if breaker is not None and n > 0:
+            breaker.record(errors >= n, f"{name} failed for every item")
         return result
 
     wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
@@ -340,6 +349,8 @@ def _guard_close(fn: Callable[..., Any]) -> Callable[..., Any]:
             fn(self)
         finally:
             state.closed = True
+            if state.breaker is not None:
+                state.breaker.close()
 
     wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
     return wrapper
@@ -376,6 +387,7 @@ class InstanceState:
         self.strict = os.environ.get("HICACHE_STORAGE_STRICT", "") not in ("", "0", "false")
         self.log = RateLimitedLog(logger)
         self.secrets: list[str] | None = None  # values of secret options, once known
+        self.breaker: CircuitBreaker | None = None  # set up by HiCacheStorage.__init__
 
 
 #: The engine-facing operations the guard wraps (``close`` aside).

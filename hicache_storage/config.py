@@ -72,6 +72,9 @@ CONTROLLER_KEYS = frozenset(
         "class_name",
         "allocator",  # SGLang's host-memory allocator of the dynamic backend ("shm")
         "head_groups",  # pages as head-group objects (hicache_storage.headgroups)
+        "breaker_failures",  # the circuit breaker (hicache_storage.breaker)
+        "breaker_backoff",
+        "breaker_max_backoff",
         "writer_id",
         "writer_scope",
     }

@@ -17,6 +17,10 @@ Prometheus series in ``prometheus_client``'s default registry:
 ``hicache_size_mismatches_total``, ``hicache_evictions_total``,
 ``hicache_contract_violations_total`` ``{backend,namespace}``
     the backend's scalar counters.
+``hicache_circuit_open{backend,namespace}``
+    1 while the backend's circuit breaker is open or half-open
+    (:mod:`hicache_storage.breaker`); ``hicache_breaker_opens_total`` and
+    ``hicache_breaker_rejections_total`` count its openings and the calls it answered.
 ``hicache_capacity_used_bytes``, ``hicache_capacity_limit_bytes``, ``hicache_objects``
     what :meth:`~hicache_storage.protocol.HiCacheStorage.usage` says, refreshed at most
     once a second per backend as calls are made (a backend that cannot count is absent).
@@ -64,6 +68,8 @@ SCALARS = (
     "size_mismatches",
     "evictions",
     "contract_violations",
+    "breaker_opens",
+    "breaker_rejections",
 )
 
 #: Seconds between two refreshes of one backend's capacity gauges.
@@ -121,6 +127,12 @@ class _Metrics:
             "hicache_capacity_limit_bytes", "The backend's capacity limit.", base, **gauge
         )
         self.objects = pc.Gauge("hicache_objects", "Objects the backend holds.", base, **gauge)
+        self.circuit_open = pc.Gauge(
+            "hicache_circuit_open",
+            "1 while the backend's circuit breaker is open or half-open, else 0.",
+            base,
+            **gauge,
+        )
 
     def op(self, labels: tuple[str, str], op: str, items: int, ok: int, errors: int,
            seconds: float) -> None:  # fmt: skip
@@ -136,6 +148,9 @@ class _Metrics:
             metric = self.scalars.get(name)
             if metric is not None and value > 0:
                 metric.labels(*labels).inc(value)
+
+    def circuit(self, labels: tuple[str, str], state: str) -> None:
+        self.circuit_open.labels(*labels).set(0 if state == "closed" else 1)
 
     def usage(self, labels: tuple[str, str], usage: dict[str, int]) -> None:
         for metric, key in ((self.used, "used_bytes"), (self.limit, "limit_bytes"),

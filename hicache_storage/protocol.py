@@ -63,6 +63,7 @@ from typing_extensions import override
 
 from hicache_storage._guard import ENGINE_OPS, InstanceState, active_calls, guard_class
 from hicache_storage._guard import overrides as _overrides
+from hicache_storage.breaker import OPEN, CircuitBreaker, Health, breaker_options
 from hicache_storage.buffers import (
     HostIndices,
     PageBuffer,
@@ -91,7 +92,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import TracebackType
 
-    from hicache_storage.stats import StorageStats
+    from hicache_storage.stats import StatsRecorder, StorageStats
 
 __all__ = [
     "USAGE_KEYS",
@@ -242,9 +243,18 @@ class HiCacheStorage(abc.ABC):
         self.config = config if config is not None else StorageConfig()
         self.namespace = self.config.namespace
         self.mem_pool_host: HostPool | None = None
-        self._hicache_state().stats.bind(
-            self.name or type(self).__name__, self.namespace.digest, self.usage
-        )
+        state = self._hicache_state()
+        label = self.name or type(self).__name__
+        state.stats.bind(label, self.namespace.digest, self.usage)
+        failures, backoff, most = breaker_options(self.config.extra_config)
+        if failures > 0 and state.breaker is None:
+
+            def changed(to: str, stats: StatsRecorder = state.stats) -> None:
+                if to == OPEN:
+                    stats.add(breaker_opens=1)
+                stats.circuit(to)
+
+            state.breaker = CircuitBreaker(label, failures, backoff, most, self.health, changed)
 
     @override
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -572,6 +582,24 @@ class HiCacheStorage(abc.ABC):
         return self.batch_get_pages(keys, pages)
 
     # ------------------------------------------------------------------ introspection
+
+    def health(self) -> Health:
+        """Whether the store answers: ``ok``, ``degraded`` or ``down``, with a reason.
+
+        A cheap probe (a ping, a stat, one existence check), safe to call from any
+        thread at any time; it never raises. The circuit breaker calls it while open
+        (:mod:`hicache_storage.breaker`). Default: ``down`` once closed; otherwise
+        ``ok`` with "no probe" (the breaker then lets one call through as its trial).
+        """
+        if self._hicache_state().closed:
+            return Health("down", "closed")
+        return Health("ok", "no probe")
+
+    @property
+    def circuit(self) -> str:
+        """The circuit breaker's state: ``closed``, ``open``, ``half_open`` (or ``off``)."""
+        breaker = self._hicache_state().breaker
+        return breaker.state if breaker is not None else "off"
 
     def usage(self) -> dict[str, int]:
         """What the store holds, in one schema for every backend (:data:`USAGE_KEYS`).

@@ -16,12 +16,14 @@ resolved lazily (a backend's module is imported only when it is used). Other spe
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from hicache_storage.breaker import BREAKER_KEYS
 from hicache_storage.config import StorageConfig
 from hicache_storage.errors import AmbiguousBackendError, BackendLoadError, UnknownBackendError
 from hicache_storage.protocol import Capabilities, HiCacheStorage
@@ -235,13 +237,19 @@ def create_backend(
     """Build backend ``name`` for ``config``.
 
     Options come from ``config.extra_config`` (minus the engine controller's keys),
-    overridden by ``options``. The class is called as ``cls(config, **options)``.
+    overridden by ``options``. The class is called as ``cls(config, **options)``; the
+    circuit breaker's options (:data:`~hicache_storage.breaker.BREAKER_KEYS`) go to the
+    extra config, where the protocol layer reads them.
     With ``head_groups`` in the extra config, the backend holds the rank's pages as
     head-group objects that every TP size reads
     (:class:`~hicache_storage.headgroups.HeadGroupStore`, ``writer_id`` naming the writer).
     """
     cls = load_backend_class(name)
     config = config if config is not None else StorageConfig()
+    # The circuit breaker's options are the protocol layer's (it reads the extra config).
+    breaker = {k: options.pop(k) for k in list(options) if k in BREAKER_KEYS}
+    if breaker:
+        config = dataclasses.replace(config, extra_config={**config.extra_config, **breaker})
     merged = {**config.backend_options(), **options}
     logger.debug("creating backend %s (%s) with options %s", name, cls.__qualname__, sorted(merged))
     try:

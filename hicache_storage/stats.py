@@ -45,6 +45,8 @@ class StorageStats:
         corrupt_objects: objects that failed header or checksum verification.
         size_mismatches: reads refused because the stored size differs from the target.
         evictions: objects evicted to stay under the capacity limit.
+        breaker_opens: times the circuit breaker opened (see :mod:`hicache_storage.breaker`).
+        breaker_rejections: calls answered at once while it was open.
     """
 
     ops: dict[str, OpStats] = field(default_factory=dict)
@@ -54,6 +56,8 @@ class StorageStats:
     corrupt_objects: int = 0
     size_mismatches: int = 0
     evictions: int = 0
+    breaker_opens: int = 0
+    breaker_rejections: int = 0
 
     def op(self, name: str) -> OpStats:
         """Counters of ``name`` (zeros if never called)."""
@@ -69,6 +73,8 @@ class StorageStats:
             "corrupt_objects": self.corrupt_objects,
             "size_mismatches": self.size_mismatches,
             "evictions": self.evictions,
+            "breaker_opens": self.breaker_opens,
+            "breaker_rejections": self.breaker_rejections,
         }
 
 
@@ -112,6 +118,12 @@ class StatsRecorder:
             s.ok += ok
             s.errors += errors
             s.seconds += seconds
+
+    def circuit(self, state: str) -> None:
+        """The backend's circuit breaker changed state (a gauge of the metrics)."""
+        m = metrics.current() if self._labels is not None else None
+        if m is not None and self._labels is not None:
+            m.circuit(self._labels, state)
 
     def add(self, **counters: int) -> None:
         """Add to the scalar counters (``bytes_read=...``, ``corrupt_objects=...``)."""

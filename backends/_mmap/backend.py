@@ -32,6 +32,7 @@ from hicache_storage.backends._mmap.index_log import IndexLog
 from hicache_storage.backends._mmap.log_format import NO_ENTRY, Entry, RecordKind
 from hicache_storage.backends._mmap.options import DEFAULT_SLOT, MmapOptions
 from hicache_storage.backends._mmap.slots import COMMITTED, Slots
+from hicache_storage.breaker import Health
 from hicache_storage.buffers import PageBuffer, source_views, target_views, total_nbytes
 from hicache_storage.config import StorageConfig, parse_options
 from hicache_storage.errors import (
@@ -608,6 +609,23 @@ class MmapBackend(HiCacheStorage):
             self._warn("compact", "could not compact %s at close: %s", self.index_path, exc)
 
     # ------------------------------------------------------------------ introspection
+
+    @override
+    def health(self) -> Health:
+        """Whether the arena is usable: a ``stat``, no I/O on the mapping.
+
+        ``down`` when the arena's file is gone (unlinked under a live mapping) or its
+        directory is not writable.
+        """
+        base = super().health()
+        if not base.usable:
+            return base
+        folder = os.path.dirname(self.path) or "."
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return Health("down", "the arena's directory is not writable")
+        if self._arena is not None and not os.path.exists(self.path):
+            return Health("down", "the arena's file is gone")
+        return Health("ok")
 
     @override
     def usage(self) -> dict[str, int]:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeAlias, Ty
 from typing_extensions import override
 
 from hicache_storage.answers import as_bool
+from hicache_storage.breaker import Health
 from hicache_storage.buffers import (
     PageBuffer,
     copy_into,
@@ -542,6 +543,25 @@ class BlobStore(HiCacheStorage, Generic[O]):
             self._record(bytes_written=written)
         self._add_item_errors(failed)
         return out
+
+    @override
+    def health(self) -> Health:
+        """One existence check of a name nothing stores: ``down`` if the store fails it.
+
+        The reason names the error's type only (a message may hold an address).
+        """
+        base = super().health()
+        if not base.usable:
+            return base
+        try:
+            with self._errors():
+                got = self._exists_blobs([self.object_name("hicache-health-probe")])
+            answers = self._results("_exists_blobs", got, 1)
+        except Exception as exc:  # noqa: BLE001 - the probe's answer
+            return Health("down", type(exc).__name__)
+        if isinstance(answers[0], BaseException):
+            return Health("down", type(answers[0]).__name__)
+        return Health("ok")
 
     def _ask_exists(self, op: str, names: list[ObjectName]) -> list[bool]:
         """Whether each name holds a value; a failed item is False (counted)."""

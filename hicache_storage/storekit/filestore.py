@@ -29,6 +29,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from hicache_storage.breaker import Health
 from hicache_storage.errors import (
     BackendError,
     ConfigError,
@@ -143,6 +144,33 @@ class FileTreeStore(FileTreeReads[O], FileTreeWrites[O]):
         self._wait_for_reclaims()  # the files of cleared namespaces: gone when close returns
 
     # ------------------------------------------------------------------ introspection
+
+    @override
+    def health(self) -> Health:
+        """Whether the tree is usable: a ``stat`` and a ``statvfs``, no I/O on objects.
+
+        ``down`` when the namespace's directory (the root while it has none) is gone or
+        not writable; ``degraded``
+        when the file system has less free space than ``min_free_space`` asks (or under
+        1%).
+        """
+        base = super().health()
+        if not base.usable:
+            return base
+        # The namespace's directory, or the root while it is missing (a write makes it).
+        where = self.directory if os.path.lexists(self.directory) else self.root
+        try:
+            st = os.stat(where)
+            if not stat.S_ISDIR(st.st_mode) or not os.access(where, os.W_OK | os.X_OK):
+                return Health("down", "the store's directory is not a writable directory")
+            fs = os.statvfs(where)
+        except OSError as exc:
+            return Health("down", f"the store's directory: {os.strerror(exc.errno or 0)}")
+        free = fs.f_bavail * fs.f_frsize
+        floor = max(int(self._tracker.min_free_bytes or 0), fs.f_blocks * fs.f_frsize // 100)
+        if free < floor:
+            return Health("degraded", f"{free} bytes free, under {floor}")
+        return Health("ok")
 
     @override
     def usage(self) -> dict[str, int]:

@@ -1,0 +1,147 @@
+"""Health and the circuit breaker (``hicache_storage.breaker``).
+
+The state machine alone (its probe is the thing a test controls), then real stores: a
+``file`` tree whose directory goes away, and a real redis-server stopped under a backend
+and started again.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from hicache_storage import metrics
+from hicache_storage.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Health, report_timeout
+from hicache_storage.errors import ConfigError
+from hicache_storage.registry import create_backend
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+from redis_server import running
+
+
+def wait_for(cond: Any, what: str, limit: float = 20.0) -> None:
+    """Poll ``cond`` up to ``limit`` seconds (an outcome, not a timing)."""
+    end = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < end, what
+        time.sleep(0.02)
+
+
+class Probe:
+    """A health probe whose answer the test sets; counts its calls."""
+
+    def __init__(self) -> None:
+        self.answer = Health("down", "test")
+        self.calls = 0
+        self.called = threading.Event()
+
+    def __call__(self) -> Health:
+        self.calls += 1
+        self.called.set()
+        return self.answer
+
+
+def test_the_breaker_opens_after_a_streak_probes_then_closes_on_a_trial() -> None:
+    probe = Probe()
+    seen: list[str] = []
+    b = CircuitBreaker("t", failures=3, backoff=0.01, max_backoff=0.04, probe=probe,
+                       on_change=seen.append)  # fmt: skip
+    for failed in (True, True, False, True, True):  # a success breaks the streak
+        assert b.allow()
+        b.record(failed)
+    assert b.state == CLOSED
+    assert b.allow()
+    b.record(True)
+    assert b.state == OPEN and seen == [OPEN] and b.opens == 1
+    assert not b.allow() and not b.allow() and b.rejections == 2
+    wait_for(lambda: probe.calls >= 3, "probes while down")
+    assert b.state == OPEN
+    probe.answer = Health("ok")
+    wait_for(lambda: b.state == HALF_OPEN, "half-open once the probe answers")
+    assert b.allow() and not b.allow()  # one trial call, the others still answered at once
+    b.record(True)  # the trial failed: open again
+    assert b.state == OPEN and b.opens == 2
+    wait_for(lambda: b.state == HALF_OPEN, "half-open again")
+    assert b.allow()
+    b.record(False)
+    assert b.state == CLOSED and seen == [OPEN, OPEN, CLOSED]
+    assert b.allow()
+    b.close()
+
+
+def test_a_deadline_passed_counts_as_a_failure(tmp_path: Path) -> None:
+    backend = create_backend("file", root=str(tmp_path), breaker_failures=2)
+    report_timeout(backend)
+    assert backend.circuit == CLOSED
+    report_timeout(backend)
+    assert backend.circuit == OPEN
+    backend.close()
+
+
+def test_breaker_options_are_checked_and_zero_turns_it_off(tmp_path: Path) -> None:
+    assert create_backend("file", root=str(tmp_path), breaker_failures=0).circuit == "off"
+    for bad in ({"breaker_failures": -1}, {"breaker_failures": True},
+                {"breaker_backoff": 0}, {"breaker_backoff": 60, "breaker_max_backoff": 30},
+                {"breaker_failures": "many"}):  # fmt: skip
+        with pytest.raises(ConfigError):
+            create_backend("file", root=str(tmp_path), **bad)
+
+
+def test_a_file_tree_whose_directory_goes_is_down_then_back(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    b = create_backend("file", root=str(root), breaker_failures=2, breaker_backoff=0.05)
+    assert b.health() == Health("ok")
+    assert b.batch_set(["a"], [b"x" * 64]) == [True]
+    shutil.rmtree(root)
+    root.write_text("not a directory")  # (and cannot become one again by itself)
+    assert b.health().status == "down"
+    for _ in range(2):
+        assert b.batch_set(["b"], [b"y" * 64]) == [False]
+    assert b.circuit == OPEN
+    before = b.get_stats(reset=False).op("batch_set").calls
+    assert b.batch_set(["c"], [b"z" * 64]) == [False]  # answered at once
+    stats = b.get_stats(reset=False)
+    assert stats.breaker_rejections >= 1 and stats.breaker_opens == 1
+    assert stats.op("batch_set").calls == before + 1
+    root.unlink()
+    root.mkdir()
+    wait_for(lambda: b.circuit == "half_open", "the probe finds the tree back")
+    wait_for(lambda: b.batch_set(["d"], [b"w" * 64]) == [True], "a trial call closes it")
+    assert b.circuit == CLOSED
+    b.close()
+    assert b.health().status == "down"
+
+
+def test_a_dead_redis_opens_the_circuit_and_a_restarted_one_closes_it(tmp_path: Path) -> None:
+    metrics.enable()
+    with running(tmp_path / "redis") as server:
+        b = create_backend("redis", url=server.url, socket_timeout=1.0, connect_timeout=1.0,
+                           breaker_failures=3, breaker_backoff=0.1)  # fmt: skip
+        labels = {"backend": "redis", "namespace": b.namespace.digest[:12]}
+        assert b.health() == Health("ok")
+        assert b.batch_set(["k1"], [b"v" * 128]) == [True]
+        server.stop()
+        assert b.health().status == "down"
+        for _ in range(3):
+            assert b.batch_get(["k1"]) == [None]
+        assert b.circuit == OPEN
+        assert REGISTRY.get_sample_value("hicache_circuit_open", labels) == 1
+        # While open no call reaches the store: the engine never waits on it.
+        calls = b.get_stats(reset=False).breaker_rejections
+        for _ in range(20):
+            assert b.batch_get(["k1"]) == [None] and b.batch_exists(["k1"]) == 0
+        assert b.get_stats(reset=False).breaker_rejections == calls + 40
+        server.start()  # (empty: this redis keeps nothing across a restart)
+        wait_for(lambda: b.batch_set(["k2"], [b"w" * 128]) == [True], "stores once redis is back")
+        assert b.batch_get(["k2"])[0] is not None
+        assert b.circuit == CLOSED
+        assert REGISTRY.get_sample_value("hicache_circuit_open", labels) == 0
+        assert REGISTRY.get_sample_value("hicache_breaker_opens_total", labels) == 1
+        b.close()
