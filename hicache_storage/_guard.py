@@ -69,7 +69,7 @@ from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.stats import StatsRecorder
 
 if TYPE_CHECKING:
-    from hicache_storage.breaker import CircuitBreaker
+    from hicache_storage.breaker import Breakers
     from hicache_storage.protocol import HiCacheStorage
 
 __all__ = [
@@ -230,7 +230,7 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             self._log_failure(name, BackendClosedError(f"{type(self).__name__} is closed"))
             state.stats.record(name, n, 0, n, 0.0)
             return spec.failure(n)
-        breaker = state.breaker
+        breaker = state.breaker.for_op(name) if state.breaker is not None else None
         if breaker is not None and not breaker.allow():
             # The store is known to be down: the engine gets its answer at once.
             state.stats.add(breaker_rejections=1)
@@ -387,7 +387,7 @@ class InstanceState:
         self.strict = os.environ.get("HICACHE_STORAGE_STRICT", "") not in ("", "0", "false")
         self.log = RateLimitedLog(logger)
         self.secrets: list[str] | None = None  # values of secret options, once known
-        self.breaker: CircuitBreaker | None = None  # set up by HiCacheStorage.__init__
+        self.breaker: Breakers | None = None  # set up by HiCacheStorage.__init__
 
 
 #: The engine-facing operations the guard wraps (``close`` aside).

@@ -4,7 +4,8 @@ Every backend answers :meth:`~hicache_storage.protocol.HiCacheStorage.health` wi
 :class:`Health` (``ok``, ``degraded`` or ``down``, and why), from a cheap probe of its
 own (a ping, a stat, one existence check).
 
-The protocol layer keeps a :class:`CircuitBreaker` per backend instance. After
+The protocol layer keeps a :class:`CircuitBreaker` per backend instance for its reads
+and one for its writes (:class:`Breakers`: a full disk fails writes only). After
 ``breaker_failures`` consecutive engine-facing calls that failed as a whole (every item
 failed because the store failed, or an engine-side deadline passed), it *opens*: every
 call answers at once with its failure shape (a miss, ``False``), and no engine thread
@@ -36,6 +37,8 @@ __all__ = [
     "CLOSED",
     "HALF_OPEN",
     "OPEN",
+    "WRITE_OPS",
+    "Breakers",
     "CircuitBreaker",
     "Health",
     "breaker_options",
@@ -201,9 +204,56 @@ class CircuitBreaker:
         self._stop.set()
 
 
-def report_timeout(backend: Any) -> None:
-    """An engine-side deadline passed on a call of ``backend``: a failure for its breaker."""
+#: Engine-facing operations that write (their breaker is apart from the reads').
+WRITE_OPS = frozenset({"set", "batch_set", "batch_set_v1", "batch_set_pages"})
+
+
+class Breakers:
+    """A backend instance's two breakers: its reads' and its writes'.
+
+    A store may fail one direction alone (a full disk fails writes, never reads): each
+    opens on its own streak, and a full disk never stops the reads of what is stored.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        failures: int,
+        backoff: float,
+        max_backoff: float,
+        probe: Callable[[], Health],
+        on_change: Callable[[str, str], None] | None = None,
+    ) -> None:
+        def tell(direction: str) -> Callable[[str], None] | None:
+            if on_change is None:
+                return None
+            return lambda state: on_change(direction, state)
+
+        self.read = CircuitBreaker(f"{name} (reads)", failures, backoff, max_backoff, probe,
+                                   tell("read"))  # fmt: skip
+        self.write = CircuitBreaker(f"{name} (writes)", failures, backoff, max_backoff, probe,
+                                    tell("write"))  # fmt: skip
+
+    def for_op(self, op: str) -> CircuitBreaker:
+        """The breaker of engine-facing operation ``op``."""
+        return self.write if op in WRITE_OPS else self.read
+
+    @property
+    def state(self) -> str:
+        """The worse of the two: ``open``, ``half_open`` or ``closed``."""
+        states = {self.read.state, self.write.state}
+        return OPEN if OPEN in states else HALF_OPEN if HALF_OPEN in states else CLOSED
+
+    def close(self) -> None:
+        """Stop probing (the backend is closing)."""
+        self.read.close()
+        self.write.close()
+
+
+def report_timeout(backend: Any, write: bool = False) -> None:
+    """An engine-side deadline passed on a read (or ``write``) of ``backend``: a failure."""
     state = getattr(backend, "__dict__", {}).get("_hicache")
-    breaker = getattr(state, "breaker", None)
-    if breaker is not None:
-        breaker.record(True, "a call passed the engine's deadline")
+    breakers = getattr(state, "breaker", None)
+    if isinstance(breakers, Breakers):
+        target = breakers.write if write else breakers.read
+        target.record(True, "a call passed the engine's deadline")

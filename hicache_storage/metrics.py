@@ -17,8 +17,8 @@ Prometheus series in ``prometheus_client``'s default registry:
 ``hicache_size_mismatches_total``, ``hicache_evictions_total``,
 ``hicache_contract_violations_total`` ``{backend,namespace}``
     the backend's scalar counters.
-``hicache_circuit_open{backend,namespace}``
-    1 while the backend's circuit breaker is open or half-open
+``hicache_circuit_open{backend,namespace,direction}``
+    1 while the backend's circuit breaker of reads (or writes) is open or half-open
     (:mod:`hicache_storage.breaker`); ``hicache_breaker_opens_total`` and
     ``hicache_breaker_rejections_total`` count its openings and the calls it answered.
 ``hicache_capacity_used_bytes``, ``hicache_capacity_limit_bytes``, ``hicache_objects``
@@ -129,8 +129,8 @@ class _Metrics:
         self.objects = pc.Gauge("hicache_objects", "Objects the backend holds.", base, **gauge)
         self.circuit_open = pc.Gauge(
             "hicache_circuit_open",
-            "1 while the backend's circuit breaker is open or half-open, else 0.",
-            base,
+            "1 while the backend's circuit breaker (of reads or writes) is open or half-open.",
+            [*base, "direction"],
             **gauge,
         )
 
@@ -149,8 +149,8 @@ class _Metrics:
             if metric is not None and value > 0:
                 metric.labels(*labels).inc(value)
 
-    def circuit(self, labels: tuple[str, str], state: str) -> None:
-        self.circuit_open.labels(*labels).set(0 if state == "closed" else 1)
+    def circuit(self, labels: tuple[str, str], direction: str, state: str) -> None:
+        self.circuit_open.labels(*labels, direction).set(0 if state == "closed" else 1)
 
     def usage(self, labels: tuple[str, str], usage: dict[str, int]) -> None:
         for metric, key in ((self.used, "used_bytes"), (self.limit, "limit_bytes"),

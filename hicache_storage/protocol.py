@@ -63,7 +63,7 @@ from typing_extensions import override
 
 from hicache_storage._guard import ENGINE_OPS, InstanceState, active_calls, guard_class
 from hicache_storage._guard import overrides as _overrides
-from hicache_storage.breaker import OPEN, CircuitBreaker, Health, breaker_options
+from hicache_storage.breaker import OPEN, Breakers, Health, breaker_options
 from hicache_storage.buffers import (
     HostIndices,
     PageBuffer,
@@ -249,12 +249,12 @@ class HiCacheStorage(abc.ABC):
         failures, backoff, most = breaker_options(self.config.extra_config)
         if failures > 0 and state.breaker is None:
 
-            def changed(to: str, stats: StatsRecorder = state.stats) -> None:
+            def changed(direction: str, to: str, stats: StatsRecorder = state.stats) -> None:
                 if to == OPEN:
                     stats.add(breaker_opens=1)
-                stats.circuit(to)
+                stats.circuit(direction, to)
 
-            state.breaker = CircuitBreaker(label, failures, backoff, most, self.health, changed)
+            state.breaker = Breakers(label, failures, backoff, most, self.health, changed)
 
     @override
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -597,7 +597,10 @@ class HiCacheStorage(abc.ABC):
 
     @property
     def circuit(self) -> str:
-        """The circuit breaker's state: ``closed``, ``open``, ``half_open`` (or ``off``)."""
+        """The circuit breakers' state: ``closed``, ``open``, ``half_open`` or ``off``.
+
+        The worse of the reads' and the writes' breakers.
+        """
         breaker = self._hicache_state().breaker
         return breaker.state if breaker is not None else "off"
 

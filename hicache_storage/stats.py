@@ -119,11 +119,11 @@ class StatsRecorder:
             s.errors += errors
             s.seconds += seconds
 
-    def circuit(self, state: str) -> None:
-        """The backend's circuit breaker changed state (a gauge of the metrics)."""
+    def circuit(self, direction: str, state: str) -> None:
+        """A circuit breaker of the backend (``read`` or ``write``) changed state."""
         m = metrics.current() if self._labels is not None else None
         if m is not None and self._labels is not None:
-            m.circuit(self._labels, state)
+            m.circuit(self._labels, direction, state)
 
     def add(self, **counters: int) -> None:
         """Add to the scalar counters (``bytes_read=...``, ``corrupt_objects=...``)."""

@@ -80,8 +80,11 @@ def test_a_deadline_passed_counts_as_a_failure(tmp_path: Path) -> None:
     backend = create_backend("file", root=str(tmp_path), breaker_failures=2)
     report_timeout(backend)
     assert backend.circuit == CLOSED
+    report_timeout(backend, write=True)
+    assert backend.circuit == CLOSED  # (one of each: no streak)
     report_timeout(backend)
     assert backend.circuit == OPEN
+    assert backend.batch_set(["w"], [b"x" * 64]) == [True]  # writes still go
     backend.close()
 
 
@@ -132,16 +135,21 @@ def test_a_dead_redis_opens_the_circuit_and_a_restarted_one_closes_it(tmp_path: 
         for _ in range(3):
             assert b.batch_get(["k1"]) == [None]
         assert b.circuit == OPEN
-        assert REGISTRY.get_sample_value("hicache_circuit_open", labels) == 1
+        assert (
+            REGISTRY.get_sample_value("hicache_circuit_open", {**labels, "direction": "read"}) == 1
+        )
         # While open no call reaches the store: the engine never waits on it.
         calls = b.get_stats(reset=False).breaker_rejections
         for _ in range(20):
             assert b.batch_get(["k1"]) == [None] and b.batch_exists(["k1"]) == 0
         assert b.get_stats(reset=False).breaker_rejections == calls + 40
         server.start()  # (empty: this redis keeps nothing across a restart)
+        # Writes never failed: their circuit stayed closed. Reads come back with the probe.
         wait_for(lambda: b.batch_set(["k2"], [b"w" * 128]) == [True], "stores once redis is back")
-        assert b.batch_get(["k2"])[0] is not None
+        wait_for(lambda: b.batch_get(["k2"])[0] is not None, "hits once the probe finds it")
         assert b.circuit == CLOSED
-        assert REGISTRY.get_sample_value("hicache_circuit_open", labels) == 0
+        assert (
+            REGISTRY.get_sample_value("hicache_circuit_open", {**labels, "direction": "read"}) == 0
+        )
         assert REGISTRY.get_sample_value("hicache_breaker_opens_total", labels) == 1
         b.close()

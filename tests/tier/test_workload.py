@@ -76,7 +76,7 @@ def test_the_replay_is_byte_exact_on_every_local_backend(name: str, tmp_path: Pa
         "nixl": {"root": str(tmp_path / "nixl")},
     }
     try:
-        result, cache = replay_small(name, every[name])
+        result, cache = replay_small(name, every[name], prefetch_policy="wait_complete")
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
     assert result.verification_errors == 0 and result.verified_pages > 0

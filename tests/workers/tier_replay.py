@@ -18,15 +18,27 @@ SMALL = Workload(sessions=4, turns=3, system_prompts=2, system_tokens=64, user_t
 
 
 def replay_small(
-    name: str, options: dict[str, Any], wrap: Callable[[Any], Any] | None = None
+    name: str,
+    options: dict[str, Any],
+    wrap: Callable[[Any], Any] | None = None,
+    prefetch_policy: str = "timeout",
 ) -> tuple[RunResult, TieredCache]:
     """Replay :data:`SMALL` through tiers over backend ``name`` (wrapped by ``wrap``, a
-    fault injector say); returns the result and the (closed) cache."""
+    fault injector say); returns the result and the (closed) cache.
+
+    ``wait_complete``: every prefetch lands, however loaded the machine (the default's
+    timeout can cut them all on a busy one).
+    """
     host = HostKVPool(num_pages=48, page_size=8, layer_num=2, kv_heads=2, head_dim=16)
     ns = KVCacheNamespace.for_pool(host, model_id="wl", tenant=uuid.uuid4().hex[:8])
     backend = create_backend(name, StorageConfig(namespace=ns), **options)
     store = wrap(backend) if wrap is not None else backend
-    cache = TieredCache(store, host, DevicePool(host, 32), TierConfig(prefetch_threshold=0))
+    cache = TieredCache(
+        store,
+        host,
+        DevicePool(host, 32),
+        TierConfig(prefetch_threshold=0, prefetch_policy=prefetch_policy),
+    )  # type: ignore[arg-type]
     try:
         result = replay(cache, SMALL)
     finally:
