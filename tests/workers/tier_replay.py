@@ -37,8 +37,8 @@ def replay_small(
         store,
         host,
         DevicePool(host, 32),
-        TierConfig(prefetch_threshold=0, prefetch_policy=prefetch_policy),
-    )  # type: ignore[arg-type]
+        TierConfig(prefetch_threshold=0, prefetch_policy=prefetch_policy),  # type: ignore[arg-type]
+    )
     try:
         result = replay(cache, SMALL)
     finally:
