@@ -121,6 +121,10 @@ class SchedulerSide(ConnectorSide):
         return [b for part in out for b in part]
 
     @override
+    def _live_backends(self) -> list[HiCacheStorage]:
+        return [b for part in self.group_backends for b in part]
+
+    @override
     def _lanes(self) -> list[Lane]:
         return [self._lookup_lane]
 

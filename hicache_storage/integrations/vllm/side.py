@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from hicache_storage.breaker import report_timeout
 from hicache_storage.config import StorageConfig
 from hicache_storage.errors import BackendError
 from hicache_storage.integrations.adapterkit import failure_text
@@ -135,6 +136,10 @@ class ConnectorSide:
 
     def _lanes(self) -> list[Lane]:
         raise NotImplementedError
+
+    def _live_backends(self) -> list[HiCacheStorage]:
+        """This side's backends now (not detached); none by default."""
+        return []
 
     # ------------------------------------------------------------------ counting, logging
 
@@ -284,6 +289,10 @@ class ConnectorSide:
         if outcome == "done":
             return True, job.result
         self.count(**{f"{what}_timeouts": 1})
+        # A deadline passed: a failure for the backends' circuit breakers (a store that
+        # hangs opens them, and later calls answer at once instead of queueing).
+        for backend in self._live_backends():
+            report_timeout(backend, write=what == "save")
         self._log(
             "deadline:" + what,
             "HiCacheKVConnector: %s; vLLM goes on without the store for it",

@@ -209,6 +209,10 @@ class WorkerSide(ConnectorSide):
         return backends
 
     @override
+    def _live_backends(self) -> list[HiCacheStorage]:
+        return list(self.backends)
+
+    @override
     def _lanes(self) -> list[Lane]:
         return [self._load_lane, self._save_lane]
 
