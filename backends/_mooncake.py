@@ -631,12 +631,13 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         ``down``: not set up, closed, or the master unreachable (also right after a call
         the master failed in the last seconds).
         """
-        if self._mc is None:
+        mc = self._mc  # (once: close() may clear it meanwhile)
+        if mc is None:
             return Health("down", "not set up or closed")
         if self._down_until and time.monotonic() < self._down_until:
             return Health("down", "the master failed a call in the last seconds")
         try:
-            code = int(self._mc.health_check())
+            code = int(mc.health_check())
         except Exception as exc:  # noqa: BLE001 - the probe's answer
             return Health("down", type(exc).__name__)
         if code == 0:

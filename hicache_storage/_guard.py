@@ -228,44 +228,56 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         state = self._hicache_state()
         if state.closed:
             self._log_failure(name, BackendClosedError(f"{type(self).__name__} is closed"))
-            state.stats.record(name, n, 0, n, 0.0)
+            state.stats.record(name, n, 0, n, 0.0, timed=False)
             return spec.failure(n)
-        breaker = state.breaker.for_op(name) if state.breaker is not None else None
+        # (An empty call asks the store nothing: no breaker.)
+        breaker = state.breaker.for_op(name) if state.breaker is not None and n > 0 else None
         if breaker is not None and not breaker.allow():
             # The store is known to be down: the engine gets its answer at once.
             state.stats.add(breaker_rejections=1)
-            state.stats.record(name, n, 0, n, 0.0)
+            state.stats.record(name, n, 0, n, 0.0, timed=False)
             return spec.failure(n)
-        active[me] = 0
-        t0 = time.perf_counter()
-        errors = 0
+        # Every call the breaker let through tells it how it went, whatever happens (a
+        # half-open trial that never reported would leave it half-open for good).
+        failed: bool | None = True
         try:
-            result = fn(self, *args, **kwargs)
-        except _PASS_THROUGH:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the engine must never see a store failure
-            if isinstance(exc, TypeError):
-                _raise_if_bad_call(name, fn, self, args, kwargs, exc)
-            self._log_failure(name, exc)
-            result = spec.failure(n)
-            errors = n
+            active[me] = 0
+            t0 = time.perf_counter()
+            errors = 0
+            try:
+                result = fn(self, *args, **kwargs)
+            except _PASS_THROUGH:
+                failed = False  # (the caller's error, not the store's)
+                raise
+            except Exception as exc:  # noqa: BLE001 - the engine must never see a store failure
+                if isinstance(exc, TypeError):
+                    failed = False
+                    _raise_if_bad_call(name, fn, self, args, kwargs, exc)
+                    failed = True
+                self._log_failure(name, exc)
+                result = spec.failure(n)
+                errors = n
+            finally:
+                inner_errors = active.pop(me, 0)
+            elapsed = time.perf_counter() - t0
+            errors = min(n, max(errors, inner_errors))
+            failed = errors >= n
+            result, problem = spec.check(result, n)
+            if problem is not None:
+                state.stats.add(contract_violations=1)
+                message = f"{type(self).__name__}.{name} {problem}"
+                if state.strict:
+                    raise ContractViolationError(message)
+                state.log(
+                    "violation:" + name,
+                    "contract violation: %s; replaced by a safe result",
+                    message,
+                )
+            state.stats.record(name, n, spec.count_ok(result), errors, elapsed)
+            return result
         finally:
-            inner_errors = active.pop(me, 0)
-        elapsed = time.perf_counter() - t0
-        errors = min(n, max(errors, inner_errors))
-        result, problem = spec.check(result, n)
-        if problem is not None:
-            state.stats.add(contract_violations=1)
-            message = f"{type(self).__name__}.{name} {problem}"
-            if state.strict:
-                raise ContractViolationError(message)
-            state.log(
-                "violation:" + name, "contract violation: %s; replaced by a safe result", message
-            )
-        state.stats.record(name, n, spec.count_ok(result), errors, elapsed)
-        if breaker is not None and n > 0:
-            breaker.record(errors >= n, f"{name} failed for every item")
-        return result
+            if breaker is not None:
+                breaker.record(bool(failed), f"{name} failed for every item")
 
     wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
     wrapper.__wrapped__ = fn
@@ -351,6 +363,7 @@ def _guard_close(fn: Callable[..., Any]) -> Callable[..., Any]:
             state.closed = True
             if state.breaker is not None:
                 state.breaker.close()
+            state.stats.unbind()  # (its circuit gauges to 0; no more capacity refreshes)
 
     wrapper.__hicache_guarded__ = True  # type: ignore[attr-defined]
     return wrapper

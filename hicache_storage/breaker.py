@@ -23,7 +23,9 @@ turns the breaker off), ``breaker_backoff`` (seconds, default 1), ``breaker_max_
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +50,9 @@ __all__ = [
 logger = logging.getLogger("hicache_storage.breaker")
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+#: The longest wait between two probes a breaker takes, in seconds.
+MAX_BACKOFF = 3600.0
 
 #: The breaker's options in a backend's extra config (not the backend's own options).
 BREAKER_KEYS = frozenset({"breaker_failures", "breaker_backoff", "breaker_max_backoff"})
@@ -81,8 +86,10 @@ def breaker_options(extra: Mapping[str, Any]) -> tuple[int, float, float]:
         raise ConfigError(f"breaker options: {exc}") from None
     if isinstance(extra.get("breaker_failures"), bool) or failures < 0:
         raise ConfigError("breaker_failures must be an integer >= 0 (0: no breaker)")
-    if not 0 < backoff <= most:
-        raise ConfigError("breaker_backoff must be > 0 and <= breaker_max_backoff")
+    if not (0 < backoff <= most <= MAX_BACKOFF) or not math.isfinite(most):
+        raise ConfigError(
+            f"breaker_backoff must be > 0 and <= breaker_max_backoff <= {MAX_BACKOFF:g} s"
+        )
     return failures, backoff, most
 
 
@@ -102,7 +109,11 @@ class CircuitBreaker:
         self.failures = failures
         self.backoff = backoff
         self.max_backoff = max_backoff
-        self._probe = probe
+        # A bound method is held weakly: a backend dropped without close() is not kept
+        # alive (and probed) by its breaker.
+        self._probe: Callable[[], Callable[[], Health] | None] = (
+            weakref.WeakMethod(probe) if hasattr(probe, "__self__") else (lambda: probe)
+        )
         self._on_change = on_change
         self._lock = threading.Lock()
         self.state = CLOSED
@@ -134,7 +145,7 @@ class CircuitBreaker:
                 self._trial = False
                 if failed:
                     self._delay = min(self._delay * 2, self.max_backoff)
-                    changed = self._open(reason or "the trial call failed")
+                    self._open(reason or "the trial call failed")  # (still down: no news)
                 else:
                     changed = self._set(CLOSED)
                     self._streak = 0
@@ -153,8 +164,11 @@ class CircuitBreaker:
         return state
 
     def _open(self, reason: str) -> str | None:
+        """Open (lock held); the new state to announce only when it was closed."""
         self.last_reason = reason
-        changed = self._set(OPEN)
+        was = self.state
+        self._set(OPEN)
+        changed = OPEN if was == CLOSED else None
         if changed:
             self.opens += 1
         if self._prober is None or not self._prober.is_alive():
@@ -185,23 +199,34 @@ class CircuitBreaker:
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self._delay):
+            probe = self._probe()
+            if probe is None:  # (the backend is gone)
+                break
             try:
-                health = self._probe()
+                health = probe()
             except Exception as exc:  # noqa: BLE001 - a probe that raises: still down
                 health = Health("down", type(exc).__name__)
+            del probe
             with self._lock:
                 if self.state != OPEN:
-                    return
+                    break
                 if health.usable:
                     self.state = HALF_OPEN
                     self._trial = False
-                    return
+                    break
                 self.last_reason = health.reason
                 self._delay = min(self._delay * 2, self.max_backoff)
+        with self._lock:
+            # (Gone before it returns: a trial failing now starts a new prober.)
+            if self._prober is threading.current_thread():
+                self._prober = None
 
     def close(self) -> None:
-        """Stop probing (the backend is closing)."""
+        """Stop probing (the backend is closing); waits a moment for a probe under way."""
         self._stop.set()
+        prober = self._prober
+        if prober is not None and prober is not threading.current_thread():
+            prober.join(0.5)
 
 
 #: Engine-facing operations that write (their breaker is apart from the reads').

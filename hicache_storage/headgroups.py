@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from typing_extensions import override
 
+from hicache_storage.breaker import Health
 from hicache_storage.buffers import PageBuffer, Segment, source_views, target_views
 from hicache_storage.config import StorageConfig
 from hicache_storage.errors import ConfigError, InvalidArgumentError, InvalidKeyError
@@ -237,6 +238,9 @@ class HeadGroupStore(HiCacheStorage):
         writer_scope: which instance of the ``torch.distributed`` world this rank
             writes for, when one world holds several (``"dp<rank>"``).
     """
+
+    #: Calls reach the store through ``inner``, which the metrics count (not twice).
+    wraps_backend = True
 
     def __init__(
         self,
@@ -674,6 +678,13 @@ class HeadGroupStore(HiCacheStorage):
     @override
     def usage(self) -> dict[str, int]:
         return self.inner.usage()
+
+    @override
+    def health(self) -> Health:
+        """The inner backend's health (closed: ``down``)."""
+        if self._hicache_state().closed:
+            return Health("down", "closed")
+        return self.inner.health()
 
     @override
     def close(self) -> None:

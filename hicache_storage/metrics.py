@@ -22,8 +22,9 @@ Prometheus series in ``prometheus_client``'s default registry:
     (:mod:`hicache_storage.breaker`); ``hicache_breaker_opens_total`` and
     ``hicache_breaker_rejections_total`` count its openings and the calls it answered.
 ``hicache_capacity_used_bytes``, ``hicache_capacity_limit_bytes``, ``hicache_objects``
-    what :meth:`~hicache_storage.protocol.HiCacheStorage.usage` says, refreshed at most
-    once a second per backend as calls are made (a backend that cannot count is absent).
+    what :meth:`~hicache_storage.protocol.HiCacheStorage.usage` says, refreshed once a
+    second on a thread of the metrics for every backend that made a call (a backend
+    that cannot count is absent).
 
 Labels are bounded: the backend's registry name, the first 12 characters of the
 namespace digest (never a key, a tenant string or a URL) and the operation or result.
@@ -39,6 +40,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -127,6 +129,9 @@ class _Metrics:
             "hicache_capacity_limit_bytes", "The backend's capacity limit.", base, **gauge
         )
         self.objects = pc.Gauge("hicache_objects", "Objects the backend holds.", base, **gauge)
+        self._children: dict[tuple[Any, ...], Any] = {}
+        self._watched: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._refresher: threading.Thread | None = None
         self.circuit_open = pc.Gauge(
             "hicache_circuit_open",
             "1 while the backend's circuit breaker (of reads or writes) is open or half-open.",
@@ -134,14 +139,41 @@ class _Metrics:
             **gauge,
         )
 
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def op(self, labels: tuple[str, str], op: str, items: int, ok: int, errors: int,
-           seconds: float) -> None:  # fmt: skip
-        self.ops.labels(*labels, op).inc()
+           seconds: float | None) -> None:  # fmt: skip
+        """One call (``seconds`` None: answered without the store, not a latency)."""
+        self._child(self.ops, *labels, op).inc()
         miss = max(0, items - ok - errors)
         for result, n in (("ok", ok), ("miss", miss), ("failed", errors)):
             if n:
-                self.pages.labels(*labels, op, result).inc(n)
-        self.seconds.labels(*labels, op).observe(seconds)
+                self._child(self.pages, *labels, op, result).inc(n)
+        if seconds is not None:
+            self._child(self.seconds, *labels, op).observe(seconds)
+
+    def watch(self, recorder: Any) -> None:
+        """Refresh ``recorder``'s capacity gauges on the metrics' thread (once a second)."""
+        if recorder in self._watched:
+            return
+        with _LOCK:
+            self._watched.add(recorder)
+            if self._refresher is None:
+                self._refresher = threading.Thread(
+                    target=self._refresh, name="hicache-metrics-usage", daemon=True
+                )
+                self._refresher.start()
+
+    def _refresh(self) -> None:
+        while True:
+            time.sleep(USAGE_EVERY)
+            for recorder in list(self._watched):
+                recorder.refresh_usage()
 
     def add(self, labels: tuple[str, str], counters: dict[str, int]) -> None:
         for name, value in counters.items():
@@ -222,17 +254,3 @@ def serve(port: int, addr: str = "127.0.0.1") -> Callable[[], None]:
         thread.join(5)
 
     return stop
-
-
-class UsageClock:
-    """When a backend's capacity gauges are due again (at most every :data:`USAGE_EVERY`)."""
-
-    def __init__(self) -> None:
-        self.next = 0.0
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now < self.next:
-            return False
-        self.next = now + USAGE_EVERY
-        return True

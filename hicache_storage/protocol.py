@@ -245,7 +245,8 @@ class HiCacheStorage(abc.ABC):
         self.mem_pool_host: HostPool | None = None
         state = self._hicache_state()
         label = self.name or type(self).__name__
-        state.stats.bind(label, self.namespace.digest, self.usage)
+        if not getattr(type(self), "wraps_backend", False):  # (wrappers: their inner's)
+            state.stats.bind(label, self.namespace.digest, self.usage)
         failures, backoff, most = breaker_options(self.config.extra_config)
         if failures > 0 and state.breaker is None:
 

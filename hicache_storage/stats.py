@@ -90,7 +90,6 @@ class StatsRecorder:
         self._stats = StorageStats()
         self._labels: tuple[str, str] | None = None
         self._usage: Callable[[], dict[str, int]] | None = None
-        self._usage_clock = metrics.UsageClock()
 
     def bind(
         self, backend: str, namespace_digest: str, usage: Callable[[], dict[str, int]]
@@ -99,16 +98,33 @@ class StatsRecorder:
         self._labels = (backend, namespace_digest[:12])
         self._usage = usage
 
-    def record(self, op: str, items: int, ok: int, errors: int, seconds: float) -> None:
-        """Add one call of ``op``."""
+    def refresh_usage(self) -> None:
+        """Set the capacity gauges from the backend's ``usage()`` (the metrics' thread)."""
+        m = metrics.current()
+        usage = self._usage
+        if m is not None and self._labels is not None and usage is not None:
+            try:
+                m.usage(self._labels, usage())
+            except Exception:  # noqa: BLE001, S110 - a gauge left as it was
+                pass
+
+    def unbind(self) -> None:
+        """The backend closed: its circuit gauges to 0, no more capacity refreshes."""
         m = metrics.current() if self._labels is not None else None
         if m is not None and self._labels is not None:
-            m.op(self._labels, op, items, ok, errors, seconds)
-            if self._usage is not None and self._usage_clock.due():
-                try:
-                    m.usage(self._labels, self._usage())
-                except Exception:  # noqa: BLE001, S110 - a gauge left as it was
-                    pass
+            for direction in ("read", "write"):
+                m.circuit(self._labels, direction, "closed")
+        self._usage = None
+
+    def record(
+        self, op: str, items: int, ok: int, errors: int, seconds: float, timed: bool = True
+    ) -> None:
+        """Add one call of ``op`` (``timed``: it reached the store, its time is a latency)."""
+        m = metrics.current() if self._labels is not None else None
+        if m is not None and self._labels is not None:
+            m.op(self._labels, op, items, ok, errors, seconds if timed else None)
+            if self._usage is not None:
+                m.watch(self)
         with self._lock:
             s = self._stats.ops.get(op)
             if s is None:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from hicache_storage.breaker import Health
 from hicache_storage.protocol import Capabilities, HiCacheStorage
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ class WrapperBackend(HiCacheStorage):
     raised by the wrapper's own code, becomes the call's failure shape and is counted in
     the wrapper's stats (``inner`` keeps its own). Closing the wrapper closes ``inner``.
     """
+
+    #: Calls reach the store through ``inner``, which the metrics count (not twice).
+    wraps_backend = True
 
     def __init__(self, inner: HiCacheStorage) -> None:
         super().__init__(inner.config)
@@ -135,6 +139,13 @@ class WrapperBackend(HiCacheStorage):
     @override
     def usage(self) -> dict[str, int]:
         return self.inner.usage()
+
+    @override
+    def health(self) -> Health:
+        """The inner backend's health (closed: ``down``)."""
+        if self._hicache_state().closed:
+            return Health("down", "closed")
+        return self.inner.health()
 
     @override
     def close(self) -> None:

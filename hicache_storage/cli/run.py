@@ -212,6 +212,8 @@ def _serve_metrics(port: int | None) -> Callable[[], None]:
         raise ConfigError(f"--metrics-port: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"--metrics-port {port}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # (PROMETHEUS_MULTIPROC_DIR set to a missing directory)
+        raise ConfigError(f"--metrics-port: {exc}") from None
     print(f"metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr)
     return stop
 

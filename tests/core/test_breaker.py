@@ -66,12 +66,12 @@ def test_the_breaker_opens_after_a_streak_probes_then_closes_on_a_trial() -> Non
     probe.answer = Health("ok")
     wait_for(lambda: b.state == HALF_OPEN, "half-open once the probe answers")
     assert b.allow() and not b.allow()  # one trial call, the others still answered at once
-    b.record(True)  # the trial failed: open again
-    assert b.state == OPEN and b.opens == 2
+    b.record(True)  # the trial failed: open again (no news: not announced, not counted)
+    assert b.state == OPEN and b.opens == 1
     wait_for(lambda: b.state == HALF_OPEN, "half-open again")
     assert b.allow()
     b.record(False)
-    assert b.state == CLOSED and seen == [OPEN, OPEN, CLOSED]
+    assert b.state == CLOSED and seen == [OPEN, CLOSED]
     assert b.allow()
     b.close()
 
@@ -153,3 +153,33 @@ def test_a_dead_redis_opens_the_circuit_and_a_restarted_one_closes_it(tmp_path: 
         )
         assert REGISTRY.get_sample_value("hicache_breaker_opens_total", labels) == 1
         b.close()
+
+
+def test_a_trial_call_that_raises_the_callers_error_still_settles_the_breaker() -> None:
+    """A half-open breaker's trial is settled by every call it lets through: an empty
+    call takes no trial, and one raising a caller's error (not the store's) closes it."""
+    from hicache_storage.config import StorageConfig
+    from hicache_storage.errors import NotSupportedError
+    from hicache_storage.protocol import HiCacheStorage
+
+    class Refuses(HiCacheStorage):
+        def get(self, key: str, target: Any = None) -> Any:
+            raise NotSupportedError("no reads here")
+
+        def set(self, key: str, value: Any) -> bool:
+            return True
+
+        def exists(self, key: str) -> bool:
+            return False
+
+    config = StorageConfig(extra_config={"breaker_failures": 2, "breaker_backoff": 0.02})
+    b = Refuses(config)
+    report_timeout(b)
+    report_timeout(b)
+    assert b.circuit == OPEN
+    wait_for(lambda: b.circuit == HALF_OPEN, "half-open (no probe: default health)")
+    assert b.batch_exists([]) == 0 and b.circuit == HALF_OPEN  # (no trial taken)
+    with pytest.raises(NotSupportedError):
+        b.get("k")
+    assert b.circuit == CLOSED
+    b.close()

@@ -72,7 +72,11 @@ def test_a_backends_calls_are_series_with_what_they_did(tmp_path: Path) -> None:
     assert _value("hicache_operation_seconds_count", b, operation="batch_get") == 1
     assert _value("hicache_bytes_written_total", b) >= 3 * len(PAGE)
     assert _value("hicache_bytes_read_total", b) == 2 * len(PAGE)
-    # Capacity, as usage() tells it (refreshed with the calls, at most once a second).
+    # Capacity, as usage() tells it (refreshed once a second on the metrics' thread).
+    end = time.monotonic() + 20
+    while _value("hicache_objects", b) != 3:
+        assert time.monotonic() < end, "no capacity refresh"
+        time.sleep(0.05)
     assert _value("hicache_capacity_limit_bytes", b) == 1 << 20
     assert _value("hicache_capacity_used_bytes", b) >= 3 * len(PAGE)
     assert _value("hicache_objects", b) == 3

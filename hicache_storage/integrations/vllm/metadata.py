@@ -48,6 +48,9 @@ COUNTERS = (
     "load_timeouts",
     "save_timeouts",
     "hook_errors",
+    "lookup_calls",
+    "load_calls",
+    "save_calls",
 )
 
 

@@ -129,10 +129,12 @@ class HiCachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             if n(key) > 0:
                 self._series(self._errors, engine_idx, kind).inc(n(key))
         for op in ("lookup", "load", "save"):
+            if n(f"{op}_calls") > 0:
+                self._series(self._calls, engine_idx, op).inc(n(f"{op}_calls"))
             times = data.get(f"{op}_latencies") or ()
             if not isinstance(times, list) or not times:
                 continue
-            self._series(self._calls, engine_idx, op).inc(len(times))
+            # (At most 1024 durations per step and side: past it, a sample.)
             hist = self._series(self._seconds, engine_idx, op)
             for t in times:
                 hist.observe(float(t))

@@ -146,16 +146,19 @@ class ConnectorSide:
     def count(self, **counts: float) -> None:
         """Add to the counters (see :data:`COUNTERS`).
 
-        Each ``<op>_seconds`` counted is one call of ``<op>``: its duration is kept in
-        the interval's ``<op>_latencies`` too (at most :data:`MAX_LATENCIES`), for
-        vLLM's Prometheus histograms.
+        Each ``<op>_seconds`` counted is one call of ``<op>``: counted in
+        ``<op>_calls``, its duration kept in the interval's ``<op>_latencies`` (at most
+        :data:`MAX_LATENCIES`: a sample, past it) for vLLM's Prometheus histograms.
         """
         with self._lock:
             for k, v in counts.items():
                 self._interval[k] = self._interval.get(k, 0) + v
                 self.totals[k] = self.totals.get(k, 0) + v
                 if k.endswith("_seconds"):
-                    kept = self._interval.setdefault(k[: -len("seconds")] + "latencies", [])
+                    op = k[: -len("seconds")]
+                    self._interval[op + "calls"] = self._interval.get(op + "calls", 0) + 1
+                    self.totals[op + "calls"] = self.totals.get(op + "calls", 0) + 1
+                    kept = self._interval.setdefault(op + "latencies", [])
                     if len(kept) < MAX_LATENCIES:
                         kept.append(float(v))
 
