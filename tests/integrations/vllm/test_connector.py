@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -383,11 +384,27 @@ def test_a_redis_server_that_dies_mid_run_costs_only_misses(
             assert [o["cached"] for o in down] == [0, 0]  # lookups fail: misses
             assert [o["tokens"] for o in down] == [expected["E"], expected["A"]]
             assert all(o["finish"] == "length" for o in down)
+            # More of them: the lookups' circuit breaker opens (5 failed in a row), and
+            # later lookups answer at once without the store.
+            more = generate(llm, [A, E, A])
+            assert [o["tokens"] for o in more] == [expected["A"], expected["E"], expected["A"]]
+            lookup = llm.hicache_connectors["SCHEDULER"].connector_scheduler.lookup_backends[0]
+            assert lookup.circuit == "open"
+            assert generate(llm, [E])[0]["tokens"] == expected["E"]  # (answered at once)
+            assert lookup.get_stats(reset=False).breaker_rejections >= 1
             server.start()  # back, empty: a miss that stores again, then a hit
-            assert generate(llm, [E])[0]["cached"] == 0
+            # The breakers close once their probe finds redis back (1 s, doubling).
+            worker = llm.hicache_connectors["WORKER"].connector_worker.backend
+            end = time.monotonic() + 60
+            while lookup.circuit != "closed" or worker.circuit not in ("closed", "half_open"):
+                generate(llm, [A], max_tokens=1)  # (calls that let a trial through)
+                assert time.monotonic() < end, (lookup.circuit, worker.circuit)
+                time.sleep(0.5)
+            first = generate(llm, [E])[0]
             back = generate(llm, [E])[0]
             t = totals(llm)
-    assert back["cached"] == 2 * BLOCK and back["tokens"] == expected["E"]
+    assert first["tokens"] == back["tokens"] == expected["E"]
+    assert back["cached"] == 2 * BLOCK
     assert t["save_failed_blocks"] >= 2 and t["hook_errors"] == 0
 
 
