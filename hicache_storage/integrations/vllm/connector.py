@@ -9,6 +9,7 @@ hook of vLLM's connector API to its side.
 
 from __future__ import annotations
 
+import collections
 import logging
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hicache_storage.errors import ConfigError
 from hicache_storage.integrations.adapterkit import backend_name_of
+from hicache_storage.integrations.vllm.events import HiCacheKVEvents
 from hicache_storage.integrations.vllm.metadata import (
     HiCacheConnectorMetadata,
     HiCacheKVConnectorStats,
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
 __all__ = ["LIVE", "HiCacheKVConnector"]
 
 logger = logging.getLogger("hicache_storage.integrations.vllm")
+
+#: Stored-block events waiting for the other TP workers' at most.
+MAX_REPORTED = 65536
 
 #: Every live connector of this process (tests and tools read their totals).
 LIVE: weakref.WeakSet[HiCacheKVConnector] = weakref.WeakSet()
@@ -73,10 +78,17 @@ class HiCacheKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             namespace=namespaces[0],
             namespaces=namespaces,
             groups=shapes,
+            events=bool(
+                getattr(
+                    getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False
+                )
+            ),
             tp_size=int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1),
             load_on=bool(getattr(ktc, "is_kv_consumer", True)),
             save_on=bool(getattr(ktc, "is_kv_producer", True)),
         )
+        #: Stored-block events the workers reported, until every TP worker has.
+        self._reported: collections.Counter[Any] = collections.Counter()
         self.connector_scheduler: SchedulerSide | None = None
         self.connector_worker: WorkerSide | None = None
         self._side: ConnectorSide
@@ -215,6 +227,30 @@ class HiCacheKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta = kv_connector_metadata
         if isinstance(meta, HiCacheConnectorMetadata) and self.connector_worker is not None:
             self.connector_worker.before_step_safely(meta)
+
+    def get_kv_connector_kv_cache_events(self) -> HiCacheKVEvents | None:
+        """This worker's stored-block events of the step (vLLM's KV events on)."""
+        if not self.settings.events or self.connector_worker is None:
+            return None
+        events = HiCacheKVEvents(1)  # (an empty one still counts this worker)
+        events.add_events(self.connector_worker.take_events())
+        return events
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Count the workers' stored-block events (the scheduler's side)."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, HiCacheKVEvents):
+            self._reported.update(events.get_all_events())
+            if len(self._reported) > MAX_REPORTED:  # (a worker that never reports)
+                for event, _ in self._reported.most_common()[MAX_REPORTED // 2 :]:
+                    del self._reported[event]
+
+    def take_events(self) -> Any:
+        """Stored blocks every TP worker reported, as vLLM's ``BlockStored`` events."""
+        ready = [e for e, n in self._reported.items() if n >= self.settings.tp_size]
+        for event in ready:
+            del self._reported[event]
+        yield from ready
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose stores are done (delayed frees) and whose background loads are."""

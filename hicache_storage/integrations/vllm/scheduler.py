@@ -564,10 +564,32 @@ class SchedulerSide(ConnectorSide):
                     [g[a:full] for g in state.block_ids],
                     prefix_block_ids=[g[:full] for g in state.block_ids],
                     computed_from=state.computed_from,
+                    events=self._events(state, a, full) if self.settings.events else [],
                 )
             )
             state.stored = full
             state.saves_sent = True
+
+    def _events(self, state: _Req, a: int, b: int) -> list[tuple[Any, Any, list[int]] | None]:
+        """What the events of blocks ``[a, b)`` name: vLLM's hashes and the tokens.
+
+        None for a block vLLM has no hash of (a salt or adapter the connector does not
+        share with it is in the hash: the hash is vLLM's own, from the request).
+        """
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        hashes = list(getattr(state.request, "block_hashes", None) or ())
+        tokens = self._tokens(state)
+        bs = self.block_size
+        out: list[tuple[Any, Any, list[int]] | None] = []
+        for p in range(a, b):
+            if p >= len(hashes):
+                out.append(None)
+                continue
+            parent = maybe_convert_block_hash(hashes[p - 1]) if p > 0 else None
+            block = [int(t) for t in tokens[p * bs : (p + 1) * bs]]
+            out.append((maybe_convert_block_hash(hashes[p]), parent, block))
+        return out
 
     @failsafe(lambda self, args: (False, None))
     def request_finished(

@@ -71,6 +71,8 @@ class Settings:
     #: ``namespace``); one group unless vLLM's hybrid allocator made several.
     namespaces: tuple[KVCacheNamespace, ...] = ()
     groups: tuple[GroupShape, ...] = ()
+    #: vLLM's KV events are on: stored blocks are published (see :mod:`.events`).
+    events: bool = False
 
     @property
     def hybrid(self) -> bool:

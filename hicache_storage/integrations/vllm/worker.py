@@ -32,6 +32,7 @@ from hicache_storage.errors import ConfigError, HostIndicesError
 from hicache_storage.headgroups import HeadSplit, rank_heads
 from hicache_storage.integrations.deadline import Background, Job, Lane
 from hicache_storage.integrations.kvblocks import KVBlockMover, StagedKVBlocks, kv_blocks
+from hicache_storage.integrations.vllm.events import medium_of, stored_event
 from hicache_storage.integrations.vllm.metadata import NULL_BLOCK, held_blocks
 from hicache_storage.integrations.vllm.side import ConnectorSide, Settings, logger
 from hicache_storage.keys import normalize_dtype
@@ -53,6 +54,8 @@ __all__ = ["GroupMovers", "WorkerSide"]
 _RECENT_FINISHED = 4096
 #: The staging lane of background loads (0: loads before the forward pass, 1: stores).
 BACKGROUND_LANE = 2
+#: Events kept at most between two steps (past it, the oldest are dropped).
+MAX_EVENTS = 65536
 #: Stores queued at most (one per step): past it the store is behind (hung or slower
 #: than vLLM), and a step's stores are dropped (counted as ``save_timeouts``).
 MAX_QUEUED_STORES = 256
@@ -176,6 +179,8 @@ class WorkerSide(ConnectorSide):
         self._bg_loads: list[_Load] = []
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
+        #: Stored blocks not handed to vLLM yet (its KV events on).
+        self._events: list[Any] = []
 
     # ------------------------------------------------------------------ ConnectorSide
 
@@ -644,6 +649,30 @@ class WorkerSide(ConnectorSide):
         ok: list[bool | None] = list(result) if done and result is not None else []
         ok += [False] * (len(keys) - len(ok))
         self._count_saves(movers, groups, ok, partial, time.perf_counter() - t0, cut=False)
+        self._note_stored(specs, ok)
+
+    def _note_stored(self, specs: list[SaveSpec], ok: list[bool | None]) -> None:
+        """Keep a ``BlockStored`` event for each block stored whole (vLLM's events on)."""
+        if not self.settings.events:
+            return
+        medium = medium_of(self.settings.backend_name)
+        out = []
+        at = 0
+        for spec in specs:
+            for j, named in enumerate(spec.events[: len(spec.keys)]):
+                if named is not None and at + j < len(ok) and ok[at + j]:
+                    out.append(stored_event(*named, self.block_size, medium))
+            at += len(spec.keys)
+        if out:
+            with self._lock:
+                self._events.extend(out)
+                del self._events[:-MAX_EVENTS]
+
+    def take_events(self) -> list[Any]:
+        """The stored-block events since the last call (for vLLM, with the step)."""
+        with self._lock:
+            out, self._events = self._events, []
+        return out
 
     def _count_saves(
         self,
@@ -708,6 +737,7 @@ class WorkerSide(ConnectorSide):
             self._count_saves(
                 movers, groups, ok, partial, time.perf_counter() - st.started, cut=job.cut
             )
+            self._note_stored(specs, ok)
             with self._lock:
                 self._stores.remove(st)
 

@@ -1603,3 +1603,33 @@ def test_a_window_block_the_store_lost_is_stored_again_by_the_request_that_compu
     assert [(s.keys, s.block_ids) for s in m.saves] == [(keys[2:3], [[32], [42]])]
     assert swa.batch_exists_each(keys) == [True, True, True]
     assert sched.get_num_new_matched_tokens(request("r3", PROMPT), 0) == (3 * BLOCK, True)
+
+
+def test_a_stored_block_is_published_once_every_tp_worker_reported_it(config: Any) -> None:
+    """Each TP worker stores its shard of a block: the event waits for all of them, in
+    whatever steps their stores end, and is published once."""
+    from hicache_storage.integrations.vllm.events import HiCacheKVEvents, stored_event
+
+    pc = config.parallel_config
+    pc.tensor_parallel_size = 2
+    try:
+        spec = dataclasses.replace(SPEC, num_kv_heads=1)
+        sched = HiCacheKVConnector(config, SCHED, kv_config(spec))
+    finally:
+        pc.tensor_parallel_size = 1
+    a = stored_event(11, None, [1] * BLOCK, BLOCK, "hicache-file")
+    b = stored_event(12, 11, [2] * BLOCK, BLOCK, "hicache-file")
+
+    def step_events(*per_worker: list[Any]) -> Any:
+        events = HiCacheKVEvents(1)
+        events.add_events(per_worker[0])
+        for more in per_worker[1:]:  # (as vLLM joins its workers' containers)
+            events.add_events(more)
+            events.increment_workers()
+        return SimpleNamespace(kv_cache_events=events)
+
+    sched.update_connector_output(step_events([a, b], [a]))  # worker 1's b still storing
+    assert list(sched.take_events()) == [a]
+    sched.update_connector_output(step_events([], [b]))
+    assert list(sched.take_events()) == [b]
+    assert list(sched.take_events()) == []

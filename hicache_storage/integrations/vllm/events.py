@@ -1,0 +1,89 @@
+"""Storage-tier KV events: which of vLLM's blocks the store holds, for routers.
+
+With vLLM's KV events on (``kv_events_config``), each block a worker stores is a
+``BlockStored`` event with vLLM's own block hash (the one its prefix cache and a
+router compute), the block's tokens, and a medium that names the store
+(``hicache-<backend>``). The workers hand their events to vLLM with each step
+(:meth:`~.connector.HiCacheKVConnector.get_kv_connector_kv_cache_events`); the
+scheduler side publishes an event once every TP worker reported it (each stores its
+shard of the block), through vLLM's own publisher (ZMQ, msgpack ``KVEventBatch``).
+
+Removals are not published: an object the store evicts is named by its key, not by
+vLLM's hash, and may have been stored by another process.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent, KVConnectorKVEvents
+
+__all__ = ["HiCacheKVEvents", "medium_of", "stored_event"]
+
+
+def medium_of(backend_name: str) -> str:
+    """The medium the events name: ``hicache-<backend>``."""
+    return f"hicache-{backend_name}"
+
+
+def stored_event(
+    block_hash: Any, parent: Any, tokens: list[int], block_size: int, medium: str
+) -> BlockStored:
+    """One stored block as vLLM's event (its hash as vLLM publishes hashes)."""
+    return BlockStored(
+        block_hashes=[block_hash],
+        parent_block_hash=parent,
+        token_ids=list(tokens),
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+class HiCacheKVEvents(KVConnectorKVEvents):  # type: ignore[misc]
+    """The events of one step: each worker's, counted; published once all reported it.
+
+    vLLM joins the workers' containers (``add_events`` and ``increment_workers``); an
+    event counts as stored once as many workers reported it as there are workers.
+    """
+
+    def __init__(self, num_workers: int = 1) -> None:
+        self._seen: Counter[KVCacheEvent] = Counter()
+        self._workers = max(1, int(num_workers))
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        """Count ``events`` (one worker's)."""
+        self._seen.update(events)
+
+    def increment_workers(self, count: int = 1) -> None:
+        """One more worker's events were added."""
+        self._workers += int(count)
+
+    def aggregate(self) -> HiCacheKVEvents:
+        """Keep only the events every worker reported."""
+        common = self.take_common()
+        self._seen = Counter(common)
+        self._workers = 1
+        return self
+
+    def take_common(self) -> list[KVCacheEvent]:
+        """The events every worker reported, removed from the count."""
+        out = [e for e, n in self._seen.items() if n >= self._workers]
+        for e in out:
+            del self._seen[e]
+        return out
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        """Every event counted (repeated as often as reported)."""
+        return list(self._seen.elements())
+
+    def get_number_of_workers(self) -> int:
+        """The workers whose events were added."""
+        return self._workers
+
+    def clear_events(self) -> None:
+        """Forget everything."""
+        self._seen.clear()
+        self._workers = 1
