@@ -46,8 +46,31 @@ __all__ = ["LIVE", "HiCacheKVConnector"]
 
 logger = logging.getLogger("hicache_storage.integrations.vllm")
 
-#: Stored-block events waiting for the other TP workers' at most.
+#: Stored-block events waiting for the other TP workers' at most (and published events
+#: remembered, so that a block stored again is not published again).
 MAX_REPORTED = 65536
+
+
+def _events_on(vllm_config: Any, kv_cache_config: Any, block_size: int) -> bool:
+    """Whether stored blocks are published.
+
+    vLLM's KV events on, and its block hashes one per block of the connector
+    (``hash_block_size`` the block size).
+    """
+    events = getattr(vllm_config, "kv_events_config", None)
+    if not getattr(events, "enable_kv_cache_events", False):
+        return False
+    unit = getattr(kv_cache_config, "hash_block_size", None)
+    if unit is not None and int(unit) != block_size:
+        logger.warning(
+            "HiCacheKVConnector: vLLM hashes blocks of %s tokens, the connector stores "
+            "blocks of %d: its stored blocks are not published as KV events",
+            unit,
+            block_size,
+        )
+        return False
+    return True
+
 
 #: Every live connector of this process (tests and tools read their totals).
 LIVE: weakref.WeakSet[HiCacheKVConnector] = weakref.WeakSet()
@@ -78,17 +101,15 @@ class HiCacheKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             namespace=namespaces[0],
             namespaces=namespaces,
             groups=shapes,
-            events=bool(
-                getattr(
-                    getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False
-                )
-            ),
+            events=_events_on(vllm_config, kv_cache_config, namespaces[0].page_size),
             tp_size=int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1),
             load_on=bool(getattr(ktc, "is_kv_consumer", True)),
             save_on=bool(getattr(ktc, "is_kv_producer", True)),
         )
-        #: Stored-block events the workers reported, until every TP worker has.
-        self._reported: collections.Counter[Any] = collections.Counter()
+        #: Stored-block events the workers reported (event -> the ranks that did), until
+        #: every writing rank has; and the events published lately (not published again).
+        self._reported: dict[Any, set[int]] = {}
+        self._published: collections.OrderedDict[Any, None] = collections.OrderedDict()
         self.connector_scheduler: SchedulerSide | None = None
         self.connector_worker: WorkerSide | None = None
         self._side: ConnectorSide
@@ -229,28 +250,47 @@ class HiCacheKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self.connector_worker.before_step_safely(meta)
 
     def get_kv_connector_kv_cache_events(self) -> HiCacheKVEvents | None:
-        """This worker's stored-block events of the step (vLLM's KV events on)."""
-        if not self.settings.events or self.connector_worker is None:
+        """This worker's stored-block events of the step (vLLM's KV events on).
+
+        Each is passed as ``(rank, event)``: the scheduler side counts ranks, not
+        reports (a rank storing a block twice is still one rank).
+        """
+        worker = self.connector_worker
+        if not self.settings.events or worker is None:
             return None
         events = HiCacheKVEvents(1)  # (an empty one still counts this worker)
-        events.add_events(self.connector_worker.take_events())
+        events.add_events([(worker.rank, e) for e in worker.take_events()])
         return events
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Count the workers' stored-block events (the scheduler's side)."""
+        """Note which ranks stored which blocks (the scheduler's side)."""
         events = getattr(connector_output, "kv_cache_events", None)
-        if isinstance(events, HiCacheKVEvents):
-            self._reported.update(events.get_all_events())
-            if len(self._reported) > MAX_REPORTED:  # (a worker that never reports)
-                for event, _ in self._reported.most_common()[MAX_REPORTED // 2 :]:
-                    del self._reported[event]
+        if not isinstance(events, HiCacheKVEvents):
+            return
+        for item in events.get_all_events():
+            if isinstance(item, tuple) and len(item) == 2:
+                rank, event = item
+                self._reported.setdefault(event, set()).add(int(rank))
+        if len(self._reported) > MAX_REPORTED:  # (a rank that never reports): oldest out
+            for event in list(self._reported)[: len(self._reported) - MAX_REPORTED // 2]:
+                del self._reported[event]
 
     def take_events(self) -> Any:
-        """Stored blocks every TP worker reported, as vLLM's ``BlockStored`` events."""
-        ready = [e for e, n in self._reported.items() if n >= self.settings.tp_size]
+        """Blocks every writing rank stored, as vLLM's ``BlockStored`` events, once."""
+        # MLA: rank 0 alone writes (the pages are the same on every rank).
+        quorum = 1 if self.settings.namespace.rank_replicated else self.settings.tp_size
+        ready = [e for e, ranks in self._reported.items() if len(ranks) >= quorum]
+        out = []
         for event in ready:
             del self._reported[event]
-        yield from ready
+            if event in self._published:  # (stored again by a later request)
+                self._published.move_to_end(event)
+                continue
+            self._published[event] = None
+            out.append(event)
+        while len(self._published) > MAX_REPORTED:
+            self._published.popitem(last=False)
+        yield from out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose stores are done (delayed frees) and whose background loads are."""

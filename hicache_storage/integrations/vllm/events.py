@@ -8,7 +8,9 @@ router compute), the block's tokens, and a medium that names the store
 scheduler side publishes an event once every TP worker reported it (each stores its
 shard of the block), through vLLM's own publisher (ZMQ, msgpack ``KVEventBatch``).
 
-Removals are not published: an object the store evicts is named by its key, not by
+Each event carries the block's LoRA adapter as vLLM's own do (``lora_id``,
+``lora_name``), not its other extra keys (multimodal inputs, salt): those are in the
+hash already. Removals are not published: an object the store evicts is named by its key, not by
 vLLM's hash, and may have been stored by another process.
 """
 
@@ -28,7 +30,12 @@ def medium_of(backend_name: str) -> str:
 
 
 def stored_event(
-    block_hash: Any, parent: Any, tokens: list[int], block_size: int, medium: str
+    block_hash: Any,
+    parent: Any,
+    tokens: list[int],
+    block_size: int,
+    medium: str,
+    lora: tuple[int | None, str | None] = (None, None),
 ) -> BlockStored:
     """One stored block as vLLM's event (its hash as vLLM publishes hashes)."""
     return BlockStored(
@@ -36,9 +43,9 @@ def stored_event(
         parent_block_hash=parent,
         token_ids=list(tokens),
         block_size=block_size,
-        lora_id=None,
+        lora_id=lora[0],
         medium=medium,
-        lora_name=None,
+        lora_name=lora[1],
     )
 
 

@@ -101,9 +101,9 @@ class SaveSpec:
     computed_from: int = 0
     #: The last, partly computed block of a finished request (counted apart).
     partial: bool = False
-    #: With vLLM's KV events on: per key, vLLM's block hash, its parent's and the
-    #: block's tokens (a stored block is published as a ``BlockStored`` event).
-    events: list[tuple[Any, Any, list[int]] | None] = field(default_factory=list)
+    #: With vLLM's KV events on: per key, vLLM's block hash, its parent's, the block's
+    #: tokens and its LoRA (id, name): a stored block is published as a ``BlockStored``.
+    events: list[tuple[Any, Any, list[int], tuple[Any, Any]] | None] = field(default_factory=list)
 
 
 @dataclass

@@ -564,31 +564,49 @@ class SchedulerSide(ConnectorSide):
                     [g[a:full] for g in state.block_ids],
                     prefix_block_ids=[g[:full] for g in state.block_ids],
                     computed_from=state.computed_from,
-                    events=self._events(state, a, full) if self.settings.events else [],
+                    events=self._events_safely(state, a, full),
                 )
             )
             state.stored = full
             state.saves_sent = True
 
-    def _events(self, state: _Req, a: int, b: int) -> list[tuple[Any, Any, list[int]] | None]:
-        """What the events of blocks ``[a, b)`` name: vLLM's hashes and the tokens.
+    def _events_safely(self, state: _Req, a: int, b: int) -> list[Any]:
+        """:meth:`_events` when vLLM's KV events are on; a failure costs the events only."""
+        if not self.settings.events:
+            return []
+        try:
+            return self._events(state, a, b)
+        except Exception as exc:  # noqa: BLE001 - the blocks are stored all the same
+            self._hook_failed("kv events", exc)
+            return []
 
-        None for a block vLLM has no hash of (a salt or adapter the connector does not
-        share with it is in the hash: the hash is vLLM's own, from the request).
+    def _events(
+        self, state: _Req, a: int, b: int
+    ) -> list[tuple[Any, Any, list[int], tuple[Any, Any]] | None]:
+        """What the events of blocks ``[a, b)`` name: vLLM's hashes, tokens and LoRA.
+
+        None for a block vLLM has not hashed yet (the hashes are vLLM's own, from the
+        request: salt, adapter and multimodal inputs are in them).
         """
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         hashes = list(getattr(state.request, "block_hashes", None) or ())
         tokens = self._tokens(state)
         bs = self.block_size
-        out: list[tuple[Any, Any, list[int]] | None] = []
+        lora = getattr(state.request, "lora_request", None)
+        adapter = (
+            (getattr(lora, "adapter_id", None), getattr(lora, "name", None))
+            if lora is not None
+            else (None, None)
+        )
+        out: list[tuple[Any, Any, list[int], tuple[Any, Any]] | None] = []
         for p in range(a, b):
             if p >= len(hashes):
                 out.append(None)
                 continue
             parent = maybe_convert_block_hash(hashes[p - 1]) if p > 0 else None
             block = [int(t) for t in tokens[p * bs : (p + 1) * bs]]
-            out.append((maybe_convert_block_hash(hashes[p]), parent, block))
+            out.append((maybe_convert_block_hash(hashes[p]), parent, block, adapter))
         return out
 
     @failsafe(lambda self, args: (False, None))

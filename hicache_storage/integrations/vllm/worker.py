@@ -661,7 +661,9 @@ class WorkerSide(ConnectorSide):
         for spec in specs:
             for j, named in enumerate(spec.events[: len(spec.keys)]):
                 if named is not None and at + j < len(ok) and ok[at + j]:
-                    out.append(stored_event(*named, self.block_size, medium))
+                    block_hash, parent, tokens, lora = named
+                    out.append(stored_event(block_hash, parent, tokens, self.block_size,
+                                            medium, lora))  # fmt: skip
             at += len(spec.keys)
         if out:
             with self._lock:
@@ -734,12 +736,14 @@ class WorkerSide(ConnectorSide):
                 self._log(
                     "save", "HiCacheKVConnector: a store failed (%s)", self.failure(job.error)
                 )
-            self._count_saves(
-                movers, groups, ok, partial, time.perf_counter() - st.started, cut=job.cut
-            )
-            self._note_stored(specs, ok)
-            with self._lock:
-                self._stores.remove(st)
+            try:
+                self._count_saves(
+                    movers, groups, ok, partial, time.perf_counter() - st.started, cut=job.cut
+                )
+                self._note_stored(specs, ok)
+            finally:  # (a store left listed would hold its request's blocks for good)
+                with self._lock:
+                    self._stores.remove(st)
 
         with self._lock:
             self._stores.append(st)

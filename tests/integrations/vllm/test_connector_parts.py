@@ -1621,15 +1621,20 @@ def test_a_stored_block_is_published_once_every_tp_worker_reported_it(config: An
     b = stored_event(12, 11, [2] * BLOCK, BLOCK, "hicache-file")
 
     def step_events(*per_worker: list[Any]) -> Any:
+        """A step's container as vLLM joins its workers' (rank i's events first...)."""
         events = HiCacheKVEvents(1)
-        events.add_events(per_worker[0])
-        for more in per_worker[1:]:  # (as vLLM joins its workers' containers)
-            events.add_events(more)
+        events.add_events([(0, e) for e in per_worker[0]])
+        for rank, more in enumerate(per_worker[1:], 1):
+            events.add_events([(rank, e) for e in more])
             events.increment_workers()
         return SimpleNamespace(kv_cache_events=events)
 
-    sched.update_connector_output(step_events([a, b], [a]))  # worker 1's b still storing
+    sched.update_connector_output(step_events([a, b], [a]))  # rank 1's b still storing
     assert list(sched.take_events()) == [a]
+    sched.update_connector_output(step_events([b], []))  # rank 0 again: still one rank
+    assert list(sched.take_events()) == []
     sched.update_connector_output(step_events([], [b]))
     assert list(sched.take_events()) == [b]
+    # Stored again by a later request: not published again.
+    sched.update_connector_output(step_events([a], [a]))
     assert list(sched.take_events()) == []
