@@ -52,8 +52,10 @@ def stored_event(
 class HiCacheKVEvents(KVConnectorKVEvents):  # type: ignore[misc]
     """The events of one step: each worker's, counted; published once all reported it.
 
-    vLLM joins the workers' containers (``add_events`` and ``increment_workers``); an
-    event counts as stored once as many workers reported it as there are workers.
+    vLLM joins the workers' containers (``add_events`` and ``increment_workers``) and
+    hands the joined one to the scheduler side, which counts the ranks per event
+    (:meth:`~.connector.HiCacheKVConnector.update_connector_output`); :meth:`aggregate`
+    keeps the events every worker's rank reported.
     """
 
     def __init__(self, num_workers: int = 1) -> None:
@@ -76,10 +78,21 @@ class HiCacheKVEvents(KVConnectorKVEvents):  # type: ignore[misc]
         return self
 
     def take_common(self) -> list[KVCacheEvent]:
-        """The events every worker reported, removed from the count."""
-        out = [e for e, n in self._seen.items() if n >= self._workers]
-        for e in out:
-            del self._seen[e]
+        """The events every worker reported, removed from the count.
+
+        The connector's workers report ``(rank, event)`` pairs: an event counts once
+        per rank however often that rank reported it.
+        """
+        ranks: dict[Any, set[Any]] = {}
+        for item in self._seen:
+            rank, event = item if isinstance(item, tuple) and len(item) == 2 else (item, item)
+            ranks.setdefault(event, set()).add(rank)
+        out = [e for e, r in ranks.items() if len(r) >= self._workers]
+        keep = set(out)
+        for item in list(self._seen):
+            event = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+            if event in keep:
+                del self._seen[item]
         return out
 
     def get_all_events(self) -> list[KVCacheEvent]:

@@ -1638,3 +1638,18 @@ def test_a_stored_block_is_published_once_every_tp_worker_reported_it(config: An
     # Stored again by a later request: not published again.
     sched.update_connector_output(step_events([a], [a]))
     assert list(sched.take_events()) == []
+
+
+def test_the_events_container_keeps_what_every_rank_reported() -> None:
+    from hicache_storage.integrations.vllm.events import HiCacheKVEvents, stored_event
+
+    a = stored_event(1, None, [1] * BLOCK, BLOCK, "hicache-file")
+    b = stored_event(2, 1, [2] * BLOCK, BLOCK, "hicache-file")
+    joined = HiCacheKVEvents(1)
+    joined.add_events([(0, a), (0, b), (0, b)])  # (rank 0 reported b twice: one rank)
+    joined.add_events([(1, a)])
+    joined.increment_workers()
+    assert joined.get_number_of_workers() == 2
+    assert joined.aggregate().get_all_events() == [a]
+    joined.clear_events()
+    assert joined.get_all_events() == [] and joined.get_number_of_workers() == 1
