@@ -170,6 +170,16 @@ def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
             if report["backend_get_gbps"]
             else 0.0
         )
+        stats = backend.get_stats(reset=False)
+        health = backend.health()
+        report.update(
+            backend_health=health.status,
+            backend_health_reason=health.reason,
+            circuit=backend.circuit,
+            breaker_opens=stats.breaker_opens,
+            breaker_rejections=stats.breaker_rejections,
+            corrupt_objects=stats.corrupt_objects,
+        )
         report.update(
             backend=args.backend,
             device=str(cache.device.device),
@@ -280,6 +290,9 @@ def _print(r: dict[str, Any]) -> None:
         ("prefetch / backend get", (f"{r['prefetch_gbps']:.2f} / {r['backend_get_gbps']:.2f} GB/s "
                                     f"({r['prefetch_vs_backend_get']:.2f}x)")),
         ("verification errors", f"{r['verification_errors']} of {r['verified_pages']} pages"),
+        ("store health / circuit", (f"{r['backend_health']} / {r['circuit']} (opened "
+                                    f"{r['breaker_opens']}x, {r['breaker_rejections']} calls "
+                                    f"answered without it; {r['corrupt_objects']} corrupt)")),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -36,6 +36,9 @@ def test_a_run_reports_and_verifies_every_reused_page(
     assert parts == pytest.approx(r["hit_ratio"])
     assert r["bytes_written_to_storage"] > 0 and r["backup_failed_tokens"] == 0
     assert r["working_set_pages"] > r["host_pages"]
+    # The store's state at the end, as an operator reads it (see docs/operations.md).
+    assert (r["backend_health"], r["circuit"]) == ("ok", "closed")
+    assert r["breaker_opens"] == r["breaker_rejections"] == r["corrupt_objects"] == 0
 
 
 def test_a_second_run_hits_what_the_first_stored(
