@@ -1361,6 +1361,19 @@ def hybrid_req(req_id: str, full: list[int], swa: list[int], computed: int) -> S
     return SimpleNamespace(req_id=req_id, block_ids=(full, swa), num_computed_tokens=computed)
 
 
+def store_hybrid_prompt(sched: HiCacheKVConnector, worker: HiCacheKVConnector) -> list[str]:
+    """Request r1 computes PROMPT in blocks 5, 9, 12 (full) and 20-22 (window): its three
+    full blocks are stored in both groups. Their keys."""
+    r = request("r1", PROMPT)
+    sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, 0)
+    run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [20, 21, 22, 23], 0)],
+                                 scheduled={"r1": 100}))  # fmt: skip
+    keys = sched.keys_for(r)
+    assert keys is not None
+    return keys
+
+
 def test_each_group_of_a_hybrid_model_has_a_namespace_of_its_own(config: Any) -> None:
     sched = HiCacheKVConnector(config, SCHED, hybrid_config())
     full, swa = sched.settings.namespaces
@@ -1410,13 +1423,7 @@ def test_a_hybrid_models_blocks_are_stored_per_group_and_a_hit_loads_the_window(
 
 def test_a_hybrid_hit_is_a_length_every_group_can_restore(config: Any) -> None:
     sched, worker, _ = hybrid_pair(config)
-    r = request("r1", PROMPT)
-    sched.get_num_new_matched_tokens(r, 0)
-    sched.update_state_after_alloc(r, None, 0)
-    run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [20, 21, 22, 23], 0)],
-                                 scheduled={"r1": 100}))  # fmt: skip
-    keys = sched.keys_for(r)
-    assert keys is not None
+    keys = store_hybrid_prompt(sched, worker)
     swa = sside(sched).group_backends[1][0]
     # Block 0 is outside the window at 96 tokens: lost, the hit stays.
     swa.delete(keys[0])
@@ -1436,13 +1443,7 @@ def test_a_failed_hybrid_load_fails_its_request_never_blocks(config: Any) -> Non
     """vLLM's scheduler takes no failed block ids from a model with several groups (it
     raises): the request is reported failed as a whole, and vLLM recomputes it."""
     sched, worker, _ = hybrid_pair(config)
-    r = request("r1", PROMPT)
-    sched.get_num_new_matched_tokens(r, 0)
-    sched.update_state_after_alloc(r, None, 0)
-    run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [20, 21, 22, 23], 0)],
-                                 scheduled={"r1": 100}))  # fmt: skip
-    keys = sched.keys_for(r)
-    assert keys is not None
+    keys = store_hybrid_prompt(sched, worker)
     r2 = request("r2", PROMPT)
     assert sched.get_num_new_matched_tokens(r2, 0) == (3 * BLOCK, True)
     sside(sched).group_backends[1][0].delete(keys[2])  # (lost after the lookup)
@@ -1584,13 +1585,7 @@ def test_a_window_block_the_store_lost_is_stored_again_by_the_request_that_compu
     config: Any,
 ) -> None:
     sched, worker, _ = hybrid_pair(config)
-    r = request("r1", PROMPT)
-    sched.get_num_new_matched_tokens(r, 0)
-    sched.update_state_after_alloc(r, None, 0)
-    run_step(sched, worker, step([hybrid_req("r1", [5, 9, 12, 13], [20, 21, 22, 23], 0)],
-                                 scheduled={"r1": 100}))  # fmt: skip
-    keys = sched.keys_for(r)
-    assert keys is not None
+    keys = store_hybrid_prompt(sched, worker)
     swa = sside(sched).group_backends[1][0]
     swa.delete(keys[2])  # (evicted from one group only)
     r2 = request("r2", PROMPT)
