@@ -63,6 +63,14 @@ def add_run_args(p: argparse.ArgumentParser, positive: Any) -> None:
     t.add_argument("--prefetch-threshold", type=int, default=256, help="tokens")
     t.add_argument("--io-workers", type=positive, default=2)
     t.add_argument(
+        "--admit-after",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="store a page in L3 only once prompts have used it N times (default 1: every "
+        "page the write policy sends)",
+    )
+    t.add_argument(
         "--tenant",
         default="run",
         help="namespace tenant: runs with the same one share the store (default 'run'); on a "
@@ -145,6 +153,7 @@ def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
         config = TierConfig(
             write_policy=args.write_policy, prefetch_policy=args.prefetch_policy,
             prefetch_threshold=args.prefetch_threshold, io_workers=args.io_workers,
+            admit_after=args.admit_after,
         )  # fmt: skip
         cache = TieredCache(backend, host, DevicePool(host, args.device_pages, args.device), config)
         try:
@@ -195,7 +204,7 @@ def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
         backend.close()
     try:
         if args.plot is not None:
-            _plot(result, args.plot)
+            _plot(result, report, args.plot)
             report["plot"] = args.plot
         if args.json:
             print(json.dumps(report, indent=2), flush=True)
@@ -287,6 +296,8 @@ def _print(r: dict[str, Any]) -> None:
             f"{r['prefetch_completed']} / {r['prefetch_terminated']} / "
             f"{r['prefetch_short']} / {r['prefetch_dropped']}")),
         ("backup failed tokens", f"{r['backup_failed_tokens']} (retries {r['backup_retries']})"),
+        ("admission", (f"after {r['admit_after']} use(s): {r['not_admitted_pages']} host evictions "
+                       "dropped a page not admitted yet")),
         ("prefetch / backend get", (f"{r['prefetch_gbps']:.2f} / {r['backend_get_gbps']:.2f} GB/s "
                                     f"({r['prefetch_vs_backend_get']:.2f}x)")),
         ("verification errors", f"{r['verification_errors']} of {r['verified_pages']} pages"),
@@ -299,27 +310,61 @@ def _print(r: dict[str, Any]) -> None:
         print(f"{k.ljust(width)}  {v}")
 
 
-def _plot(result: RunResult, path: str) -> None:
+def _plot(result: RunResult, report: dict[str, Any], path: str) -> None:
+    """Three panels over the run's time: hit ratio, storage bandwidth, the store's troubles.
+
+    Spans where the circuit breaker was open are shaded on every panel; the ideal hit
+    ratio (an unbounded cache over this run's requests) is a dashed line.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = [p["t"] for p in result.timeline]
-    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    a.plot(t, [p["hit_ratio"] for p in result.timeline])
-    a.set_ylabel("token hit ratio")
-    a.set_ylim(0, 1)
+    line = result.timeline
+    t = [p["t"] for p in line]
+    fig, (a, b, c) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    fig.suptitle(
+        f"hicache-storage run on {report['backend']}: {len(line)} requests, "
+        f"{report['page_bytes'] // 1024} KiB pages, admit after {report['admit_after']}"
+    )
+    a.plot(t, [p["hit_ratio"] for p in line], label="all tiers")
+    a.plot(t, [p["hit_ratio_storage"] for p in line], label="from storage (L3)")
+    a.axhline(report["ideal_hit_ratio"], linestyle="--", color="grey", label="ideal")
+    a.set_ylabel("token hit ratio (cumulative)")
+    a.set_ylim(0, 1.05)
+    a.legend(loc="lower right", fontsize="small")
+    # Bandwidth over windows of requests (per request it is too spiky to read).
+    step = max(1, len(line) // 40)
     for key, label in (("bytes_read", "storage read"), ("bytes_written", "storage written")):
-        series = [p[key] for p in result.timeline]
-        rates = [0.0] + [
-            (series[i] - series[i - 1]) / max(t[i] - t[i - 1], 1e-6) / 1e9
-            for i in range(1, len(series))
-        ]
-        b.plot(t, rates, label=label)
-    b.set_ylabel("GB/s")
-    b.set_xlabel("seconds")
-    b.legend()
+        xs, ys = [], []
+        for i in range(step, len(line), step):
+            dt = max(t[i] - t[i - step], 1e-6)
+            xs.append(t[i])
+            ys.append((line[i][key] - line[i - step][key]) / dt / 1e9)
+        b.plot(xs, ys, label=label)
+    b.set_ylabel(f"GB/s (per {step} requests)")
+    b.legend(loc="upper right", fontsize="small")
+    for key, label in (
+        ("breaker_rejections", "calls answered without the store"),
+        ("backup_failed_tokens", "backups failed (tokens)"),
+        ("not_admitted_pages", "host evictions of pages not admitted"),
+    ):
+        c.plot(t, [p[key] for p in line], label=label)
+    c.set_ylabel("count (cumulative)")
+    c.set_xlabel("seconds")
+    c.legend(loc="upper left", fontsize="small")
+    # Shade the spans where the breaker was open (the store was bypassed).
+    start = None
+    for i, p in enumerate([*line, {"t": t[-1] if t else 0.0, "circuit_open": 0.0}]):
+        if p["circuit_open"] and start is None:
+            start = t[i - 1] if i else 0.0
+        elif not p["circuit_open"] and start is not None:
+            for ax in (a, b, c):
+                ax.axvspan(start, p["t"], color="red", alpha=0.12, lw=0)
+            start = None
+    if any(p["circuit_open"] for p in line):
+        a.text(0.01, 0.95, "shaded: circuit open", transform=a.transAxes, va="top", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hicache_storage.admission import MAX_MIN_SEEN
 from hicache_storage.errors import ConfigError
 
 __all__ = ["TierConfig", "TierStats"]
@@ -36,6 +37,10 @@ class TierConfig:
         exists_timeout: seconds an existence query may take (then it counts as no hit).
         close_timeout: seconds ``close()`` waits for queued backups (the rest count as
             failed).
+        admit_after: store a page in L3 only once prompts have used it this many times
+            (counted across evictions from device and host, in fixed memory:
+            :mod:`hicache_storage.admission`); 1 stores every page the write policy
+            sends. A page that leaves the host before it is admitted is dropped.
     """
 
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = (
@@ -55,6 +60,7 @@ class TierConfig:
     exists_timeout: float = 5.0
     close_timeout: float = 10.0
     prefetch_max_wait: float = 60.0
+    admit_after: int = 1
 
     def __post_init__(self) -> None:
         """Check the values (:class:`ConfigError`)."""
@@ -67,6 +73,8 @@ class TierConfig:
                 raise ConfigError(f"{name} must be >= 1")
         if self.backup_retries < 0 or self.prefetch_threshold < 0:
             raise ConfigError("backup_retries and prefetch_threshold must be >= 0")
+        if not 1 <= self.admit_after <= MAX_MIN_SEEN:
+            raise ConfigError(f"admit_after must be from 1 to {MAX_MIN_SEEN}")
         if not 0 < self.prefetch_host_fraction <= 1:
             raise ConfigError("prefetch_host_fraction must be in (0, 1]")
 
@@ -98,4 +106,7 @@ class TierStats:
     bytes_offloaded: int = 0  # L1 -> L2
     evicted_device_pages: int = 0
     evicted_host_pages: int = 0
+    #: Pages not backed up because they were not admitted yet (``admit_after``), counted
+    #: once each when they left the host unstored.
+    not_admitted_pages: int = 0
     extra: dict[str, int] = field(default_factory=dict)

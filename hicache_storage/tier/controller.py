@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hicache_storage.admission import SeenCounter
 from hicache_storage.errors import BackendClosedError, BackendError, ConfigError
 from hicache_storage.keys import page_hashes
 from hicache_storage.ratelimit import RateLimitedLog
@@ -207,6 +208,8 @@ class TieredCache:
         self.page_size = host.page_size
         self.salt = salt
         self.index = PrefixIndex()
+        #: How often prompts used each page, across evictions (``admit_after``).
+        self.admission = SeenCounter(self.config.admit_after)
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
         self._lock = threading.RLock()
@@ -449,6 +452,7 @@ class TieredCache:
             finally:
                 if prefetched is not None:
                     self._let_go(prefetched)
+            self.admission.see(keys)
         progress = self._fill(fill, compute)
         with self._lock:
             for i in fill.filling():
@@ -609,7 +613,14 @@ class TieredCache:
         todo = [e for e in entries if e.hits >= need and e.host is None and e.device is not None]
         if todo:
             self._offload(todo)
-        self._backup([e for e in entries if e.hits >= need and e.host is not None])
+        due = [e for e in entries if e.hits >= need and e.host is not None and not e.stored]
+        if self.admission.on and due:
+            due = [
+                e
+                for e, ok in zip(due, self.admission.admitted([e.key for e in due]), strict=True)
+                if ok
+            ]
+        self._backup(due)
 
     def _offload(self, entries: list[PageEntry]) -> list[PageEntry]:
         """Copy device pages to new host pages (lock held); returns those copied."""
@@ -743,9 +754,13 @@ class TieredCache:
             if freed >= n:
                 break
             if not (e.stored or e.device is not None):
-                if self.config.write_policy == "write_back":
+                if self.admission.on and not self.admission.admitted([e.key])[0]:
+                    self._count(not_admitted_pages=1)  # not worth storing yet: dropped
+                elif self.config.write_policy == "write_back":
                     self._backup([e])  # kept (pinned) until stored; then it can go
-                continue
+                    continue
+                else:
+                    continue
             page = e.host
             self.index.set_host(e, None)
             self._free_host([page])  # type: ignore[list-item]

@@ -193,6 +193,7 @@ def replay(
     ideal, _ = ideal_hit_tokens(requests, ps)
     out = RunResult(ideal_hit_tokens=ideal)
     start = time.perf_counter()
+    backend = cache.backend
     for r in requests:
         keys = cache.keys_of(r.prompt + r.answer)
         n_prompt = len(r.prompt) // ps
@@ -225,12 +226,18 @@ def replay(
             cache.release(lease)
         out.requests += 1
         out.seconds = time.perf_counter() - start
+        stats = backend.get_stats(reset=False)
         out.timeline.append(
             {
                 "t": out.seconds,
                 "hit_ratio": out.hit_tokens / max(1, out.prompt_tokens),
+                "hit_ratio_storage": out.storage_hit_tokens / max(1, out.prompt_tokens),
                 "bytes_read": float(cache.stats.bytes_read),
                 "bytes_written": float(cache.stats.bytes_written),
+                "circuit_open": float(backend.circuit in ("open", "half_open")),
+                "breaker_rejections": float(stats.breaker_rejections),
+                "backup_failed_tokens": float(cache.stats.backup_failed_tokens),
+                "not_admitted_pages": float(cache.stats.not_admitted_pages),
             }
         )
         if on_request is not None:
@@ -284,4 +291,6 @@ def summary(result: RunResult, cache: TieredCache) -> dict[str, Any]:
         "storage_errors": s.storage_errors,
         "evicted_device_pages": s.evicted_device_pages,
         "evicted_host_pages": s.evicted_host_pages,
+        "admit_after": cache.config.admit_after,
+        "not_admitted_pages": s.not_admitted_pages,
     }

@@ -72,3 +72,16 @@ def test_pools_too_small_for_a_request_are_refused(
     assert main(["run", "--hicache-storage-backend-extra-config", config, *SMALL,
                  "--device-pages", "8"]) == 2  # fmt: skip
     assert "device pages" in capsys.readouterr().err
+
+
+def test_admission_writes_less_and_the_report_says_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--admit-after 2``: on the same trace, fewer bytes go to storage than with every
+    page stored, the pages dropped unstored are counted, and nothing comes back wrong."""
+    every = run_json(capsys, tmp_path / "a")
+    admitted = run_json(capsys, tmp_path / "b", "--admit-after", "2")
+    assert every["admit_after"] == 1 and every["not_admitted_pages"] == 0
+    assert admitted["admit_after"] == 2 and admitted["not_admitted_pages"] > 0
+    assert 0 < admitted["bytes_written_to_storage"] < every["bytes_written_to_storage"]
+    assert admitted["verification_errors"] == 0

@@ -631,3 +631,46 @@ def test_failing_prefetch_batches_are_logged_at_a_bounded_rate(
     assert "prefetch batch failed" in logged[0].getMessage()
     b.close()
     a.close()
+
+
+def test_admission_stores_a_page_only_from_its_nth_use(
+    store: Callable[..., MemoryBackend],
+) -> None:
+    """``admit_after=2``: a prompt used once is not written to L3; its second use writes
+    it; and with write-back, a page that leaves the host before it is admitted is dropped
+    (counted), never written and never kept pinned."""
+    host = make_host()
+    backend = store(host)
+    c = new_cache(backend, host, admit_after=2, prefetch_threshold=0)
+    tokens = prompt(3 * PS, 21)
+    keys = c.keys_of(tokens)
+    run(c, tokens)
+    assert c.flush(10) and backend.batch_exists(keys) == 0
+    assert c.stats.bytes_written == 0
+    run(c, tokens)
+    assert c.flush(10) and backend.batch_exists(keys) == 3
+    c.close()
+
+    host = make_host(pages=8)
+    backend = store(host)
+    c = new_cache(
+        backend, host, device_pages=4, write_policy="write_back", admit_after=2,
+        prefetch_threshold=0,
+    )  # fmt: skip
+    once = c.keys_of(prompt(4 * PS, 30))
+    run(c, prompt(4 * PS, 30))
+    for s in range(31, 36):  # others push it off the device, then off the host
+        run(c, prompt(4 * PS, s))
+    assert c.flush(10)
+    assert backend.batch_exists(once) == 0
+    assert c.stats.not_admitted_pages >= 4
+    assert c.index.match(once).host_pages == 0  # dropped, not held
+    # A prompt used twice before it leaves is written on eviction as write-back does.
+    twice = c.keys_of(prompt(4 * PS, 40))
+    run(c, prompt(4 * PS, 40))
+    run(c, prompt(4 * PS, 40))
+    for s in range(41, 46):
+        run(c, prompt(4 * PS, s))
+    assert c.flush(10) and backend.batch_exists(twice) == 4
+    assert c.stats.backup_failed_tokens == 0
+    c.close()
