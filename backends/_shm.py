@@ -50,6 +50,10 @@ class ShmOptions(FileTreeOptions):
         max_size: cap on the bytes of the whole root (every namespace); default half
             of the tmpfs.
         min_free_space: free space always left on the tmpfs; default a tenth of it.
+        namespace_max_size: cap on this namespace's bytes (a tenant's share of the
+            root, every shard); a write that would cross it evicts the namespace's own
+            least-recently-used pages, never another's. Each instance holds its own
+            namespace to it. Default: none (only ``max_size`` for the whole root).
         group: share with this group (a name, or a gid as an int or a string of digits):
             files 0640, directories 2770 owned by the group; default private (0600 / 0700).
         checksum: payload checksum, ``"xxh3"`` (default: flipped bytes read as a miss) or

@@ -129,6 +129,21 @@ class _Metrics:
             "hicache_capacity_limit_bytes", "The backend's capacity limit.", base, **gauge
         )
         self.objects = pc.Gauge("hicache_objects", "Objects the backend holds.", base, **gauge)
+        self.ns_used = pc.Gauge(
+            "hicache_namespace_used_bytes",
+            "Bytes of this namespace's objects (where the backend counts them apart).",
+            base,
+            **gauge,
+        )
+        self.ns_limit = pc.Gauge(
+            "hicache_namespace_limit_bytes",
+            "This namespace's quota (namespace_max_size), 0 when none.",
+            base,
+            **gauge,
+        )
+        self.ns_objects = pc.Gauge(
+            "hicache_namespace_objects", "Objects of this namespace.", base, **gauge
+        )
         self._children: dict[tuple[Any, ...], Any] = {}
         self._watched: weakref.WeakSet[Any] = weakref.WeakSet()
         self._refresher: threading.Thread | None = None
@@ -186,7 +201,9 @@ class _Metrics:
 
     def usage(self, labels: tuple[str, str], usage: dict[str, int]) -> None:
         for metric, key in ((self.used, "used_bytes"), (self.limit, "limit_bytes"),
-                            (self.objects, "objects")):  # fmt: skip
+                            (self.objects, "objects"), (self.ns_used, "namespace_used_bytes"),
+                            (self.ns_limit, "namespace_limit_bytes"),
+                            (self.ns_objects, "namespace_objects")):  # fmt: skip
             value = usage.get(key, -1)
             if isinstance(value, int) and value >= 0:
                 metric.labels(*labels).set(value)

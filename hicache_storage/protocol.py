@@ -95,6 +95,7 @@ if TYPE_CHECKING:
     from hicache_storage.stats import StatsRecorder, StorageStats
 
 __all__ = [
+    "NAMESPACE_USAGE_KEYS",
     "USAGE_KEYS",
     "Capabilities",
     "EngineHostPool",
@@ -107,6 +108,9 @@ logger = logging.getLogger(__name__)
 
 #: The keys every backend's :meth:`HiCacheStorage.usage` returns.
 USAGE_KEYS = ("objects", "used_bytes", "limit_bytes")
+#: This namespace's share, from backends that count it apart (``file``, ``shm``, ``mmap``):
+#: its objects, their bytes, and its own limit (``namespace_max_size``; 0: none).
+NAMESPACE_USAGE_KEYS = ("namespace_objects", "namespace_used_bytes", "namespace_limit_bytes")
 
 
 @runtime_checkable

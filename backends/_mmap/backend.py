@@ -633,8 +633,9 @@ class MmapBackend(HiCacheStorage):
 
         ``used_bytes`` are the live objects' payloads; ``limit_bytes`` the bytes of its
         slabs. Extra keys: ``slabs``, ``slot_size`` (a slab's bytes: the largest slot),
-        ``unit`` (the smallest slot). Before the arena exists (no write yet): zeros, and
-        ``limit_bytes`` is ``max_size``.
+        ``unit`` (the smallest slot), and this namespace's own objects and payload bytes
+        (``namespace_limit_bytes`` is 0: the arena has no per-namespace quota). Before
+        the arena exists (no write yet): zeros, and ``limit_bytes`` is ``max_size``.
         """
         arena = self._arena
         if arena is None:
@@ -642,6 +643,9 @@ class MmapBackend(HiCacheStorage):
                 "objects": 0,
                 "used_bytes": 0,
                 "limit_bytes": int(self.options.max_size),
+                "namespace_objects": 0,
+                "namespace_used_bytes": 0,
+                "namespace_limit_bytes": 0,
                 "slabs": 0,
                 "slot_size": 0,
                 "unit": 0,
@@ -649,18 +653,26 @@ class MmapBackend(HiCacheStorage):
         import numpy as np
 
         log = self._log
+        prefix = self.namespace.digest + "/"
         with log.lock:  # (one pass in numpy: a million objects take milliseconds)
             log.catch_up()
             index = log.index
             slots = np.fromiter(
                 (p & 0xFFFFFFFF for p in index.values()), dtype=np.int64, count=len(index)
             )  # (index_log.unpack's slot, inline)
-            used = int(log.lengths[slots].sum()) if len(index) else 0
+            mine = np.fromiter(
+                (n.startswith(prefix) for n in index), dtype=np.bool_, count=len(index)
+            )
+            lengths = log.lengths[slots] if len(index) else np.zeros(0, dtype=np.int64)
+            used = int(lengths.sum())
             objects = len(index)
         return {
             "objects": objects,
             "used_bytes": used,
             "limit_bytes": arena.nslabs * arena.slab_size,
+            "namespace_objects": int(mine.sum()),
+            "namespace_used_bytes": int(lengths[mine].sum()),
+            "namespace_limit_bytes": 0,
             "slabs": arena.nslabs,
             "slot_size": arena.slab_size,
             "unit": arena.unit,

@@ -58,5 +58,6 @@ VLLM_ADAPTER_KEYS = frozenset(
         "async_saves",
         "async_loads",
         "partial_blocks",
+        "admit_after",
     }
 )

@@ -143,6 +143,12 @@ class CapacityTracker:
             tracker: re-scan on a schedule while writing (:meth:`refresh_if_due`) and
             evict whatever is least recently used in the store, so that the store comes
             back under the cap whoever wrote the excess.
+        quota_prefix: the names of this instance's namespace (a tenant's): their
+            objects and bytes are counted apart (:attr:`quota_used_bytes`), and with
+            ``quota_bytes`` capped; ``None``: not counted.
+        quota_bytes: cap on the bytes of names starting with ``quota_prefix``: a write
+            that would cross it evicts that namespace's least-recently-used objects
+            (down to ``quota_bytes * eviction_ratio``), never another's.
     """
 
     def __init__(
@@ -157,6 +163,8 @@ class CapacityTracker:
         refresh: Callable[[], Iterable[tuple[str, int, float]]] | None = None,
         refresh_interval: float = 1.0,
         shared_cap: bool = False,
+        quota_prefix: str | None = None,
+        quota_bytes: int | None = None,
     ) -> None:
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"max size must be > 0, got {max_bytes}")
@@ -166,6 +174,8 @@ class CapacityTracker:
             raise ConfigError("min free space must be >= 0")
         if min_free_bytes and free_space is None:
             raise ConfigError("min_free_bytes needs a free_space callback")
+        if quota_bytes is not None and (quota_bytes <= 0 or quota_prefix is None):
+            raise ConfigError(f"a namespace quota must be > 0, got {quota_bytes}")
         self.max_bytes = max_bytes
         self.eviction_ratio = eviction_ratio
         self.min_free_bytes = min_free_bytes
@@ -189,11 +199,44 @@ class CapacityTracker:
         self._allocated = 0  # reserved bytes already allocated on the filesystem
         self._generation = 0
         self.evictions = 0
+        self.quota_prefix = quota_prefix
+        self.quota_bytes = quota_bytes
+        self._q_used = 0  # committed bytes of the quota's names
+        self._q_count = 0
+        self._q_reserved = 0
 
     @property
     def enabled(self) -> bool:
-        """True when a cap or a free-space floor is set."""
-        return self.max_bytes is not None or self.min_free_bytes > 0
+        """True when a cap, a namespace quota or a free-space floor is set."""
+        return self.max_bytes is not None or self.min_free_bytes > 0 or self.quota_bytes is not None
+
+    @property
+    def quota_used_bytes(self) -> int:
+        """Committed bytes of names starting with ``quota_prefix`` (0 without a prefix)."""
+        return self._q_used
+
+    @property
+    def quota_objects(self) -> int:
+        """Committed objects whose names start with ``quota_prefix``."""
+        return self._q_count
+
+    def _in_quota(self, name: str) -> bool:
+        prefix = self.quota_prefix
+        return prefix is not None and name.startswith(prefix)
+
+    def _counted(self, name: str, nbytes: int, sign: int) -> None:
+        """Follow a committed object coming in (``sign`` 1) or going (-1) for the quota."""
+        if self._in_quota(name):
+            self._q_used += sign * nbytes
+            self._q_count += sign
+
+    def _recount(self) -> None:
+        """Count the quota's names again (after the view was replaced as a whole)."""
+        prefix = self.quota_prefix
+        if prefix is None:
+            return
+        mine = [b for n, b in self._lru.items() if n.startswith(prefix)]
+        self._q_used, self._q_count = sum(mine), len(mine)
 
     @property
     def used_bytes(self) -> int:
@@ -222,6 +265,7 @@ class CapacityTracker:
                 self._lru = OrderedDict(zip(map(itemgetter(0), ordered), sizes, strict=True))
                 if len(self._lru) == len(sizes):
                     self._used = sum(sizes)
+                    self._recount()
                     return
                 # A name given twice: as the loop below does (its later entry wins).
                 self._lru = OrderedDict()
@@ -233,6 +277,7 @@ class CapacityTracker:
                     self._used -= old
                 self._lru[name] = nbytes
                 self._used += nbytes
+            self._recount()
 
     def items_oldest_first(self) -> list[tuple[str, int]]:
         """Committed ``(name, nbytes)``, least recently used first."""
@@ -271,6 +316,7 @@ class CapacityTracker:
             nbytes = self._lru.pop(name, None)
             if nbytes is not None:
                 self._used -= nbytes
+                self._counted(name, nbytes, -1)
 
     def add(self, name: str, nbytes: int) -> None:
         """Account an object that exists now, as the most recently used."""
@@ -280,8 +326,10 @@ class CapacityTracker:
             old = self._lru.pop(name, None)
             if old is not None:
                 self._used -= old
+                self._counted(name, old, -1)
             self._lru[name] = nbytes
             self._used += nbytes
+            self._counted(name, nbytes, 1)
 
     def clear(self, prefix: str | None = None) -> None:
         """Forget every committed object, or with ``prefix`` those whose name starts with it.
@@ -299,6 +347,7 @@ class CapacityTracker:
                     (n, b) for n, b in self._lru.items() if not n.startswith(prefix)
                 )
                 self._used = sum(self._lru.values())
+            self._recount()
             self._generation += 1
 
     def reserve(self, name: str, nbytes: int) -> Reservation | None:
@@ -312,6 +361,9 @@ class CapacityTracker:
             return Reservation(self, name, 0, self._generation)
         with self._lock:
             self._cap_refresh_locked()
+            mine = self._in_quota(name)
+            if mine and self.quota_bytes is not None and not self._make_room_in_quota(name, nbytes):
+                return None
             if self.max_bytes is not None and not self._make_room_under_cap(name, nbytes):
                 return None
             if (
@@ -321,6 +373,8 @@ class CapacityTracker:
             ):
                 return None
             self._reserved += nbytes
+            if mine:
+                self._q_reserved += nbytes
             return Reservation(self, name, nbytes, self._generation)
 
     def reserve_reusing(self, name: str, nbytes: int) -> tuple[Reservation, str] | None:
@@ -344,9 +398,20 @@ class CapacityTracker:
             victim, size = next(iter(self._lru.items()))
             if size != nbytes or not self._reuse_fits(nbytes):
                 return None
+            mine = self._in_quota(name)
+            if (
+                mine
+                and self.quota_bytes is not None
+                and not self._in_quota(victim)
+                and self._q_used + self._q_reserved + nbytes > self.quota_bytes
+            ):
+                return None  # the namespace is at its quota: it evicts its own (reserve)
             del self._lru[victim]
             self._used -= size
+            self._counted(victim, size, -1)
             self._reserved += nbytes
+            if mine:
+                self._q_reserved += nbytes
             self.evictions += 1
             return Reservation(self, name, nbytes, self._generation), victim
 
@@ -384,6 +449,34 @@ class CapacityTracker:
             target = max(int(cap * self.eviction_ratio), self._reserved + nbytes)
             self._evict_until(lambda: self._used + self._reserved + nbytes <= target)
         return self._used + self._reserved + nbytes <= cap
+
+    def _make_room_in_quota(self, name: str, nbytes: int) -> bool:
+        """Keep the quota's names under ``quota_bytes``, evicting only them (lock held)."""
+        quota = self.quota_bytes
+        assert quota is not None
+        assert self.quota_prefix is not None
+        if nbytes > quota:
+            self._log(
+                "oversize", "object %s (%d B) is larger than the namespace quota %d B",
+                name, nbytes, quota,
+            )  # fmt: skip
+            return False
+        if self._q_reserved + nbytes > quota:
+            return False  # its writes in flight hold the room
+        if self._q_used + self._q_reserved + nbytes > quota:
+            target = max(int(quota * self.eviction_ratio), self._q_reserved + nbytes)
+            excess = self._q_used + self._q_reserved + nbytes - target
+            prefix, victims = self.quota_prefix, []
+            for victim, size in self._lru.items():  # oldest first
+                if victim.startswith(prefix):
+                    victims.append((victim, size))
+                    excess -= size
+                    if excess <= 0:
+                        break
+            for victim, size in victims:
+                if not self._evict_one(victim, size):
+                    break
+        return self._q_used + self._q_reserved + nbytes <= quota
 
     def _pending(self) -> int:
         """Reserved bytes not allocated on the filesystem yet (``free_space()`` misses them)."""
@@ -446,6 +539,7 @@ class CapacityTracker:
         entries.sort(key=lambda e: e[2])
         self._lru = OrderedDict((name, nbytes) for name, nbytes, _ in entries)
         self._used = sum(self._lru.values())
+        self._recount()
         self.refreshes += 1
         return True
 
@@ -486,19 +580,26 @@ class CapacityTracker:
     def _evict_until(self, done: Callable[[], bool]) -> None:
         while self._lru and not done():
             name, nbytes = next(iter(self._lru.items()))
-            try:
-                gone = self._evict(name)
-            except Exception:  # noqa: BLE001 - logged (rate limited) with its traceback
-                self._log("evict", "evicting %s failed", name, exc_info=True)
-                gone = False
-            if not gone:
-                # Keep the accounting honest (the bytes are still there); stop here rather
-                # than loop on an object that cannot be removed.
-                self._lru.move_to_end(name)
+            if not self._evict_one(name, nbytes):
                 break
-            del self._lru[name]
-            self._used -= nbytes
-            self.evictions += 1
+
+    def _evict_one(self, name: str, nbytes: int) -> bool:
+        """Evict ``name`` (lock held); False if it could not be removed."""
+        try:
+            gone = self._evict(name)
+        except Exception:  # noqa: BLE001 - logged (rate limited) with its traceback
+            self._log("evict", "evicting %s failed", name, exc_info=True)
+            gone = False
+        if not gone:
+            # Keep the accounting honest (the bytes are still there); stop here rather
+            # than loop on an object that cannot be removed.
+            self._lru.move_to_end(name)
+            return False
+        del self._lru[name]
+        self._used -= nbytes
+        self._counted(name, nbytes, -1)
+        self.evictions += 1
+        return True
 
     def _mark_allocated(self, r: Reservation) -> None:
         with self._lock:
@@ -507,6 +608,8 @@ class CapacityTracker:
     def _commit(self, r: Reservation) -> bool:
         with self._lock:
             self._reserved -= r.nbytes
+            if self._in_quota(r.name):
+                self._q_reserved -= r.nbytes
             if r.allocated:
                 self._allocated -= r.nbytes
             if not self.enabled:
@@ -516,12 +619,16 @@ class CapacityTracker:
             old = self._lru.pop(r.name, None)
             if old is not None:
                 self._used -= old
+                self._counted(r.name, old, -1)
             self._lru[r.name] = r.nbytes
             self._used += r.nbytes
+            self._counted(r.name, r.nbytes, 1)
             return True
 
     def _release(self, r: Reservation) -> None:
         with self._lock:
             self._reserved -= r.nbytes
+            if self._in_quota(r.name):
+                self._q_reserved -= r.nbytes
             if r.allocated:
                 self._allocated -= r.nbytes

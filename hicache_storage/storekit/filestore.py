@@ -174,18 +174,31 @@ class FileTreeStore(FileTreeReads[O], FileTreeWrites[O]):
 
     @override
     def usage(self) -> dict[str, int]:
-        """The protocol's figures, from the capacity tracker; and ``reserved_bytes``.
+        """The protocol's figures and ``reserved_bytes``, from the capacity tracker.
 
-        The tracker counts only with a cap or a floor set (objects and bytes are -1
-        without), each object as its file's size (payload and header).
+        With this namespace's own (:data:`~hicache_storage.protocol.NAMESPACE_USAGE_KEYS`).
+
+        The tracker counts only with a cap, a quota or a floor set (objects and bytes
+        are -1 without), each object as its file's size (payload and header). Where
+        the limit covers the whole root (``shm``), the first three are the root's and
+        the ``namespace_`` ones this namespace's (every shard); otherwise both are
+        this namespace's and shard's.
         """
         tracker = self._tracker
         counted = tracker.enabled
+        caps = [
+            c
+            for c in (tracker.quota_bytes, None if self.capacity_per_root else tracker.max_bytes)
+            if c
+        ]
         return {
             "objects": len(tracker) if counted else -1,
             "used_bytes": tracker.used_bytes if counted else -1,
             "limit_bytes": tracker.max_bytes or 0,
             "reserved_bytes": tracker.reserved_bytes if counted else -1,
+            "namespace_objects": tracker.quota_objects if counted else -1,
+            "namespace_used_bytes": tracker.quota_used_bytes if counted else -1,
+            "namespace_limit_bytes": min(caps) if caps else 0,
         }
 
     @override

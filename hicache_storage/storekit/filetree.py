@@ -151,6 +151,11 @@ class FileTreeOptions:
         min_free_space: keep at least this much free space on the filesystem.
             ``None``: the backend's default (0 for ``file``).
         eviction_ratio: once over ``max_size``, evict down to ``max_size * eviction_ratio``.
+        namespace_max_size: cap on the bytes of this instance's namespace (its tenant),
+            every shard of it, within the store; a write that would cross it evicts the
+            namespace's own least-recently-used objects, never another namespace's.
+            Useful where ``max_size`` covers the whole root (``shm``); on ``file`` it
+            caps each namespace and shard like ``max_size`` (the smaller applies).
         max_concurrency: threads for batch reads and writes.
         metadata_cache_ttl: seconds ``exists`` may answer from memory (0 = always stat).
         checksum: payload checksum, ``"xxh3"`` or ``"none"``.
@@ -163,6 +168,7 @@ class FileTreeOptions:
     max_size: Size | None = None
     min_free_space: Size | None = None
     eviction_ratio: float = 0.9
+    namespace_max_size: Size | None = None
     max_concurrency: int = 4
     metadata_cache_ttl: float = 0.0
     checksum: Literal["xxh3", "none"] = "xxh3"
@@ -259,6 +265,8 @@ class FileTreeCore(HiCacheStorage, Generic[O]):
                 block_size=os.statvfs(self.root).f_frsize,
                 refresh=self._scanner.scan,
                 shared_cap=self.capacity_per_root,
+                quota_prefix=f"{self.namespace.digest}/",
+                quota_bytes=opts.namespace_max_size,
             )
             if self._tracker.enabled:
                 self._scanner.load(self._tracker)

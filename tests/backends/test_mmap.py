@@ -97,7 +97,13 @@ def test_geometry_is_fixed_at_creation(arena: Callable[..., MmapBackend], tmp_pa
     a.set("k", b"v")
     a.close()
     again = arena(max_size="1GiB", slot_size="8MiB")  # ignored: the arena exists
-    assert again.usage() == {**u, "objects": 1, "used_bytes": 1}
+    assert again.usage() == {
+        **u,
+        "objects": 1,
+        "used_bytes": 1,
+        "namespace_objects": 1,
+        "namespace_used_bytes": 1,
+    }
     assert again.capabilities.max_object_bytes == MiB
     assert again.set("big", b"x" * (MiB + 1)) is False
 
@@ -743,3 +749,23 @@ def test_checksum_options_are_coherent(
     off._arena.slot_view(entry.slot, entry.length)[0] ^= 0x10
     got = unchecked.get("k")  # no checksum to check: served, as documented
     assert got is not None and bytes(got.numpy()) != value(1, 5000)
+
+
+def test_usage_counts_each_namespace_of_the_arena_apart(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    """Two namespaces in one arena: the arena's figures are shared, each namespace's own
+    objects and bytes are its own, and a clear of one leaves the other's count."""
+    from hicache_storage import KVCacheNamespace
+
+    a = arena(StorageConfig(namespace=KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, tenant="a")))
+    b = arena(StorageConfig(namespace=KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, tenant="b")))
+    assert a.batch_set(["k1", "k2"], [value(1), value(2, 300)]) == [True, True]
+    assert b.set("k1", value(3, 50))
+    ua, ub = a.usage(), b.usage()
+    assert ua["objects"] == ub["objects"] == 3 and ua["used_bytes"] == 1350
+    assert (ua["namespace_objects"], ua["namespace_used_bytes"]) == (2, 1300)
+    assert (ub["namespace_objects"], ub["namespace_used_bytes"]) == (1, 50)
+    assert ua["namespace_limit_bytes"] == 0
+    a.clear()
+    assert (b.usage()["namespace_objects"], a.usage()["namespace_objects"]) == (1, 0)

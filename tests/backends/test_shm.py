@@ -19,7 +19,7 @@ import torch
 from hicache_storage import HiCacheStorage, KVCacheNamespace, StorageConfig, page_hashes
 from hicache_storage.backends import ShmBackend
 from hicache_storage.conformance import BackendConformance, BackendSpec
-from hicache_storage.conformance.data import make_pool, tree_files
+from hicache_storage.conformance.data import make_pool, pool_namespace, tree_files
 from hicache_storage.errors import ConfigError
 from hicache_storage.storekit.header import HEADER_SIZE
 
@@ -472,3 +472,34 @@ def test_a_directory_not_on_a_tmpfs_is_warned_about_once(
         shutil.rmtree(on_disk, ignore_errors=True)
     lines = [r.getMessage() for r in caplog.records if "not a tmpfs" in r.getMessage()]
     assert len(lines) == 1 and on_disk in lines[0], lines
+
+
+def test_a_namespace_quota_holds_a_tenant_to_its_share_of_the_root(shm_dir: str) -> None:
+    """Two tenants in one root: ``a`` with ``namespace_max_size`` of 4 pages writes 12;
+    it never holds more than 4, the pages it keeps are its newest and byte-exact, and
+    ``b``'s older pages all survive. ``usage()`` reports the root and each namespace."""
+    page = HEAD + SIZE
+    ns_b = pool_namespace(make_pool(num_pages=1), tenant="quota-b")
+    b = ShmBackend(StorageConfig(namespace=ns_b), root=shm_dir, max_size=64 * page)
+    for i in range(6):
+        assert b.set(f"k{i}", value_of(i))
+    ns_a = pool_namespace(make_pool(num_pages=1), tenant="quota-a")
+    a = ShmBackend(
+        StorageConfig(namespace=ns_a), root=shm_dir, max_size=64 * page,
+        namespace_max_size=4 * page,
+    )  # fmt: skip
+    for i in range(12):
+        assert a.set(f"k{i}", value_of(100 + i))
+        assert a.usage()["namespace_used_bytes"] <= 4 * page
+    kept = [i for i in range(12) if a.exists(f"k{i}")]
+    assert 2 <= len(kept) <= 4 and kept == list(range(12 - len(kept), 12))
+    assert all(torch.equal(a.get(f"k{i}"), value_of(100 + i)) for i in kept)
+    assert all(torch.equal(b.get(f"k{i}"), value_of(i)) for i in range(6))
+    ua, ub = a.usage(), b.usage()
+    assert ua["namespace_limit_bytes"] == 4 * page and ub["namespace_limit_bytes"] == 0
+    assert ua["namespace_objects"] == len(kept)
+    assert ua["used_bytes"] == (len(kept) + 6) * page  # the root's
+    assert ua["limit_bytes"] == 64 * page
+    assert a.get_stats().evictions == 12 - len(kept)
+    a.close()
+    b.close()

@@ -58,7 +58,7 @@ print("ok")
 
 def test_a_backends_calls_are_series_with_what_they_did(tmp_path: Path) -> None:
     metrics.enable()
-    b = _backend(tmp_path, max_size=1 << 20)
+    b = _backend(tmp_path, max_size=1 << 20, namespace_max_size=1 << 19)
     keys = [f"k{i}" for i in range(3)]
     assert b.batch_set(keys, [PAGE] * 3) == [True] * 3
     got = b.batch_get([*keys[:2], "absent"])
@@ -80,6 +80,10 @@ def test_a_backends_calls_are_series_with_what_they_did(tmp_path: Path) -> None:
     assert _value("hicache_capacity_limit_bytes", b) == 1 << 20
     assert _value("hicache_capacity_used_bytes", b) >= 3 * len(PAGE)
     assert _value("hicache_objects", b) == 3
+    # The namespace's own figures and its quota (namespace_max_size).
+    assert _value("hicache_namespace_objects", b) == 3
+    assert _value("hicache_namespace_used_bytes", b) == _value("hicache_capacity_used_bytes", b)
+    assert _value("hicache_namespace_limit_bytes", b) == 1 << 19
     # A damaged object: a failed read, counted as corrupt.
     for path in tmp_path.rglob("*"):
         if path.is_file() and not path.name.startswith(".") and path.stat().st_size > len(PAGE):

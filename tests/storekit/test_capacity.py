@@ -228,3 +228,58 @@ def test_reserve_reusing_under_a_free_space_floor_and_after_clear() -> None:
     assert not got[0].commit()  # cleared meanwhile: the caller re-checks its object
     assert t.reserved_bytes == 0 and len(t) == 0
     assert CapacityTracker(None, s.evict).reserve_reusing("x", 20) is None  # no bound at all
+
+
+def test_a_namespace_quota_evicts_only_that_namespaces_oldest() -> None:
+    """One root, two namespaces: ``a/`` capped at 60 bytes. Its writes past the quota
+    evict its own oldest objects (down to the watermark), never ``b/``'s, though those
+    are older; the root cap still applies to everything."""
+    s = Store()
+    t = CapacityTracker(1000, s.evict, eviction_ratio=0.5, quota_prefix="a/", quota_bytes=60)
+    fill(t, ["b/1", "b/2"], 20)
+    fill(t, ["a/1", "a/2", "a/3"], 20)
+    assert (t.quota_used_bytes, t.quota_objects, t.used_bytes) == (60, 3, 100)
+    t.touch("a/1")  # order of a's: a/2 a/3 a/1
+    # 60 + 20 > 60: down to 30 with the new object counted, so all three go, oldest first.
+    fill(t, ["a/4"], 20)
+    assert s.evicted == ["a/2", "a/3", "a/1"]
+    assert (t.quota_used_bytes, t.quota_objects) == (20, 1)
+    assert "b/1" in t and "b/2" in t
+    fill(t, ["b/3", "b/4"], 20)  # other namespaces are not held to it
+    assert t.quota_used_bytes == 20 and t.used_bytes == 100
+    assert t.reserve("a/big", 61) is None  # larger than the quota itself
+    # Writes in flight count: two 30-byte reservations fill it; a third waits.
+    r1, r2 = t.reserve("a/x", 30), t.reserve("a/y", 30)
+    assert r1 is not None and r2 is not None and t.reserve("a/z", 1) is None
+    r1.release()
+    r2.commit()
+    # Replacing the view (a re-scan, a load, a clear) counts the namespace again.
+    t.clear(prefix="a/")
+    assert (t.quota_used_bytes, t.quota_objects) == (0, 0)
+    t.load([("a/q", 5, 1.0), ("b/q", 7, 2.0)])
+    assert (t.quota_used_bytes, t.quota_objects) == (5, 1)
+    t.discard("a/q")
+    assert t.quota_used_bytes == 0
+
+
+def test_reuse_under_a_quota_never_grows_the_namespace_past_it() -> None:
+    """A recycling store (reserve_reusing) at its root cap: a namespace at its quota
+    does not take another namespace's object; it evicts one of its own instead."""
+    s = Store()
+    t = CapacityTracker(80, s.evict, eviction_ratio=1.0, quota_prefix="a/", quota_bytes=40)
+    fill(t, ["b/1", "b/2", "a/1", "a/2"], 20)
+    assert t.reserve_reusing("a/3", 20) is None  # b/1 is oldest, but a is at its quota
+    r = t.reserve("a/3", 20)
+    assert r is not None and s.evicted == ["a/1"]
+    r.commit()
+    assert t.quota_used_bytes == 40 and "b/1" in t
+    got = t.reserve_reusing("c/1", 20)  # another namespace may still recycle b/1
+    assert got is not None and got[1] == "b/1"
+    assert t.quota_used_bytes == 40
+
+
+def test_a_bad_quota_is_refused() -> None:
+    with pytest.raises(ConfigError, match="quota"):
+        CapacityTracker(None, Store().evict, quota_prefix="a/", quota_bytes=0)
+    with pytest.raises(ConfigError, match="quota"):
+        CapacityTracker(None, Store().evict, quota_bytes=10)

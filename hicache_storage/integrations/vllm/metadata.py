@@ -44,6 +44,7 @@ COUNTERS = (
     "save_seconds",
     "save_skipped_blocks",
     "save_cut_blocks",
+    "save_not_admitted_blocks",
     "lookup_timeouts",
     "load_timeouts",
     "save_timeouts",

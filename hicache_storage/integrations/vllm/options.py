@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from hicache_storage.admission import MAX_MIN_SEEN
 from hicache_storage.config import parse_options
 from hicache_storage.errors import ConfigError
 from hicache_storage.integrations import VLLM_ADAPTER_KEYS
@@ -53,6 +54,11 @@ class ConnectorOptions:
             ``async_saves``; one object per finished request, and per lookup that ends
             inside a block one batched existence query of up to ``block_size - 1`` keys
             per rank).
+        admit_after: store a block only once this many requests have had it (counted in
+            the scheduler across requests, in fixed memory:
+            :mod:`hicache_storage.admission`); 1 stores every block computed. A block a
+            request does not store is computed again by the next request that needs it
+            after vLLM's own cache lost it.
     """
 
     model_id: str | None = None
@@ -65,6 +71,7 @@ class ConnectorOptions:
     async_saves: bool = True
     async_loads: bool | None = None
     partial_blocks: bool = True
+    admit_after: int = 1
 
     def __post_init__(self) -> None:
         """Check the options; :class:`ConfigError` says what is allowed."""
@@ -82,6 +89,11 @@ class ConnectorOptions:
             raise ConfigError(
                 f"store_output_tokens={self.store_output_tokens} must be a whole number of "
                 "tokens from 0 (prompt blocks only) to 2**30"
+            )
+        if isinstance(self.admit_after, bool) or not 1 <= self.admit_after <= MAX_MIN_SEEN:
+            raise ConfigError(
+                f"admit_after={self.admit_after} must be a whole number of requests from 1 "
+                f"(store every block) to {MAX_MIN_SEEN}"
             )
         if self.staging is False and self.engine_timeout > 0:
             raise ConfigError(

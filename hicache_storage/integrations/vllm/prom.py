@@ -37,6 +37,7 @@ BLOCK_RESULTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("save", "failed"): ("save_failed_blocks",),
     ("save", "skipped"): ("save_skipped_blocks",),
     ("save", "cut"): ("save_cut_blocks",),
+    ("save", "not_admitted"): ("save_not_admitted_blocks",),
 }
 
 #: ``kind`` of ``vllm:hicache_errors_total`` and its counter.

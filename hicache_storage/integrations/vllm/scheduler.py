@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from hicache_storage.admission import SeenCounter
 from hicache_storage.integrations.adapterkit import failsafe
 from hicache_storage.integrations.deadline import Lane
 from hicache_storage.integrations.vllm.metadata import HiCacheConnectorMetadata, LoadSpec, SaveSpec
@@ -60,6 +61,10 @@ class _Req:
     load_pending: bool = False  # a background load was sent; the request not scheduled since
     #: A stored partial block right after the leading run: (its key, tokens with KV).
     partial: tuple[str, int] | None = None
+    #: Leading blocks admitted to the store (``admit_after``: seen by enough requests).
+    admitted: int = 0
+    #: Blocks counted as not admitted so far (each once).
+    refused: int = 0
 
 
 class SchedulerSide(ConnectorSide):
@@ -79,6 +84,8 @@ class SchedulerSide(ConnectorSide):
         self.group_backends: list[list[HiCacheStorage]] = []
         self.shapes = settings.groups or (GroupShape(()),)
         self._lookup_lane = Lane("hicache-vllm-lookup")
+        #: How many requests had each block (``admit_after``).
+        self.admission = SeenCounter(settings.options.admit_after)
 
     # ------------------------------------------------------------------ ConnectorSide
 
@@ -172,6 +179,22 @@ class SchedulerSide(ConnectorSide):
         state.keys.extend(
             page_hashes(list(tokens), bs, prior_hash=prior, namespace_seed=state.seed)
         )
+        self._admit(state, have)
+
+    def _admit(self, state: _Req, start: int) -> None:
+        """Count one more request having ``state.keys[start:]``; extend the admitted run.
+
+        Each block is counted once per request (its keys are made once). A block
+        extends the run only if every block before it is admitted: a block past a
+        refused one could never be loaded (hits are leading runs).
+        """
+        flags = self.admission.see(state.keys[start:])
+        if state.admitted != start:
+            return
+        for ok in flags:
+            if not ok:
+                break
+            state.admitted += 1
 
     @failsafe(lambda self, args: (0, False))
     def get_num_new_matched_tokens(
@@ -199,6 +222,7 @@ class SchedulerSide(ConnectorSide):
                 request=request,
                 seed=seed,
             )
+            self._admit(state, 0)
             self._reqs[req_id] = state
         state.request = request
         state.load = None
@@ -555,6 +579,12 @@ class SchedulerSide(ConnectorSide):
             len(state.keys),
             min((len(g) for g in state.block_ids), default=0),
         )
+        if full > state.admitted:  # (admit_after) blocks not seen often enough yet
+            refused = full - max(state.admitted, state.stored, state.refused)
+            if refused > 0:
+                self.count(save_not_admitted_blocks=refused)
+                state.refused = full
+            full = max(state.admitted, min(full, state.stored))
         if full > state.stored:
             a = state.stored
             meta.saves.append(

@@ -1133,6 +1133,8 @@ def test_connector_options_are_checked(config: Any) -> None:
         ({"engine_timeout": "soon"}, "engine_timeout"),
         ({"engine_timeout": float("inf")}, "engine_timeout"),
         ({"engine_timeout": 1e10}, "engine_timeout"),  # (past what a wait can take)
+        ({"admit_after": 0}, "admit_after"),
+        ({"admit_after": 1000}, "admit_after"),
     ]
     for options, word in bad:
         saved = dict(extra)
@@ -1648,3 +1650,30 @@ def test_the_events_container_keeps_what_every_rank_reported() -> None:
     assert joined.aggregate().get_all_events() == [a]
     joined.clear_events()
     assert joined.get_all_events() == [] and joined.get_number_of_workers() == 1
+
+
+def test_admission_stores_a_block_only_from_the_nth_request_that_has_it(config: Any) -> None:
+    """``admit_after=2``: the first request's blocks are not stored (counted as not
+    admitted); a second request with them stores them; a third loads them. A request
+    sharing only the first block stores that one alone: a block past one not admitted
+    is never stored (a hit is a leading run, so it could never load)."""
+    config.kv_transfer_config.kv_connector_extra_config["admit_after"] = 2
+    sched, worker, _ = pair(config, seed=71)
+    assert sched.get_num_new_matched_tokens(request("a", PROMPT), 0) == (0, False)
+    m = run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+    assert m.saves == [] and sched.totals["save_not_admitted_blocks"] == 3
+    assert sched.get_num_new_matched_tokens(request("b", PROMPT), 0) == (0, False)
+    m = run_step(sched, worker, step([new_req("b", [5, 6, 7, 8], 0)], scheduled={"b": 100}))
+    assert [s.block_ids[0] for s in m.saves] == [[5, 6, 7]]
+    assert sched.totals["save_not_admitted_blocks"] == 3  # (b's were admitted)
+    assert sched.get_num_new_matched_tokens(request("c", PROMPT), 0) == (3 * BLOCK, False)
+    # Two new prompts sharing the first block with PROMPT but not the rest: the first
+    # has it a third time (admitted, stored already), its new blocks once (refused).
+    other = PROMPT[:BLOCK] + list(range(500, 560))
+    sched.get_num_new_matched_tokens(request("d", other), 0)
+    m = run_step(sched, worker, step([new_req("d", [9, 10, 11], 0)], scheduled={"d": 92}))
+    assert m.saves == [] and sched.totals["save_not_admitted_blocks"] == 3 + 1
+    sched.get_num_new_matched_tokens(request("e", other), BLOCK)
+    m = run_step(sched, worker, step([new_req("e", [9, 12, 13], BLOCK)], scheduled={"e": 60}))
+    assert [s.block_ids[0] for s in m.saves] == [[12]]
+    assert sched.get_num_new_matched_tokens(request("f", other), 0) == (2 * BLOCK, False)
