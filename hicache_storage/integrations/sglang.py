@@ -65,6 +65,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
         f"here ({exc}); install sglang (0.5.23 is the version tested) in this environment"
     ) from exc
 
+from hicache_storage.breaker import report_timeout
 from hicache_storage.buffers import memoryview_at
 from hicache_storage.config import StorageConfig, parse_options
 from hicache_storage.errors import (
@@ -650,6 +651,10 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         outcome, job = self._exists_lane.run(lambda job: fn(), timeout)
         if outcome == "done":
             return True, job.result
+        if outcome == "timeout" and self.backend is not None:
+            # A failure for the backend's read breaker: a store that hangs opens it, and
+            # later queries answer at once instead of each waiting out the deadline.
+            report_timeout(self.backend)
         self._log(
             "deadline:" + what,
             "SGLangStorage: a hit query %s; answered as a miss",
