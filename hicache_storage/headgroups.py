@@ -680,6 +680,23 @@ class HeadGroupStore(HiCacheStorage):
         return self.inner.usage()
 
     @override
+    def watch_removals(self, listener: Callable[[list[str] | None], None]) -> bool:
+        """The inner backend's removals, as the engine's keys.
+
+        Any group's object gone takes its page (a page needs every group).
+        """
+
+        def outer(keys: list[str] | None) -> None:
+            if keys is None:
+                listener(None)
+                return
+            pages = {k.rsplit(".h", 1)[0] for k in keys if ".h" in k}
+            if pages:
+                listener(sorted(pages))
+
+        return self.inner.watch_removals(outer)
+
+    @override
     def health(self) -> Health:
         """The inner backend's health (closed: ``down``)."""
         if self._hicache_state().closed:

@@ -57,7 +57,7 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeAlias, runtime_checkable
 
 from typing_extensions import override
 
@@ -324,6 +324,36 @@ class HiCacheStorage(abc.ABC):
     def _record(self, **counters: int) -> None:
         """Add to this backend's scalar counters (``bytes_read``, ``corrupt_objects``...)."""
         self._hicache_state().stats.add(**counters)
+
+    #: What :meth:`watch_removals` reports for this backend (empty: nothing). Words for
+    #: the docs: ``"evict"`` (objects its own capacity bound evicts), ``"delete"``,
+    #: ``"clear"`` (made through this instance).
+    reports_removals: ClassVar[frozenset[str]] = frozenset()
+
+    def watch_removals(self, listener: Callable[[list[str] | None], None]) -> bool:
+        """Have ``listener`` told of this namespace's objects this instance removes.
+
+        ``listener(keys)`` gets the keys of objects this instance evicted (its capacity
+        bound) or deleted, or ``None`` when it cleared the namespace. It runs on the
+        thread that removed them, perhaps with the backend's locks held: it must be
+        quick and must not call the backend. What other processes or the server remove
+        (another writer's eviction, a TTL, a server's own eviction) is never reported.
+        Returns False when the backend reports nothing (:attr:`reports_removals`).
+        """
+        if not self.reports_removals:
+            return False
+        self.__dict__.setdefault("_removal_listeners", []).append(listener)
+        return True
+
+    def _removed(self, keys: list[str] | None) -> None:
+        """Tell the :meth:`watch_removals` listeners (a listener's error is logged only)."""
+        for listener in self.__dict__.get("_removal_listeners", ()):
+            try:
+                listener(keys)
+            except Exception:  # noqa: BLE001 - the removal happened; a listener bug is logged
+                self._hicache_state().log(
+                    "removal-listener", "a removal listener failed", exc_info=True
+                )
 
     def _add_item_errors(self, count: int) -> None:
         """Count ``count`` items that failed inside the current call (call from its thread).

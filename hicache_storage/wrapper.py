@@ -10,7 +10,7 @@ from hicache_storage.breaker import Health
 from hicache_storage.protocol import Capabilities, HiCacheStorage
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from hicache_storage.buffers import PageBuffer
     from hicache_storage.protocol import HostPool
@@ -139,6 +139,11 @@ class WrapperBackend(HiCacheStorage):
     @override
     def usage(self) -> dict[str, int]:
         return self.inner.usage()
+
+    @override
+    def watch_removals(self, listener: Callable[[list[str] | None], None]) -> bool:
+        """The inner backend's removals (the keys are the same)."""
+        return self.inner.watch_removals(listener)
 
     @override
     def health(self) -> Health:

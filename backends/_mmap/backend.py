@@ -84,6 +84,7 @@ class MmapBackend(HiCacheStorage):
     # The class's declaration (what the registry reads); an instance adds the arena's
     # slot size as max_object_bytes once it is known (_refine_capabilities).
     capabilities = _CAPS
+    reports_removals = frozenset({"evict", "delete", "clear"})
     options_class = MmapOptions
 
     def __init__(self, config: StorageConfig | None = None, **options: Any) -> None:
@@ -115,7 +116,7 @@ class MmapBackend(HiCacheStorage):
             token=int.from_bytes(secrets.token_bytes(8), "little") or 1,
             writer_lock=self._writer_lock,
             warn=self._warn,
-            on_evict=lambda n: self._record(evictions=n),
+            on_evict=self._evicted,
             refuse=self._refuse,
         )
         self._io = IOPool(self.options.max_concurrency, "hicache-mmap")
@@ -528,6 +529,15 @@ class MmapBackend(HiCacheStorage):
         with self._in_flight():
             return self._write_many([(k, p, p.views) for k, p in zip(keys, pages, strict=True)])
 
+    def _evicted(self, names: list[str]) -> None:
+        """Objects this instance evicted (its slots' LRU): counted, and told to listeners."""
+        self._record(evictions=len(names))
+        if self.__dict__.get("_removal_listeners"):
+            prefix = self.namespace.digest + "/"
+            keys = [n.rsplit("/", 1)[-1].partition("~")[0] for n in names if n.startswith(prefix)]
+            if keys:
+                self._removed(keys)
+
     @override
     def delete(self, key: str) -> bool:
         name = self.object_name(key).path
@@ -542,6 +552,7 @@ class MmapBackend(HiCacheStorage):
                     return False
                 self._log.append([(RecordKind.DEL, name, entry)])
                 self._slots.retire(arena, [entry.slot])
+            self._removed([key])
             return True
 
     @override
@@ -561,6 +572,7 @@ class MmapBackend(HiCacheStorage):
                     self._log.append([(RecordKind.CLEAR, prefix, NO_ENTRY)])
                     self._slots.retire(arena, self._log.dropped)
                     self._log.dropped = []
+                    self._removed(None)
 
     @override
     def close(self) -> None:

@@ -51,7 +51,7 @@ class Slots:
 
     ``token`` tells this instance's reservations from other processes' (the table's
     ``token`` column); ``writer_lock(arena)`` is the backend's writer lock; ``warn`` a
-    rate-limited warning; ``on_evict(n)`` counts evictions; ``refuse(n, error)`` reports
+    rate-limited warning; ``on_evict(names)`` counts evictions; ``refuse(n, error)`` reports
     the items of a batch that cannot fit.
     """
 
@@ -66,7 +66,7 @@ class Slots:
         token: int,
         writer_lock: Callable[[Arena], AbstractContextManager[None]],
         warn: Callable[..., None],
-        on_evict: Callable[[int], None],
+        on_evict: Callable[[list[str]], None],
         refuse: Callable[[int, Exception], None],
     ) -> None:
         self.log, self.options, self.path, self.algorithm = log, options, path, algorithm
@@ -574,7 +574,7 @@ class Slots:
             records.append((RecordKind.DEL, log.by_slot[s], entry))
         log.append(records)  # logged first: a crash here leaves them deleted, never half
         self.retire(arena, victims)
-        self._on_evict(len(victims))
+        self._on_evict([name for _, name, _ in records])
 
     @staticmethod
     def retire(arena: Arena, slots: list[int]) -> None:

@@ -147,9 +147,19 @@ def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
     except BaseException:
         stop_metrics()
         raise
+    # The store's own removal reports (what a router would get as removal events).
+    removals = {"pages": 0, "clears": 0}
+
+    def removed(keys: list[str] | None) -> None:
+        if keys is None:
+            removals["clears"] += 1
+        else:
+            removals["pages"] += len(keys)
+
     try:
         if args.clear and backend.capabilities.delete:
             backend.clear()
+        watched = backend.watch_removals(removed)
         config = TierConfig(
             write_policy=args.write_policy, prefetch_policy=args.prefetch_policy,
             prefetch_threshold=args.prefetch_threshold, io_workers=args.io_workers,
@@ -188,6 +198,10 @@ def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
             breaker_opens=stats.breaker_opens,
             breaker_rejections=stats.breaker_rejections,
             corrupt_objects=stats.corrupt_objects,
+            # Events a router would get: pages stored, and pages the store reports it
+            # removed (-1: this backend reports no removals).
+            events_stored_pages=cache.stats.backup_tokens // args.page_size,
+            events_removed_pages=removals["pages"] if watched else -1,
         )
         report.update(
             backend=args.backend,
@@ -245,7 +259,7 @@ def _backend_get_gbps(backend: Any, like: HostKVPool, keys: list[str], pages: in
     """
     import time
 
-    keys = keys[:256]
+    keys = keys[-256:]  # (the newest: a capped store may have evicted the oldest)
     if not keys:
         return 0.0
     probe = HostKVPool(
@@ -301,6 +315,9 @@ def _print(r: dict[str, Any]) -> None:
         ("prefetch / backend get", (f"{r['prefetch_gbps']:.2f} / {r['backend_get_gbps']:.2f} GB/s "
                                     f"({r['prefetch_vs_backend_get']:.2f}x)")),
         ("verification errors", f"{r['verification_errors']} of {r['verified_pages']} pages"),
+        ("store events", (f"{r['events_stored_pages']} pages stored, "
+                          + (f"{r['events_removed_pages']} removed (evicted or deleted)"
+                             if r["events_removed_pages"] >= 0 else "removals not reported"))),
         ("store health / circuit", (f"{r['backend_health']} / {r['circuit']} (opened "
                                     f"{r['breaker_opens']}x, {r['breaker_rejections']} calls "
                                     f"answered without it; {r['corrupt_objects']} corrupt)")),

@@ -226,6 +226,9 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
     #: The options dataclass (a :class:`BlobOptions` subclass); parsed by ``__init__``.
     options_class: ClassVar[type[BlobOptions]] = BlobOptions
+    #: Deletes and clears made through this instance (a server's own evictions and TTLs
+    #: are not seen).
+    reports_removals: ClassVar[frozenset[str]] = frozenset({"delete", "clear"})
     #: Client exception class -> :class:`~hicache_storage.errors.BackendError` subclass,
     #: applied with :func:`~hicache_storage.errors.map_errors` around every call of the
     #: implementer's methods and to the exceptions they put in result slots. The most
@@ -668,9 +671,12 @@ class BlobStore(HiCacheStorage, Generic[O]):
         answer = self._answered("_delete_blobs", done)
         if answer is None:
             raise BackendError(f"{type(self).__name__}._delete_blobs gave no yes/no answer")
+        if answer:
+            self._removed([key])
         return answer
 
     @override
     def clear(self) -> None:
         with self._errors():
             self._clear_namespace()
+        self._removed(None)

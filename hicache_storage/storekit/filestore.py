@@ -101,6 +101,7 @@ class FileTreeStore(FileTreeReads[O], FileTreeWrites[O]):
             if self._on_disk(path):
                 self._tracker.add(name.path, os.lstat(path).st_size)
             raise from_os_error(exc, f"delete {path}") from exc
+        self._removed([key])
         return True
 
     @override
@@ -118,6 +119,7 @@ class FileTreeStore(FileTreeReads[O], FileTreeWrites[O]):
         self._forget_dirs()
         self._meta.clear()
         self._tracker.clear(prefix=f"{self.namespace.digest}/" if self.capacity_per_root else None)
+        self._removed(None)
         try:
             self._ensure_tree()
         except ConfigError as exc:

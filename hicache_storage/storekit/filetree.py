@@ -210,6 +210,7 @@ class FileTreeCore(HiCacheStorage, Generic[O]):
     #: Every instance of a store type must agree, so this is per class; whether an
     #: instance itself recycles is :attr:`recycle`.
     recycles_files: ClassVar[bool] = False
+    reports_removals: ClassVar[frozenset[str]] = frozenset({"evict", "delete", "clear"})
     recycle: bool = False
     #: Capacity accounting covers the whole root (every namespace and shard: one LRU and
     #: one cap for every instance of the root) instead of this namespace and shard only.
@@ -383,7 +384,21 @@ class FileTreeCore(HiCacheStorage, Generic[O]):
             return False
         self._meta.discard(path)
         self._record(evictions=1)
+        self._removed_names([rel])
         return True
+
+    def _removed_names(self, rels: list[str]) -> None:
+        """Tell removal listeners of objects of this namespace among ``rels`` (by key).
+
+        Any shard's object counts (a block whose shard of another rank is gone can no
+        longer be loaded); another namespace's (one budget per root) does not.
+        """
+        if not self.__dict__.get("_removal_listeners"):
+            return
+        prefix = self.namespace.digest + "/"
+        keys = [rel.rsplit("/", 1)[-1].partition("~")[0] for rel in rels if rel.startswith(prefix)]
+        if keys:
+            self._removed(keys)
 
     # ------------------------------------------------------------------ reads
 

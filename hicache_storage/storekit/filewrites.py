@@ -291,6 +291,7 @@ class FileTreeWrites(FileTreeCore[O]):
             return None
         self._meta.discard(victim)  # after the rename: exists() cannot bring it back
         self._record(evictions=1)
+        self._removed_names([victim_rel])
         try:
             try:
                 fd, st = open_regular_stat(tmp, os.O_WRONLY)

@@ -39,6 +39,9 @@ def test_a_run_reports_and_verifies_every_reused_page(
     # The store's state at the end, as an operator reads it (see docs/operations.md).
     assert (r["backend_health"], r["circuit"]) == ("ok", "closed")
     assert r["breaker_opens"] == r["breaker_rejections"] == r["corrupt_objects"] == 0
+    # The events a router would get: every page backed up, none removed (no cap).
+    assert r["events_stored_pages"] == r["backup_tokens"] // 16 > 0
+    assert r["events_removed_pages"] == 0
 
 
 def test_a_second_run_hits_what_the_first_stored(
@@ -85,3 +88,15 @@ def test_admission_writes_less_and_the_report_says_so(
     assert admitted["admit_after"] == 2 and admitted["not_admitted_pages"] > 0
     assert 0 < admitted["bytes_written_to_storage"] < every["bytes_written_to_storage"]
     assert admitted["verification_errors"] == 0
+
+
+def test_a_capped_store_reports_the_pages_it_evicted(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``max_size`` below the run's working set: the store evicts, and the report counts
+    the removals the backend reported (fewer than the pages it stored)."""
+    config = json.dumps({"root": str(tmp_path), "max_size": 40 * 2 * 2 * 16 * 32 * 2 * 2})
+    code = main(["run", "--hicache-storage-backend-extra-config", config, *SMALL, "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0 and r["verification_errors"] == 0
+    assert 0 < r["events_removed_pages"] < r["events_stored_pages"]

@@ -14,6 +14,7 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import BlockRemoved
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -23,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hicache_storage.errors import ConfigError
 from hicache_storage.integrations.adapterkit import backend_name_of
-from hicache_storage.integrations.vllm.events import HiCacheKVEvents
+from hicache_storage.integrations.vllm.events import HiCacheKVEvents, block_of
 from hicache_storage.integrations.vllm.metadata import (
     HiCacheConnectorMetadata,
     HiCacheKVConnectorStats,
@@ -106,10 +107,12 @@ class HiCacheKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             load_on=bool(getattr(ktc, "is_kv_consumer", True)),
             save_on=bool(getattr(ktc, "is_kv_producer", True)),
         )
-        #: Stored-block events the workers reported (event -> the ranks that did), until
-        #: every writing rank has; and the events published lately (not published again).
-        self._reported: dict[Any, set[int]] = {}
-        self._published: collections.OrderedDict[Any, None] = collections.OrderedDict()
+        #: Stored-block events the workers reported ((hash, medium) -> the event and the
+        #: ranks that did), until every writing rank has; the blocks published lately
+        #: (not published again while they stay); and the events ready for vLLM.
+        self._reported: dict[tuple[Any, Any], tuple[Any, set[int]]] = {}
+        self._published: collections.OrderedDict[tuple[Any, Any], None] = collections.OrderedDict()
+        self._outbox: list[Any] = []
         self.connector_scheduler: SchedulerSide | None = None
         self.connector_worker: WorkerSide | None = None
         self._side: ConnectorSide
@@ -263,33 +266,51 @@ class HiCacheKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return events
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Note which ranks stored which blocks (the scheduler's side)."""
+        """Note which ranks stored or removed which blocks (the scheduler's side).
+
+        A stored block is ready once every writing rank reported it (MLA: rank 0
+        alone writes); a removal of a published block is ready when any rank reports
+        it (one shard gone and the block cannot load); each is published once.
+        """
         events = getattr(connector_output, "kv_cache_events", None)
         if not isinstance(events, HiCacheKVEvents):
             return
-        for item in events.get_all_events():
-            if isinstance(item, tuple) and len(item) == 2:
-                rank, event = item
-                self._reported.setdefault(event, set()).add(int(rank))
-        if len(self._reported) > MAX_REPORTED:  # (a rank that never reports): oldest out
-            for event in list(self._reported)[: len(self._reported) - MAX_REPORTED // 2]:
-                del self._reported[event]
-
-    def take_events(self) -> Any:
-        """Blocks every writing rank stored, as vLLM's ``BlockStored`` events, once."""
-        # MLA: rank 0 alone writes (the pages are the same on every rank).
         quorum = 1 if self.settings.namespace.rank_replicated else self.settings.tp_size
-        ready = [e for e, ranks in self._reported.items() if len(ranks) >= quorum]
-        out = []
-        for event in ready:
-            del self._reported[event]
-            if event in self._published:  # (stored again by a later request)
-                self._published.move_to_end(event)
+        for item in events.get_all_events():
+            if not (isinstance(item, tuple) and len(item) == 2):
                 continue
-            self._published[event] = None
-            out.append(event)
+            rank, event = item
+            block = block_of(event)
+            if isinstance(event, BlockRemoved):
+                self._reported.pop(block, None)  # (never published now)
+                if block in self._published:
+                    del self._published[block]
+                    self._outbox.append(event)
+                continue
+            _, ranks = self._reported.setdefault(block, (event, set()))
+            ranks.add(int(rank))
+            if len(ranks) < quorum:
+                continue
+            del self._reported[block]
+            if block in self._published:  # (stored again by a later request)
+                self._published.move_to_end(block)
+                continue
+            self._published[block] = None
+            self._outbox.append(event)
+        if len(self._reported) > MAX_REPORTED:  # (a rank that never reports): oldest out
+            for block in list(self._reported)[: len(self._reported) - MAX_REPORTED // 2]:
+                del self._reported[block]
         while len(self._published) > MAX_REPORTED:
             self._published.popitem(last=False)
+        del self._outbox[:-MAX_REPORTED]
+
+    def take_events(self) -> Any:
+        """The blocks' events ready since the last call, each once.
+
+        ``BlockStored`` of blocks every writing rank stored, ``BlockRemoved`` of
+        published blocks removed since.
+        """
+        out, self._outbox = self._outbox, []
         yield from out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -10,8 +10,13 @@ shard of the block), through vLLM's own publisher (ZMQ, msgpack ``KVEventBatch``
 
 Each event carries the block's LoRA adapter as vLLM's own do (``lora_id``,
 ``lora_name``), not its other extra keys (multimodal inputs, salt): those are in the
-hash already. Removals are not published: an object the store evicts is named by its key, not by
-vLLM's hash, and may have been stored by another process.
+hash already.
+
+A block a worker stored and its backend later removed itself (evicted under its
+capacity bound, deleted, or cleared: what the backend reports through
+:meth:`~hicache_storage.protocol.HiCacheStorage.watch_removals`) is a ``BlockRemoved``
+event, published once when any rank reports it: a block with one shard gone can no
+longer be loaded. What other processes or the server remove is not known.
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from vllm.distributed.kv_events import BlockStored, KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
 
-__all__ = ["HiCacheKVEvents", "medium_of", "stored_event"]
+__all__ = ["HiCacheKVEvents", "block_of", "medium_of", "removed_event", "stored_event"]
 
 
 def medium_of(backend_name: str) -> str:
@@ -47,6 +57,17 @@ def stored_event(
         medium=medium,
         lora_name=lora[1],
     )
+
+
+def removed_event(block_hash: Any, medium: str) -> BlockRemoved:
+    """One removed block as vLLM's event."""
+    return BlockRemoved(block_hashes=[block_hash], medium=medium)
+
+
+def block_of(event: Any) -> tuple[Any, Any]:
+    """``(hash, medium)``: which block of which store an event names (its first hash)."""
+    hashes = getattr(event, "block_hashes", None) or [None]
+    return hashes[0], getattr(event, "medium", None)
 
 
 class HiCacheKVEvents(KVConnectorKVEvents):  # type: ignore[misc]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from hicache_storage.errors import ConfigError, HostIndicesError
 from hicache_storage.headgroups import HeadSplit, rank_heads
 from hicache_storage.integrations.deadline import Background, Job, Lane
 from hicache_storage.integrations.kvblocks import KVBlockMover, StagedKVBlocks, kv_blocks
-from hicache_storage.integrations.vllm.events import medium_of, stored_event
+from hicache_storage.integrations.vllm.events import medium_of, removed_event, stored_event
 from hicache_storage.integrations.vllm.metadata import NULL_BLOCK, held_blocks
 from hicache_storage.integrations.vllm.side import ConnectorSide, Settings, logger
 from hicache_storage.keys import normalize_dtype
@@ -179,8 +180,11 @@ class WorkerSide(ConnectorSide):
         self._bg_loads: list[_Load] = []
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
-        #: Stored blocks not handed to vLLM yet (its KV events on).
+        #: Stored and removed blocks not handed to vLLM yet (its KV events on), in order;
+        #: and the keys of blocks stored with an event -> vLLM's hash (for removals).
         self._events: list[Any] = []
+        self._hashes: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._events_lock = threading.Lock()  # (never held while calling a backend)
 
     # ------------------------------------------------------------------ ConnectorSide
 
@@ -263,6 +267,9 @@ class WorkerSide(ConnectorSide):
             for b in backends:
                 b.close()
             return
+        if self.settings.events:
+            for b in backends:
+                b.watch_removals(self._on_removed)
         old, self.backends, self.movers = self.backends, backends, GroupMovers(tuple(movers))
         self._writer = config.is_storage_writer
         for b in old:
@@ -657,6 +664,7 @@ class WorkerSide(ConnectorSide):
             return
         medium = medium_of(self.settings.backend_name)
         out = []
+        named_keys = []
         at = 0
         for spec in specs:
             for j, named in enumerate(spec.events[: len(spec.keys)]):
@@ -664,15 +672,40 @@ class WorkerSide(ConnectorSide):
                     block_hash, parent, tokens, lora = named
                     out.append(stored_event(block_hash, parent, tokens, self.block_size,
                                             medium, lora))  # fmt: skip
+                    named_keys.append((spec.keys[j], block_hash))
             at += len(spec.keys)
         if out:
-            with self._lock:
+            with self._events_lock:
                 self._events.extend(out)
+                del self._events[:-MAX_EVENTS]
+                hashes = self._hashes
+                for key, block_hash in named_keys:
+                    hashes[key] = block_hash
+                    hashes.move_to_end(key)
+                while len(hashes) > MAX_EVENTS:
+                    hashes.popitem(last=False)
+
+    def _on_removed(self, keys: list[str] | None) -> None:
+        """A backend removed objects (``None``: cleared): their blocks' removal events.
+
+        Runs on the removing thread, perhaps with the backend's locks held: only
+        bookkeeping here. Only blocks this worker stored with an event are known.
+        """
+        medium = medium_of(self.settings.backend_name)
+        with self._events_lock:
+            hashes = self._hashes
+            if keys is None:
+                gone = list(hashes.values())
+                hashes.clear()
+            else:
+                gone = [h for h in (hashes.pop(k, None) for k in keys) if h is not None]
+            if gone:
+                self._events.extend(removed_event(h, medium) for h in gone)
                 del self._events[:-MAX_EVENTS]
 
     def take_events(self) -> list[Any]:
-        """The stored-block events since the last call (for vLLM, with the step)."""
-        with self._lock:
+        """The stored and removed blocks' events since the last call (for vLLM)."""
+        with self._events_lock:
             out, self._events = self._events, []
         return out
 

@@ -1605,7 +1605,11 @@ def test_a_window_block_the_store_lost_is_stored_again_by_the_request_that_compu
 def test_a_stored_block_is_published_once_every_tp_worker_reported_it(config: Any) -> None:
     """Each TP worker stores its shard of a block: the event waits for all of them, in
     whatever steps their stores end, and is published once."""
-    from hicache_storage.integrations.vllm.events import HiCacheKVEvents, stored_event
+    from hicache_storage.integrations.vllm.events import (
+        HiCacheKVEvents,
+        removed_event,
+        stored_event,
+    )
 
     pc = config.parallel_config
     pc.tensor_parallel_size = 2
@@ -1635,6 +1639,20 @@ def test_a_stored_block_is_published_once_every_tp_worker_reported_it(config: An
     # Stored again by a later request: not published again.
     sched.update_connector_output(step_events([a], [a]))
     assert list(sched.take_events()) == []
+    # Removed by one rank's store (an eviction): published once, whoever else reports it.
+    gone_a = removed_event(11, "hicache-file")
+    sched.update_connector_output(step_events([], [gone_a]))
+    assert list(sched.take_events()) == [gone_a]
+    sched.update_connector_output(step_events([gone_a], []))
+    assert list(sched.take_events()) == []
+    # A block still waiting for a rank, then removed: never published at all.
+    c = stored_event(13, 12, [3] * BLOCK, BLOCK, "hicache-file")
+    sched.update_connector_output(step_events([c, removed_event(13, "hicache-file")], []))
+    sched.update_connector_output(step_events([], [c]))  # (rank 1 late: c alone again)
+    assert list(sched.take_events()) == []
+    # Stored again after its removal: published again; in order with a removal.
+    sched.update_connector_output(step_events([a], [a, removed_event(12, "hicache-file")]))
+    assert list(sched.take_events()) == [a, removed_event(12, "hicache-file")]
 
 
 def test_the_events_container_keeps_what_every_rank_reported() -> None:

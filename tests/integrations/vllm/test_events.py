@@ -78,3 +78,66 @@ def test_stored_blocks_are_published_with_vllms_own_hashes(
     assert by_tokens[1].parent_block_hash == by_tokens[0].block_hashes[0]
     assert by_tokens[2].parent_block_hash == by_tokens[1].block_hashes[0]
     assert all(e.block_size == BLOCK for e in stored)
+
+
+def test_blocks_the_store_evicts_or_clears_are_published_as_removed(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The worker's backend evicts the first prompt's blocks to make room for a second
+    prompt's (its capacity bound, shrunk here to what it holds), then is cleared: the
+    subscriber gets ``BlockRemoved`` with the store's medium for exactly the blocks
+    published as stored, each once."""
+    from vllm.distributed.kv_events import BlockRemoved
+
+    endpoint = f"ipc://{tmp_path}/kv-events.sock"
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    got: list[Any] = []
+
+    def ours(kind: type) -> list[Any]:
+        return [e for e in got if isinstance(e, kind) and e.medium == "hicache-file"]
+
+    def drain(llm: Any, until: Any) -> None:
+        for _ in range(8):
+            generate(llm, [[7, 8, 9]], max_tokens=1)  # (events leave with steps)
+            end = time.monotonic() + 5
+            while not until() and time.monotonic() < end:
+                if sub.poll(200):
+                    _topic, _seq, payload = sub.recv_multipart()
+                    got.extend(decoder.decode(payload).events)
+            if until():
+                return
+
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                endpoint=endpoint, topic="kv")  # fmt: skip
+        options = {"root": str(tmp_path / "kv"), "max_size": "1GiB", "eviction_ratio": 1.0}
+        with engine(tiny_model, "file", options, enable_prefix_caching=True,
+                    kv_events_config=config) as llm:  # fmt: skip
+            generate(llm, [PROMPT], max_tokens=4)
+            totals(llm)
+            drain(llm, lambda: len(ours(BlockStored)) >= 3)
+            first = {e.block_hashes[0] for e in ours(BlockStored)}
+            assert len(first) == 3
+            (worker,) = [c.connector_worker for c in llm.hicache_connectors.values()
+                         if c.connector_worker is not None]  # fmt: skip
+            backend = worker.backends[0]
+            backend._tracker.max_bytes = backend.usage()["used_bytes"]  # full now
+            generate(llm, [list(range(300, 400))], max_tokens=4)
+            totals(llm)
+            drain(llm, lambda: len(ours(BlockStored)) >= 6 and len(ours(BlockRemoved)) >= 3)
+            evicted = [e.block_hashes[0] for e in ours(BlockRemoved)]
+            assert sorted(evicted) == sorted(first)  # the three oldest, each once
+            second = {e.block_hashes[0] for e in ours(BlockStored)} - first
+            # (and the first answer's partial last block: an object with no vLLM hash)
+            assert len(second) == 3 and backend.get_stats(reset=False).evictions == 4
+            backend.clear()
+            drain(llm, lambda: len(ours(BlockRemoved)) >= 6)
+    finally:
+        sub.close(0)
+        ctx.term()
+    removed = [e.block_hashes[0] for e in ours(BlockRemoved)]
+    assert len(removed) == 6 and set(removed) == first | second
