@@ -106,6 +106,7 @@ class MmapBackend(HiCacheStorage):
         self._log = IndexLog(
             self.index_path, self.options.fsync, self._drop_free_hint, self._on_log_damage
         )
+        self._log.quota_prefix = self.namespace.digest + "/"  # (its usage, and its quota)
         self._pid = os.getpid()
         self._slots = Slots(
             log=self._log,
@@ -357,7 +358,7 @@ class MmapBackend(HiCacheStorage):
                 )
             self._log_failure("set", CapacityError(f"{oversized} objects exceed the largest slot"))
             self._add_item_errors(oversized)
-        slots = self._slots.reserve_batch(arena, names, pending, results, units)
+        slots = self._slots.reserve_batch(arena, names, pending, results, units, sizes)
         order = list(slots)
 
         def copy(k: int) -> int:
@@ -645,9 +646,9 @@ class MmapBackend(HiCacheStorage):
 
         ``used_bytes`` are the live objects' payloads; ``limit_bytes`` the bytes of its
         slabs. Extra keys: ``slabs``, ``slot_size`` (a slab's bytes: the largest slot),
-        ``unit`` (the smallest slot), and this namespace's own objects and payload bytes
-        (``namespace_limit_bytes`` is 0: the arena has no per-namespace quota). Before
-        the arena exists (no write yet): zeros, and ``limit_bytes`` is ``max_size``.
+        ``unit`` (the smallest slot), and this namespace's own objects, payload bytes and
+        quota (``namespace_max_size``, 0: none). Before the arena exists (no write
+        yet): zeros, and ``limit_bytes`` is ``max_size``.
         """
         arena = self._arena
         if arena is None:
@@ -657,7 +658,7 @@ class MmapBackend(HiCacheStorage):
                 "limit_bytes": int(self.options.max_size),
                 "namespace_objects": 0,
                 "namespace_used_bytes": 0,
-                "namespace_limit_bytes": 0,
+                "namespace_limit_bytes": int(self.options.namespace_max_size or 0),
                 "slabs": 0,
                 "slot_size": 0,
                 "unit": 0,
@@ -665,26 +666,22 @@ class MmapBackend(HiCacheStorage):
         import numpy as np
 
         log = self._log
-        prefix = self.namespace.digest + "/"
         with log.lock:  # (one pass in numpy: a million objects take milliseconds)
             log.catch_up()
             index = log.index
             slots = np.fromiter(
                 (p & 0xFFFFFFFF for p in index.values()), dtype=np.int64, count=len(index)
             )  # (index_log.unpack's slot, inline)
-            mine = np.fromiter(
-                (n.startswith(prefix) for n in index), dtype=np.bool_, count=len(index)
-            )
-            lengths = log.lengths[slots] if len(index) else np.zeros(0, dtype=np.int64)
-            used = int(lengths.sum())
+            used = int(log.lengths[slots].sum()) if len(index) else 0
             objects = len(index)
+            mine_objects, mine_bytes = log.prefix_count, log.prefix_bytes
         return {
             "objects": objects,
             "used_bytes": used,
             "limit_bytes": arena.nslabs * arena.slab_size,
-            "namespace_objects": int(mine.sum()),
-            "namespace_used_bytes": int(lengths[mine].sum()),
-            "namespace_limit_bytes": 0,
+            "namespace_objects": mine_objects,
+            "namespace_used_bytes": mine_bytes,
+            "namespace_limit_bytes": int(self.options.namespace_max_size or 0),
             "slabs": arena.nslabs,
             "slot_size": arena.slab_size,
             "unit": arena.unit,

@@ -116,6 +116,11 @@ class IndexLog:
         self._view = _View({}, None, None, None, None)
         self.detached: str | None = None
         self.dropped: list[int] = []  # the slots of the last CLEAR applied
+        #: Names starting with this (a namespace's) are counted apart: their objects and
+        #: payload bytes, kept up to date with the index (``None``: not counted).
+        self.quota_prefix: str | None = None
+        self.prefix_count = 0
+        self.prefix_bytes = 0
         self.compactions = 0
         self._fd = -1
         self._ino = 0
@@ -175,6 +180,7 @@ class IndexLog:
         self.checksums = np.zeros(n, np.uint64)
         self.algorithms = np.zeros(n, np.uint8)
         self._set_index({})
+        self.prefix_count = self.prefix_bytes = 0
         self._on_reload()
 
     def _set_index(self, index: dict[str, int]) -> None:
@@ -370,14 +376,24 @@ class IndexLog:
         old = self.index.get(name)
         if kind == DEL and old != pack(entry.slot, entry.generation):
             return  # deletes another incarnation of the key (or none): not this one
+        prefix = self.quota_prefix
         if old is not None:
             del self.index[name]
             self.by_slot.pop(old & SLOT_MASK, None)
+            if prefix is not None and name.startswith(prefix):
+                self.prefix_count -= 1
+                self.prefix_bytes -= int(self.lengths[old & SLOT_MASK])
         if kind == PUT:
             slot = entry.slot
             stale = self.by_slot.pop(slot, None)
             if stale is not None:
                 self.index.pop(stale, None)
+                if prefix is not None and stale.startswith(prefix):
+                    self.prefix_count -= 1
+                    self.prefix_bytes -= int(self.lengths[slot])
+            if prefix is not None and name.startswith(prefix):
+                self.prefix_count += 1
+                self.prefix_bytes += entry.length
             # The columns first: a reader that finds the name finds them filled.
             self.generations[slot] = entry.generation
             self.lengths[slot] = entry.length
@@ -410,6 +426,7 @@ class IndexLog:
                 # A name met twice (not what compaction writes): its later PUT won in
                 # the index, and the slot of the earlier one must not stay live.
                 self.by_slot = {p & SLOT_MASK: name for name, p in self.index.items()}
+            self.recount()
             return
         for i, name in enumerate(cols.names):  # one at a time, as PUT records
             entry = Entry(
@@ -447,11 +464,27 @@ class IndexLog:
         self._set_index(keep)
         self.by_slot = by_slot
         self.dropped = dropped
+        self.recount()
         return dropped
+
+    def recount(self) -> None:
+        """Count the names of ``quota_prefix`` again (after a change of the whole index)."""
+        import numpy as np
+
+        prefix = self.quota_prefix
+        if prefix is None:
+            return
+        slots = [p & SLOT_MASK for n, p in self.index.items() if n.startswith(prefix)]
+        self.prefix_count = len(slots)
+        self.prefix_bytes = int(self.lengths[np.array(slots, dtype=np.int64)].sum()) if slots else 0
 
     def forget(self, name: str, entry: Entry) -> None:
         """Drop a key from the in-memory index only (nothing is logged)."""
-        self.index.pop(name, None)
+        if self.index.pop(name, None) is not None:
+            prefix = self.quota_prefix
+            if prefix is not None and name.startswith(prefix):
+                self.prefix_count -= 1
+                self.prefix_bytes -= entry.length
         self.by_slot.pop(entry.slot, None)
 
     @staticmethod

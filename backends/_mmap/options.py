@@ -43,6 +43,12 @@ class MmapOptions:
         low_free_slots: evict ahead when fewer than this fraction of the slots is free.
         max_concurrency: threads copying the pages of a batch.
         prefault: touch the whole arena at creation so it is resident in the page cache.
+        namespace_max_size: cap on the payload bytes of this instance's namespace (a
+            tenant's share of the arena): a write that would cross it evicts the
+            namespace's own least-recently-used objects (down to nine tenths of it),
+            never another's; objects of a batch beyond the quota itself fail. Counted
+            from the shared index, so every process's objects count; writes in flight
+            in other processes count once they commit. Default: none.
     """
 
     path: str | None = None
@@ -55,6 +61,7 @@ class MmapOptions:
     low_free_slots: float = 0.05
     max_concurrency: int = 2
     prefault: bool = True
+    namespace_max_size: Size | None = None
 
     def __post_init__(self) -> None:
         if self.path is not None and not self.path:
@@ -71,6 +78,8 @@ class MmapOptions:
             raise ConfigError("low_free_slots must be in [0, 1)")
         if self.max_concurrency < 1:
             raise ConfigError("max_concurrency must be >= 1")
+        if self.namespace_max_size is not None and self.namespace_max_size <= 0:
+            raise ConfigError("namespace_max_size must be > 0")
         if self.verify_checksum and self.checksum == "none":
             raise ConfigError(
                 'verify_checksum=true needs checksum="xxh3" (checksum="none" writes none to verify)'

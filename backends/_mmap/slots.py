@@ -183,6 +183,7 @@ class Slots:
         pending: list[int],
         results: list[bool],
         units: list[int],
+        sizes: list[int] | None = None,
     ) -> dict[int, tuple[int, int]]:
         """Reserve a slot per pending item (distinct names); items already stored count as done.
 
@@ -190,7 +191,9 @@ class Slots:
         the arena can give it (all slots but those live writers are filling, and those of
         keys it found stored): when free slots run short, the items beyond that fail at
         once (the leading ones are stored, as the engine reads leading runs), and only as
-        many pages are evicted as the batch will use.
+        many pages are evicted as the batch will use. With a namespace quota
+        (``sizes`` given), the namespace's own oldest objects are evicted first to keep it
+        under its quota, and items beyond the quota itself fail.
         """
         slots: dict[int, tuple[int, int]] = {}
         deadline = time.monotonic() + max(5.0, 20 * self.options.reuse_delay)
@@ -209,6 +212,9 @@ class Slots:
                             keep.add(entry.slot)
                             continue
                         waiting.append(i)
+                    if first and sizes is not None and self.options.namespace_max_size:
+                        waiting = self._keep_quota(arena, waiting, sizes, names, frozenset(keep))
+                        pending = waiting
                     by_class: dict[int, list[int]] = {}
                     for i in waiting:
                         by_class.setdefault(units[i], []).append(i)
@@ -575,6 +581,62 @@ class Slots:
         log.append(records)  # logged first: a crash here leaves them deleted, never half
         self.retire(arena, victims)
         self._on_evict([name for _, name, _ in records])
+
+    def _keep_quota(
+        self,
+        arena: Arena,
+        waiting: list[int],
+        sizes: list[int],
+        names: list[str],
+        keep: frozenset[int],
+    ) -> list[int]:
+        """Keep this namespace under ``namespace_max_size`` for the items ``waiting``.
+
+        The writer lock is held. Items past the quota itself fail (the leading ones are
+        stored); then, if the namespace's bytes and the rest would cross the quota, its
+        least-recently-used objects are evicted down to nine tenths of it (so that not
+        every write scans). Returns the items still to store.
+        """
+        import numpy as np
+
+        quota = int(self.options.namespace_max_size or 0)
+        log = self.log
+        fit, total = [], 0
+        for i in waiting:
+            if total + sizes[i] > quota:
+                break
+            fit.append(i)
+            total += sizes[i]
+        if len(fit) < len(waiting):
+            self._refuse(
+                len(waiting) - len(fit),
+                CapacityError(
+                    f"{len(waiting) - len(fit)} of {len(names)} objects refused: past the "
+                    f"namespace quota (namespace_max_size {quota} bytes)"
+                ),
+            )
+        if log.prefix_bytes + total <= quota or log.quota_prefix is None:
+            return fit
+        need = log.prefix_bytes + total - int(quota * 0.9)
+        prefix = log.quota_prefix
+        mine = np.fromiter(
+            (s for s, n in log.by_slot.items() if n.startswith(prefix) and s not in keep),
+            np.int64,
+        )
+        if mine.size:
+            order = np.argsort(arena.slots["last_access"][mine], kind="stable")
+            mine = mine[order]
+            upto = int(np.searchsorted(np.cumsum(log.lengths[mine].astype(np.int64)), need)) + 1
+            victims = mine[:upto].tolist()
+            records: list[Record] = []
+            for s in victims:
+                entry = log.entry(log.by_slot[s])
+                assert entry is not None
+                records.append((RecordKind.DEL, log.by_slot[s], entry))
+            log.append(records)  # logged first: a crash here leaves them deleted, never half
+            self.retire(arena, victims)
+            self._on_evict([name for _, name, _ in records])
+        return fit
 
     @staticmethod
     def retire(arena: Arena, slots: list[int]) -> None:

@@ -758,8 +758,16 @@ def test_usage_counts_each_namespace_of_the_arena_apart(
     objects and bytes are its own, and a clear of one leaves the other's count."""
     from hicache_storage import KVCacheNamespace
 
-    a = arena(StorageConfig(namespace=KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, tenant="a")))
-    b = arena(StorageConfig(namespace=KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, tenant="b")))
+    a = arena(
+        StorageConfig(
+            namespace=KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, tenant="a")
+        )
+    )
+    b = arena(
+        StorageConfig(
+            namespace=KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, tenant="b")
+        )
+    )
     assert a.batch_set(["k1", "k2"], [value(1), value(2, 300)]) == [True, True]
     assert b.set("k1", value(3, 50))
     ua, ub = a.usage(), b.usage()
@@ -769,3 +777,40 @@ def test_usage_counts_each_namespace_of_the_arena_apart(
     assert ua["namespace_limit_bytes"] == 0
     a.clear()
     assert (b.usage()["namespace_objects"], a.usage()["namespace_objects"]) == (1, 0)
+
+
+def test_a_namespace_quota_holds_a_tenant_to_its_share_of_the_arena(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    """Two tenants in one arena: ``a`` with ``namespace_max_size`` of 4 objects' bytes
+    writes 12, one at a time; it never holds more than 4, keeps its newest byte-exact,
+    and ``b``'s older objects all survive. A batch larger than the quota stores its
+    leading objects only. Another instance of ``a`` counts the same from the shared
+    index."""
+    from hicache_storage import KVCacheNamespace
+
+    def ns(t: str) -> KVCacheNamespace:
+        return KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, tenant=t)
+
+    opts = {"max_size": "4MiB", "slot_size": "64KiB", "reuse_delay": 0}
+    b = arena(StorageConfig(namespace=ns("b")), **opts)
+    assert b.batch_set([f"k{i}" for i in range(6)], [value(i) for i in range(6)]) == [True] * 6
+    a = arena(StorageConfig(namespace=ns("a")), namespace_max_size=4000, **opts)
+    for i in range(12):
+        assert a.set(f"k{i}", value(100 + i))
+        assert a.usage()["namespace_used_bytes"] <= 4000
+    kept = [i for i in range(12) if a.exists(f"k{i}")]
+    assert 3 <= len(kept) <= 4 and kept == list(range(12 - len(kept), 12))
+    assert all(bytes(a.get(f"k{i}").numpy()) == value(100 + i) for i in kept)
+    assert all(bytes(b.get(f"k{i}").numpy()) == value(i) for i in range(6))
+    u = a.usage()
+    assert (u["namespace_objects"], u["namespace_limit_bytes"]) == (len(kept), 4000)
+    assert u["objects"] == len(kept) + 6
+    assert a.get_stats().evictions == 12 - len(kept)
+    again = arena(StorageConfig(namespace=ns("a")), **opts)
+    assert again.usage()["namespace_used_bytes"] == u["namespace_used_bytes"]
+    # Six objects at once: the four the quota holds are stored, the last two fail.
+    got = a.batch_set([f"big{i}" for i in range(6)], [value(i) for i in range(6)])
+    assert got == [True] * 4 + [False] * 2
+    assert a.usage()["namespace_used_bytes"] == 4000
+    assert all(bytes(b.get(f"k{i}").numpy()) == value(i) for i in range(6))

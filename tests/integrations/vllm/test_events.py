@@ -95,7 +95,9 @@ def test_blocks_the_store_evicts_or_clears_are_published_as_removed(
     got: list[Any] = []
 
     def ours(kind: type) -> list[Any]:
-        return [e for e in got if isinstance(e, kind) and e.medium == "hicache-file"]
+        return [
+            e for e in got if isinstance(e, kind) and getattr(e, "medium", None) == "hicache-file"
+        ]
 
     def drain(llm: Any, until: Any) -> None:
         for _ in range(8):
