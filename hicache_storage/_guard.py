@@ -94,6 +94,9 @@ class _Op:
     failure: Callable[[int], Any]
     check: Callable[[Any, int], tuple[Any, str | None]]
     count_ok: Callable[[Any], int]
+    #: The answer is a leading run (``batch_exists``): a failure that leaves it at 0
+    #: failed the whole call, however many keys it never got to.
+    leading: bool = False
 
 
 def _check_any(result: Any, n: int) -> tuple[Any, str | None]:
@@ -161,7 +164,7 @@ _OPS: dict[str, _Op] = {
         "batch", lambda n: [None] * n, _check_gets, lambda r: sum(x is not None for x in r)
     ),
     "batch_set": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
-    "batch_exists": _Op("batch", lambda n: 0, _check_count, lambda r: int(r)),
+    "batch_exists": _Op("batch", lambda n: 0, _check_count, lambda r: int(r), leading=True),
     "batch_exists_each": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
     "batch_get_v1": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
     "batch_set_v1": _Op("batch", lambda n: [False] * n, _check_bools, lambda r: sum(r)),
@@ -261,8 +264,8 @@ def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                 inner_errors = active.pop(me, 0)
             elapsed = time.perf_counter() - t0
             errors = min(n, max(errors, inner_errors))
-            failed = errors >= n
             result, problem = spec.check(result, n)
+            failed = errors >= n or (spec.leading and errors > 0 and spec.count_ok(result) == 0)
             if problem is not None:
                 state.stats.add(contract_violations=1)
                 message = f"{type(self).__name__}.{name} {problem}"

@@ -183,3 +183,43 @@ def test_a_trial_call_that_raises_the_callers_error_still_settles_the_breaker() 
         b.get("k")
     assert b.circuit == CLOSED
     b.close()
+
+
+def test_a_leading_run_query_that_fails_at_its_first_key_counts_as_failed() -> None:
+    """``batch_exists`` answers a leading run: a store that fails on the first key (and
+    so never asks about the rest, as s3 does) answered nothing, which opens the breaker;
+    one that fails after a hit answered something, which does not."""
+    from hicache_storage.config import StorageConfig
+    from hicache_storage.errors import BackendError
+    from hicache_storage.protocol import HiCacheStorage
+
+    class FirstKeyFails(HiCacheStorage):
+        hits = 0
+
+        def get(self, key: str, target: Any = None) -> Any:
+            return None
+
+        def set(self, key: str, value: Any) -> bool:
+            return True
+
+        def exists(self, key: str) -> bool:
+            raise BackendError("store down")
+
+        def batch_exists(self, keys: list[str], extra_info: object = None) -> int:
+            for i, _ in enumerate(keys):
+                if i >= self.hits:
+                    self._log_failure("batch_exists", BackendError("store down"))
+                    self._add_item_errors(1)
+                    return i
+            return len(keys)
+
+    b = FirstKeyFails(StorageConfig(extra_config={"breaker_failures": 3}))
+    b.hits = 1
+    for _ in range(4):  # one key answered each time: not a failure of the call
+        assert b.batch_exists(["a", "b", "c"]) == 1
+    assert b.circuit == CLOSED
+    b.hits = 0
+    for _ in range(3):
+        assert b.batch_exists(["a", "b", "c"]) == 0
+    assert b.circuit == OPEN
+    b.close()

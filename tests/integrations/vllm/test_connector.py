@@ -369,6 +369,45 @@ def test_chunked_prefill_and_vllms_own_prefix_cache(
         assert totals(llm)["load_blocks"] == 4 and totals(llm)["save_blocks"] == 0
 
 
+def _a_store_that_dies_mid_run(
+    llm: Any, expected: dict[str, list[int]], stop: Any, start: Any
+) -> None:
+    """The store's server stops under a running engine: requests cost misses, never
+    output; the lookups' breaker opens and later lookups answer at once; the server
+    back (empty), the probes close the breakers and a prompt stored again hits."""
+    assert generate(llm, [E])[0]["cached"] == 0
+    assert generate(llm, [E])[0]["cached"] == 2 * BLOCK
+    stop()
+    down = generate(llm, [E, A])
+    assert [o["cached"] for o in down] == [0, 0]  # lookups fail: misses
+    assert [o["tokens"] for o in down] == [expected["E"], expected["A"]]
+    assert all(o["finish"] == "length" for o in down)
+    # More of them: the lookups' circuit breaker opens (5 failed in a row), and
+    # later lookups answer at once without the store.
+    more = generate(llm, [A, E, A])
+    assert [o["tokens"] for o in more] == [expected["A"], expected["E"], expected["A"]]
+    lookup = llm.hicache_connectors["SCHEDULER"].connector_scheduler.lookup_backends[0]
+    assert lookup.circuit == "open"
+    t0 = time.monotonic()
+    assert generate(llm, [E])[0]["tokens"] == expected["E"]  # (answered at once)
+    assert time.monotonic() - t0 < 30  # (generous: never a store's timeout per call)
+    assert lookup.get_stats(reset=False).breaker_rejections >= 1
+    start()  # back, empty: a miss that stores again, then a hit
+    # The breakers close once their probe finds the store back (1 s, doubling).
+    worker = llm.hicache_connectors["WORKER"].connector_worker.backend
+    end = time.monotonic() + 90
+    while lookup.circuit != "closed" or worker.circuit not in ("closed", "half_open"):
+        generate(llm, [A], max_tokens=1)  # (calls that let a trial through)
+        assert time.monotonic() < end, (lookup.circuit, worker.circuit)
+        time.sleep(0.5)
+    first = generate(llm, [E])[0]
+    back = generate(llm, [E])[0]
+    t = totals(llm)
+    assert first["tokens"] == back["tokens"] == expected["E"]
+    assert back["cached"] == 2 * BLOCK
+    assert t["save_failed_blocks"] >= 2 and t["hook_errors"] == 0
+
+
 def test_a_redis_server_that_dies_mid_run_costs_only_misses(
     tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
 ) -> None:
@@ -377,35 +416,29 @@ def test_a_redis_server_that_dies_mid_run_costs_only_misses(
     with running(tmp_path / "redis") as server:
         options = {"url": server.url, "prefix": "vllm-dies:", "socket_timeout": 0.5}
         with engine(tiny_model, "redis", options) as llm:
-            assert generate(llm, [E])[0]["cached"] == 0
-            assert generate(llm, [E])[0]["cached"] == 2 * BLOCK
-            server.stop()
-            down = generate(llm, [E, A])
-            assert [o["cached"] for o in down] == [0, 0]  # lookups fail: misses
-            assert [o["tokens"] for o in down] == [expected["E"], expected["A"]]
-            assert all(o["finish"] == "length" for o in down)
-            # More of them: the lookups' circuit breaker opens (5 failed in a row), and
-            # later lookups answer at once without the store.
-            more = generate(llm, [A, E, A])
-            assert [o["tokens"] for o in more] == [expected["A"], expected["E"], expected["A"]]
-            lookup = llm.hicache_connectors["SCHEDULER"].connector_scheduler.lookup_backends[0]
-            assert lookup.circuit == "open"
-            assert generate(llm, [E])[0]["tokens"] == expected["E"]  # (answered at once)
-            assert lookup.get_stats(reset=False).breaker_rejections >= 1
-            server.start()  # back, empty: a miss that stores again, then a hit
-            # The breakers close once their probe finds redis back (1 s, doubling).
-            worker = llm.hicache_connectors["WORKER"].connector_worker.backend
-            end = time.monotonic() + 60
-            while lookup.circuit != "closed" or worker.circuit not in ("closed", "half_open"):
-                generate(llm, [A], max_tokens=1)  # (calls that let a trial through)
-                assert time.monotonic() < end, (lookup.circuit, worker.circuit)
-                time.sleep(0.5)
-            first = generate(llm, [E])[0]
-            back = generate(llm, [E])[0]
-            t = totals(llm)
-    assert first["tokens"] == back["tokens"] == expected["E"]
-    assert back["cached"] == 2 * BLOCK
-    assert t["save_failed_blocks"] >= 2 and t["hook_errors"] == 0
+            _a_store_that_dies_mid_run(llm, expected, server.stop, server.start)
+
+
+def test_an_s3_server_that_dies_mid_run_costs_only_misses(
+    tiny_model: Path, expected: dict[str, list[int]]
+) -> None:
+    """moto killed under the engine, then started again on its port (empty: the bucket
+    is made again, as an operator would)."""
+    from moto_server import running_moto
+
+    with running_moto() as server:
+        server.make_bucket("hicache-dies")
+
+        def start() -> None:
+            server.start()
+            server.make_bucket("hicache-dies")
+
+        options = {"endpoint_url": server.endpoint, "bucket": "hicache-dies",
+                   "key": server.key, "secret": server.secret, "region": "us-east-1",
+                   "prefix": "vllm-dies", "connect_timeout": 0.5, "read_timeout": 2.0,
+                   "retries": 0, "deadline": 3.0}  # fmt: skip
+        with engine(tiny_model, "s3", options) as llm:
+            _a_store_that_dies_mid_run(llm, expected, server.stop, start)
 
 
 def test_a_failed_load_never_poisons_what_later_requests_load(
