@@ -144,6 +144,12 @@ class _Metrics:
         self.ns_objects = pc.Gauge(
             "hicache_namespace_objects", "Objects of this namespace.", base, **gauge
         )
+        self.connections = pc.Gauge(
+            "hicache_connections",
+            "Open connections to the store (where the backend keeps them: redis).",
+            base,
+            **gauge,
+        )
         self._children: dict[tuple[Any, ...], Any] = {}
         self._watched: weakref.WeakSet[Any] = weakref.WeakSet()
         self._refresher: threading.Thread | None = None
@@ -203,7 +209,8 @@ class _Metrics:
         for metric, key in ((self.used, "used_bytes"), (self.limit, "limit_bytes"),
                             (self.objects, "objects"), (self.ns_used, "namespace_used_bytes"),
                             (self.ns_limit, "namespace_limit_bytes"),
-                            (self.ns_objects, "namespace_objects")):  # fmt: skip
+                            (self.ns_objects, "namespace_objects"),
+                            (self.connections, "connections")):  # fmt: skip
             value = usage.get(key, -1)
             if isinstance(value, int) and value >= 0:
                 metric.labels(*labels).set(value)

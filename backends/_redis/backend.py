@@ -564,6 +564,42 @@ class RedisBackend(BlobStore[RedisOptions]):
                 raise reply
 
     @override
+    def usage(self) -> dict[str, int]:
+        """The protocol's figures, and ``connections``.
+
+        The figures are -1 (a server shared with others is not counted here);
+        ``connections`` are this instance's open connections (every node's, in a cluster).
+        """
+        out = super().usage()
+        out["connections"] = self._open_connections()
+        return out
+
+    def _open_connections(self) -> int:
+        """Connections of this instance's pools with a live socket (-1: cannot tell)."""
+        client = self._client
+        if client is None:
+            return 0
+        try:
+            if self.options.cluster:
+                pools = [
+                    n.redis_connection.connection_pool
+                    for n in client.get_nodes()
+                    if n.redis_connection is not None
+                ]
+            else:
+                pools = [client.connection_pool]
+            total = 0
+            for pool in pools:
+                # (redis-py keeps them in _connections, or _available/_in_use lists)
+                conns = list(getattr(pool, "_connections", None) or ())
+                conns += list(getattr(pool, "_available_connections", None) or ())
+                conns += list(getattr(pool, "_in_use_connections", None) or ())
+                total += sum(getattr(c, "_sock", None) is not None for c in set(conns))
+            return total
+        except Exception:  # noqa: BLE001 - a figure for the metrics, never a failure
+            return -1
+
+    @override
     def close(self) -> None:
         self._shutdown()
 

@@ -130,6 +130,7 @@ def test_a_dead_redis_opens_the_circuit_and_a_restarted_one_closes_it(tmp_path: 
         labels = {"backend": "redis", "namespace": b.namespace.digest[:12]}
         assert b.health() == Health("ok")
         assert b.batch_set(["k1"], [b"v" * 128]) == [True]
+        assert b.usage()["connections"] >= 1  # (hicache_connections: open connections)
         server.stop()
         assert b.health().status == "down"
         for _ in range(3):
@@ -152,7 +153,12 @@ def test_a_dead_redis_opens_the_circuit_and_a_restarted_one_closes_it(tmp_path: 
             REGISTRY.get_sample_value("hicache_circuit_open", {**labels, "direction": "read"}) == 0
         )
         assert REGISTRY.get_sample_value("hicache_breaker_opens_total", labels) == 1
+        end = time.monotonic() + 20  # (the gauges refresh once a second)
+        while (REGISTRY.get_sample_value("hicache_connections", labels) or 0) < 1:
+            assert time.monotonic() < end, "no connections gauge"
+            time.sleep(0.05)
         b.close()
+        assert b.usage()["connections"] == 0
 
 
 def test_a_trial_call_that_raises_the_callers_error_still_settles_the_breaker() -> None:
