@@ -235,6 +235,9 @@ class CapacityTracker:
         prefix = self.quota_prefix
         if prefix is None:
             return
+        if not prefix:  # every name (a tracker of one namespace): no pass over them
+            self._q_used, self._q_count = self._used, len(self._lru)
+            return
         mine = [b for n, b in self._lru.items() if n.startswith(prefix)]
         self._q_used, self._q_count = sum(mine), len(mine)
 

@@ -266,7 +266,8 @@ class FileTreeCore(HiCacheStorage, Generic[O]):
                 block_size=os.statvfs(self.root).f_frsize,
                 refresh=self._scanner.scan,
                 shared_cap=self.capacity_per_root,
-                quota_prefix=f"{self.namespace.digest}/",
+                # (Per namespace and shard, every object is this namespace's: "".)
+                quota_prefix=f"{self.namespace.digest}/" if self.capacity_per_root else "",
                 quota_bytes=opts.namespace_max_size,
             )
             if self._tracker.enabled:
