@@ -626,10 +626,10 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
 
     @override
     def health(self) -> Health:
-        """The client's health check.
+        """The client's health check, then an existence query the master answers.
 
-        ``down``: not set up, closed, or the master unreachable (also right after a call
-        the master failed in the last seconds).
+        ``down``: not set up, closed, or the master unreachable or failing the query (also
+        right after a call the master failed in the last seconds).
         """
         mc = self._mc  # (once: close() may clear it meanwhile)
         if mc is None:
@@ -640,9 +640,12 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
             code = int(mc.health_check())
         except Exception as exc:  # noqa: BLE001 - the probe's answer
             return Health("down", type(exc).__name__)
-        if code == 0:
-            return Health("ok")
-        return Health("down", "master unreachable" if code == 2 else f"health check {code}")
+        if code != 0:
+            return Health("down", "master unreachable" if code == 2 else f"health check {code}")
+        # health_check() answers 0 with the master gone (it tells the client's state): an
+        # existence query of a name nothing stores asks the master itself. (It blocks
+        # seconds on a dead master: on the breaker's prober, never an engine thread.)
+        return super().health()
 
     @override
     def close(self) -> None:

@@ -256,7 +256,23 @@ class TieredCache:
         host = agree(local.host_pages)
         device = min(local.device_pages, host)
         stored = agree(self._storage_run(keys[host:]))
+        with self._lock:
+            self._not_stored(keys[host + stored :])
         return PrefixMatch(keys, device, host, host + stored)
+
+    def _not_stored(self, keys: list[str]) -> None:
+        """Forget that storage holds ``keys``: its leading run ended before them (lock held).
+
+        A store can lose pages it held (a restart, eviction, a TTL). Trusted still, such
+        a page would never be written again when it is computed again, and no prompt
+        through it would hit storage again; forgotten, it is backed up as a new page
+        (a page the store does hold is written again at worst: first writer wins).
+        """
+        for key in keys:
+            entry = self.index.entries.get(key)
+            if entry is not None and entry.stored:
+                entry.stored = False
+                self.index._forget_if_empty(entry)
 
     def _storage_run(self, keys: list[str]) -> int:
         """The leading run of ``keys`` in storage.

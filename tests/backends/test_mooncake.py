@@ -407,3 +407,28 @@ def test_a_put_stalled_in_flight_makes_a_set_answer_false_after_put_wait() -> No
             go.put(1)
             child.join(60)
             b.close()
+
+
+def test_a_master_killed_and_restarted_under_the_main_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hicache-storage run`` on Mooncake while its ``mooncake_master`` is killed after two
+    turns and started again on its port two turns later (empty: the master keeps no
+    metadata over a restart; the storage node stays up). The run keeps going with every
+    page byte-exact, no storage hit while the master is down, both circuits open by the
+    restart, the requests' reads of the dead master under one deadline in all, and
+    storage hits again after it, circuit closed and health ok at the end (the shared
+    checks of ``tests/workers/main_job_outage.py``, whose helpers run the job).
+
+    A read of a dead master blocks about 4 s in the client, and its health check still
+    answers 0: a health probe that trusted it let a trial read block again every backoff.
+    Requests are paced 0.25 s apart, so the job outlasts a probe under way at the restart
+    and the node's segment coming back into the new master (about 2-5 s here).
+    """
+    from main_job_outage import check_outage, run_with_an_outage
+
+    with running_store() as (m, _holder):
+        opts = options(m, connect_timeout=1.0)
+        t0 = time.monotonic()
+        out = run_with_an_outage(monkeypatch, capsys, "mooncake", opts, m.stop, m.start, pace=0.25)
+        check_outage(out, time.monotonic() - t0)
