@@ -441,6 +441,22 @@ def test_an_s3_server_that_dies_mid_run_costs_only_misses(
             _a_store_that_dies_mid_run(llm, expected, server.stop, start)
 
 
+def test_a_mooncake_master_that_dies_mid_run_costs_only_misses(
+    tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
+    """mooncake_master killed under the engine, then started again on its port (empty:
+    the master keeps no metadata; the storage node stays and mounts its segment again).
+    A read of a dead master blocks seconds in the client: the lookups stay within
+    ``engine_timeout`` and the breaker keeps them off it."""
+    from mooncake_master import require_private_network, running_store
+
+    require_private_network()
+    with running_store(64 << 20) as (master, _holder):
+        options = _options("mooncake", tmp_path, mooncake=master.address)
+        with engine(tiny_model, "mooncake", options) as llm:
+            _a_store_that_dies_mid_run(llm, expected, master.stop, master.start)
+
+
 def test_a_failed_load_never_poisons_what_later_requests_load(
     tiny_model: Path, tmp_path: Path, expected: dict[str, list[int]]
 ) -> None:
