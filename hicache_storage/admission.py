@@ -22,6 +22,7 @@ processes or kept across restarts.
 from __future__ import annotations
 
 import threading
+from hashlib import blake2b
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -78,8 +79,16 @@ class SeenCounter:
         return self.min_seen > 1
 
     def _slots(self, keys: Sequence[str]) -> np.ndarray:
-        """Each key's counter in each row: a ``(depth, len(keys))`` array of columns."""
-        h = np.fromiter((hash(k) & ((1 << 64) - 1) for k in keys), dtype=np.uint64, count=len(keys))
+        """Each key's counter in each row: a ``(depth, len(keys))`` array of columns.
+
+        From a fixed hash of the key (blake2b), so that every process (the tier's TP
+        ranks) counts the same collisions.
+        """
+        h = np.fromiter(
+            (int.from_bytes(blake2b(k.encode(), digest_size=8).digest(), "little") for k in keys),
+            dtype=np.uint64,
+            count=len(keys),
+        )
         h1 = h & np.uint64(_MASK32)
         h2 = (h >> np.uint64(32)) | np.uint64(1)  # odd: the rows' steps never coincide
         return ((h1[None, :] + self._rows * h2[None, :]) & np.uint64(self.width - 1)).astype(
@@ -104,7 +113,8 @@ class SeenCounter:
             now = counts[rows, cols].min(axis=0)
             new = np.minimum(now.astype(np.int32) + 1, 255).astype(np.uint8)
             # Conservative update: raise each row's counter only up to the new estimate.
-            counts[rows, cols] = np.maximum(counts[rows, cols], new[None, :])
+            # (maximum.at: two keys of the batch may share a counter; the larger wins.)
+            np.maximum.at(counts, (np.broadcast_to(rows, cols.shape), cols), new[None, :])
             self._added += len(unique)
             if self._added >= 10 * self.width:
                 counts >>= 1

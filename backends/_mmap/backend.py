@@ -358,7 +358,12 @@ class MmapBackend(HiCacheStorage):
                 )
             self._log_failure("set", CapacityError(f"{oversized} objects exceed the largest slot"))
             self._add_item_errors(oversized)
-        slots = self._slots.reserve_batch(arena, names, pending, results, units, sizes)
+        held = [0]  # (bytes counted in flight against the namespace quota)
+        try:
+            slots = self._slots.reserve_batch(arena, names, pending, results, units, sizes, held)
+        except BaseException:
+            self._slots.quota_landed(held[0])
+            raise
         order = list(slots)
 
         def copy(k: int) -> int:
@@ -382,9 +387,14 @@ class MmapBackend(HiCacheStorage):
                 records = self._slots.commit(arena, order, slots, names, sizes, sums, results)
                 if records:
                     self._log.append(records)
+                # (committed: the index counts them now; under the lock, so no check
+                # in between counts them twice or not at all)
+                self._slots.quota_landed(held[0])
+                held[0] = 0
                 for slot, _ in slots.values():
                     self._slots.slot_lock(arena, slot, take=False)
         except BaseException:
+            self._slots.quota_landed(held[0])
             self._slots.release(arena, slots)
             raise
         self._record(bytes_written=sum(sizes[i] for i in order if results[i]))

@@ -426,7 +426,12 @@ class IndexLog:
                 # A name met twice (not what compaction writes): its later PUT won in
                 # the index, and the slot of the earlier one must not stay live.
                 self.by_slot = {p & SLOT_MASK: name for name, p in self.index.items()}
-            self.recount()
+                self.recount()
+            elif self.quota_prefix is not None:  # new names only: count this chunk's
+                prefix = self.quota_prefix
+                mine = np.fromiter((nm.startswith(prefix) for nm in cols.names), np.bool_, n)
+                self.prefix_count += int(mine.sum())
+                self.prefix_bytes += int(cols.lengths[mine].astype(np.int64).sum())
             return
         for i, name in enumerate(cols.names):  # one at a time, as PUT records
             entry = Entry(

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import os
 import struct
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,9 @@ class Slots:
         self.free_hint: dict[int, list[int]] = {}  # per size class, lowest slot last
         self._writer_lock, self._warn = writer_lock, warn
         self._on_evict, self._refuse = on_evict, refuse
+        #: Bytes of this instance's batches past the quota check, not committed yet.
+        self.quota_in_flight = 0
+        self._quota_lock = threading.Lock()
 
     def slot_lock(self, arena: Arena, slot: int, take: bool) -> bool:
         """Take (or release) this instance's OFD lock on the slot's byte of the arena file.
@@ -184,6 +188,7 @@ class Slots:
         results: list[bool],
         units: list[int],
         sizes: list[int] | None = None,
+        held: list[int] | None = None,
     ) -> dict[int, tuple[int, int]]:
         """Reserve a slot per pending item (distinct names); items already stored count as done.
 
@@ -193,7 +198,9 @@ class Slots:
         once (the leading ones are stored, as the engine reads leading runs), and only as
         many pages are evicted as the batch will use. With a namespace quota
         (``sizes`` given), the namespace's own oldest objects are evicted first to keep it
-        under its quota, and items beyond the quota itself fail.
+        under its quota, and items beyond the quota itself fail; the bytes the batch will
+        add are then in flight (:attr:`quota_in_flight`) until :meth:`quota_landed` with
+        ``held[0]``, which is set to them.
         """
         slots: dict[int, tuple[int, int]] = {}
         deadline = time.monotonic() + max(5.0, 20 * self.options.reuse_delay)
@@ -215,6 +222,10 @@ class Slots:
                     if first and sizes is not None and self.options.namespace_max_size:
                         waiting = self._keep_quota(arena, waiting, sizes, names, frozenset(keep))
                         pending = waiting
+                        if held is not None:
+                            held[0] = sum(sizes[i] for i in waiting)
+                            with self._quota_lock:
+                                self.quota_in_flight += held[0]
                     by_class: dict[int, list[int]] = {}
                     for i in waiting:
                         by_class.setdefault(units[i], []).append(i)
@@ -601,9 +612,11 @@ class Slots:
 
         quota = int(self.options.namespace_max_size or 0)
         log = self.log
+        # This process's writes in flight hold their room (they cannot be evicted).
+        room = quota - self.quota_in_flight
         fit, total = [], 0
         for i in waiting:
-            if total + sizes[i] > quota:
+            if total + sizes[i] > room:
                 break
             fit.append(i)
             total += sizes[i]
@@ -612,12 +625,14 @@ class Slots:
                 len(waiting) - len(fit),
                 CapacityError(
                     f"{len(waiting) - len(fit)} of {len(names)} objects refused: past the "
-                    f"namespace quota (namespace_max_size {quota} bytes)"
+                    f"namespace quota (namespace_max_size {quota} bytes, of which "
+                    f"{quota - room} held by this process's writes in flight)"
                 ),
             )
-        if log.prefix_bytes + total <= quota or log.quota_prefix is None:
+        now = log.prefix_bytes + self.quota_in_flight  # (this process's writes count too)
+        if now + total <= quota or log.quota_prefix is None:
             return fit
-        need = log.prefix_bytes + total - int(quota * 0.9)
+        need = now + total - int(quota * 0.9)
         prefix = log.quota_prefix
         mine = np.fromiter(
             (s for s, n in log.by_slot.items() if n.startswith(prefix) and s not in keep),
@@ -637,6 +652,12 @@ class Slots:
             self.retire(arena, victims)
             self._on_evict([name for _, name, _ in records])
         return fit
+
+    def quota_landed(self, nbytes: int) -> None:
+        """A batch's bytes in flight were committed (the index counts them) or dropped."""
+        if nbytes:
+            with self._quota_lock:
+                self.quota_in_flight -= nbytes
 
     @staticmethod
     def retire(arena: Arena, slots: list[int]) -> None:

@@ -568,23 +568,26 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
     def _ask_exists(self, op: str, names: list[ObjectName]) -> list[bool]:
         """Whether each name holds a value; a failed item is False (counted)."""
+        out = self._exists_status(op, names)
+        self._add_item_errors(sum(x is None for x in out))
+        return [x is True for x in out]
+
+    def _exists_status(self, op: str, names: list[ObjectName]) -> list[bool | None]:
+        """Whether each name holds a value; ``None`` for an item the store failed.
+
+        A failure is logged, not counted: the caller counts what mattered to its answer.
+        """
         if not names:
             return []
         with self._errors():
             got = self._exists_blobs(names)
-        out = []
-        failed = 0
+        out: list[bool | None] = []
         for present in self._results("_exists_blobs", got, len(names)):
             if isinstance(present, BaseException):
                 self._item_failed(op, present)
-                failed += 1
-                out.append(False)
-            elif (answer := self._answered("_exists_blobs", present)) is None:
-                failed += 1
-                out.append(False)
+                out.append(None)
             else:
-                out.append(answer)
-        self._add_item_errors(failed)
+                out.append(self._answered("_exists_blobs", present))
         return out
 
     # ------------------------------------------------------------------ engine-facing
@@ -648,8 +651,11 @@ class BlobStore(HiCacheStorage, Generic[O]):
         count = 0
         chunk = self.exists_chunk if self.exists_chunk > 0 else max(1, len(names))
         while count < len(names):
-            for present in self._ask_exists("batch_exists", names[count : count + chunk]):
+            for present in self._exists_status("batch_exists", names[count : count + chunk]):
                 if not present:
+                    # Only a failure that ended the run failed the answer: one past a
+                    # plain miss changed nothing (and must not count for the breaker).
+                    self._add_item_errors(int(present is None))
                     return count
                 count += 1
             chunk *= 2

@@ -402,13 +402,14 @@ class CapacityTracker:
             if size != nbytes or not self._reuse_fits(nbytes):
                 return None
             mine = self._in_quota(name)
-            if (
-                mine
-                and self.quota_bytes is not None
-                and not self._in_quota(victim)
-                and self._q_used + self._q_reserved + nbytes > self.quota_bytes
-            ):
-                return None  # the namespace is at its quota: it evicts its own (reserve)
+            if mine and self.quota_bytes is not None:
+                held = self._q_used + self._q_reserved
+                if held > self.quota_bytes or (
+                    not self._in_quota(victim) and held + nbytes > self.quota_bytes
+                ):
+                    # Over its quota (it must shrink: a swap never would), or at it with
+                    # another tenant's page oldest: it evicts its own (reserve).
+                    return None
             del self._lru[victim]
             self._used -= size
             self._counted(victim, size, -1)

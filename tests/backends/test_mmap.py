@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -814,3 +815,40 @@ def test_a_namespace_quota_holds_a_tenant_to_its_share_of_the_arena(
     assert got == [True] * 4 + [False] * 2
     assert a.usage()["namespace_used_bytes"] == 4000
     assert all(bytes(b.get(f"k{i}").numpy()) == value(i) for i in range(6))
+
+
+def test_a_quota_counts_this_processs_writes_in_flight(
+    arena: Callable[..., MmapBackend],
+) -> None:
+    """Two batches of one namespace in flight at once (the second checked while the
+    first copies): the first holds the quota's room, so the second's objects fail
+    rather than take the namespace past it."""
+    import threading
+
+    from hicache_storage import KVCacheNamespace
+
+    ns = KVCacheNamespace(model_id="m", dtype="bf16", page_size=4, tenant="a")
+    a = arena(StorageConfig(namespace=ns), max_size="4MiB", slot_size="64KiB", reuse_delay=0,
+              prefault=False, namespace_max_size=4000)  # fmt: skip
+    assert a.set("warm", b"x") and a.delete("warm")  # (the arena exists)
+    real = a._slots.reserve_batch
+    checked = threading.Barrier(2)
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        got = real(*args, **kwargs)
+        checked.wait(10)  # both batches past the quota check before either commits
+        return got
+
+    a._slots.reserve_batch = slow  # type: ignore[method-assign]
+    out: dict[str, list[bool]] = {}
+
+    def write(tag: str) -> None:
+        out[tag] = a.batch_set([f"{tag}{i}" for i in range(4)], [value(i) for i in range(4)])
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in "xy"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(map(sum, out.values())) == [0, 4]
+    assert a.usage()["namespace_used_bytes"] == 4000 and a._slots.quota_in_flight == 0

@@ -83,3 +83,36 @@ def test_threads_lose_no_sightings() -> None:
     for t in threads:
         t.join()
     assert all(c.admitted(ks))  # 8 sightings each, from 4 threads
+
+
+def test_two_keys_sharing_a_counter_in_one_call_lose_no_sighting() -> None:
+    """Two keys of one call that share a counter in one row (not in the other): the one
+    seen for the Nth time is admitted, whatever the other's count (the larger count
+    wins the shared counter, never the last written)."""
+    import itertools
+
+    c = SeenCounter(6, width=64, depth=2)
+    cand = keys(500)
+    cols = c._slots(cand)
+    a = b = None
+    for i, j in itertools.combinations(range(len(cand)), 2):
+        if cols[0, i] == cols[0, j] and cols[1, i] != cols[1, j]:
+            a, b = cand[i], cand[j]
+            break
+    assert a is not None and b is not None
+    for _ in range(5):
+        c.see([b])
+    assert c.see([b, a]) == [True, False]  # b's sixth sighting, a's first
+    assert c.admitted([b]) == [True] and c.seen([b]) == [6]
+
+
+def test_every_process_counts_the_same_collisions() -> None:
+    """The counters' places come from a fixed hash of the key, not Python's per-process
+    one: ranks of one deployment agree on which keys share counters."""
+    import subprocess
+    import sys
+
+    code = "from hicache_storage.admission import SeenCounter; print(SeenCounter(2)._slots(['a', 'b']).tolist())"
+    got = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout for _ in range(2)}  # fmt: skip
+    assert len(got) == 1 and str(SeenCounter(2)._slots(["a", "b"]).tolist()) in got.pop()

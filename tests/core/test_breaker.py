@@ -229,3 +229,31 @@ def test_a_leading_run_query_that_fails_at_its_first_key_counts_as_failed() -> N
         assert b.batch_exists(["a", "b", "c"]) == 0
     assert b.circuit == OPEN
     b.close()
+
+
+def test_a_plain_miss_before_a_failed_key_is_not_a_failure() -> None:
+    """A blob store asks a chunk of keys at once: the first key simply not stored, a
+    later one failing (a cluster node down) answered 0 correctly, which is no failure of
+    the call (the breaker stays closed); the first key failing is one."""
+    from hicache_storage.backends import MemoryBackend
+    from hicache_storage.config import StorageConfig
+    from hicache_storage.errors import BackendError
+
+    class TailFails(MemoryBackend):
+        first = False
+
+        def _exists_blobs(self, names: list[Any]) -> list[Any]:
+            out: list[Any] = list(super()._exists_blobs(names))
+            out[0 if self.first else -1] = BackendError("node down")
+            return out
+
+    config = StorageConfig(extra_config={"breaker_failures": 3})
+    b = TailFails(config, store=f"tail-{time.time_ns()}")
+    for _ in range(5):
+        assert b.batch_exists(["a", "b", "c"]) == 0  # "a" is not stored
+    assert b.circuit == CLOSED
+    b.first = True
+    for _ in range(3):
+        assert b.batch_exists(["a", "b", "c"]) == 0
+    assert b.circuit == OPEN
+    b.close()

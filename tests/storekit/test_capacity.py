@@ -283,3 +283,19 @@ def test_a_bad_quota_is_refused() -> None:
         CapacityTracker(None, Store().evict, quota_prefix="a/", quota_bytes=0)
     with pytest.raises(ConfigError, match="quota"):
         CapacityTracker(None, Store().evict, quota_bytes=10)
+
+
+def test_a_namespace_over_its_quota_shrinks_instead_of_recycling() -> None:
+    """Over its quota (a re-scan found other ranks' writes, a smaller quota after a
+    restart), a namespace's write never swaps one of its pages for another: it goes
+    through reserve, which evicts its own down to the watermark."""
+    s = Store()
+    t = CapacityTracker(100, s.evict, eviction_ratio=1.0, quota_prefix="a/", quota_bytes=40)
+    t.load([("a/1", 20, 1.0), ("a/2", 20, 2.0), ("a/3", 20, 3.0), ("b/1", 20, 4.0),
+            ("b/2", 20, 5.0)])  # fmt: skip
+    assert t.quota_used_bytes == 60 and t.used_bytes == 100
+    assert t.reserve_reusing("a/4", 20) is None
+    r = t.reserve("a/4", 20)
+    assert r is not None and s.evicted == ["a/1", "a/2"]
+    r.commit()
+    assert t.quota_used_bytes == 40
