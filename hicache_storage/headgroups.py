@@ -679,6 +679,12 @@ class HeadGroupStore(HiCacheStorage):
     def usage(self) -> dict[str, int]:
         return self.inner.usage()
 
+    @property
+    @override
+    def reports_removals(self) -> frozenset[str]:  # type: ignore[override]
+        """What the inner backend reports."""
+        return self.inner.reports_removals
+
     @override
     def watch_removals(self, listener: Callable[[list[str] | None], None]) -> bool:
         """The inner backend's removals, as the engine's keys.

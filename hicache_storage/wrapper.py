@@ -140,6 +140,12 @@ class WrapperBackend(HiCacheStorage):
     def usage(self) -> dict[str, int]:
         return self.inner.usage()
 
+    @property
+    @override
+    def reports_removals(self) -> frozenset[str]:  # type: ignore[override]
+        """What the inner backend reports."""
+        return self.inner.reports_removals
+
     @override
     def watch_removals(self, listener: Callable[[list[str] | None], None]) -> bool:
         """The inner backend's removals (the keys are the same)."""

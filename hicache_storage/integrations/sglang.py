@@ -651,9 +651,10 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         outcome, job = self._exists_lane.run(lambda job: fn(), timeout)
         if outcome == "done":
             return True, job.result
-        if outcome == "timeout" and self.backend is not None:
-            # A failure for the backend's read breaker: a store that hangs opens it, and
-            # later queries answer at once instead of each waiting out the deadline.
+        if self.backend is not None:
+            # A failure for the backend's read breaker (past the deadline, or refused
+            # while the last query still hangs): a store that hangs opens it, and then
+            # SGLang's prefetch reads answer at once too instead of blocking on it.
             report_timeout(self.backend)
         self._log(
             "deadline:" + what,

@@ -255,9 +255,11 @@ class TieredCache:
         # Every rank counts from the same point: the host prefix, agreed first.
         host = agree(local.host_pages)
         device = min(local.device_pages, host)
-        stored = agree(self._storage_run(keys[host:]))
-        with self._lock:
-            self._not_stored(keys[host + stored :])
+        mine, answered = self._storage_run(keys[host:])
+        stored = agree(mine)
+        if answered:  # (a failed or refused query proves nothing about what it holds)
+            with self._lock:
+                self._not_stored(keys[host + mine :])  # (this rank's own answer)
         return PrefixMatch(keys, device, host, host + stored)
 
     def _not_stored(self, keys: list[str]) -> None:
@@ -274,19 +276,22 @@ class TieredCache:
                 entry.stored = False
                 self.index._forget_if_empty(entry)
 
-    def _storage_run(self, keys: list[str]) -> int:
-        """The leading run of ``keys`` in storage.
+    def _storage_run(self, keys: list[str]) -> tuple[int, bool]:
+        """The leading run of ``keys`` in storage, and whether the store answered.
 
         0 for a store that fails, or that hangs past ``exists_timeout`` (the query runs
-        on an I/O thread).
+        on an I/O thread); not answered then, nor while the backend's circuit breaker
+        is open (its answer was a refusal, not a miss).
         """
         run = 0
         chunk = self.config.exists_chunk
+        answered = True
         for at in range(0, len(keys), chunk):
             part = keys[at : at + chunk]
             stuck = self._exists_future
             if stuck is not None and not stuck.done():
                 self._count(storage_errors=1)  # the last query still hangs: a miss
+                answered = False
                 break
             try:
                 future = self._exists_pool.submit(self.backend.batch_exists, part)
@@ -295,10 +300,13 @@ class TieredCache:
             except Exception:  # noqa: BLE001 - a store that fails or hangs is a miss
                 self._count(storage_errors=1)
                 found = 0
+                answered = False
             run += max(0, min(found, len(part)))
             if found < len(part):
                 break
-        return run
+        if answered and getattr(self.backend, "circuit", "off") == "open":
+            answered = False
+        return run, answered
 
     # ------------------------------------------------------------------ prefetch
 

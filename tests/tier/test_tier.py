@@ -674,3 +674,40 @@ def test_admission_stores_a_page_only_from_its_nth_use(
     assert c.flush(10) and backend.batch_exists(twice) == 4
     assert c.stats.backup_failed_tokens == 0
     c.close()
+
+
+def test_a_failed_existence_query_is_no_proof_a_page_is_gone(
+    store: Callable[..., MemoryBackend],
+) -> None:
+    """The tier forgets that storage holds a page only when the store answered that it
+    does not (a restarted store lost it): a query that failed leaves the pages it knows
+    stored alone, so they are not written again; a real miss makes them written again."""
+    host = make_host(pages=16)
+    backend = store(host)
+    c = new_cache(backend, host, device_pages=8, prefetch_threshold=0)
+    p = prompt(4 * PS, 7)
+    keys = c.keys_of(p)
+    run(c, p)
+    assert c.flush(10) and backend.batch_exists(keys) == 4
+    for s in range(60, 66):  # push p off the device and the host (stored: evictable)
+        run(c, prompt(4 * PS, s))
+    assert c.flush(10) and c.index.match(keys).host_pages == 0
+    written = c.stats.bytes_written
+    real = backend.batch_exists
+
+    def blip(ks: list[str], extra_info: object = None) -> int:
+        raise RuntimeError("blip")
+
+    backend.batch_exists = blip  # type: ignore[assignment]
+    assert c.match_prefix(keys).logical_pages == 0  # a failed query: a miss
+    backend.batch_exists = real  # type: ignore[method-assign]
+    c.release(c.acquire(keys, filler(c, keys)))
+    assert c.flush(10) and c.stats.bytes_written == written  # nothing written again
+    # The store loses them (a restart): its answer clears the flag, and they are stored.
+    for s in range(70, 76):
+        run(c, prompt(4 * PS, s))
+    backend.clear()
+    assert c.match_prefix(keys).logical_pages == 0
+    c.release(c.acquire(keys, filler(c, keys)))
+    assert c.flush(10) and backend.batch_exists(keys) == 4
+    c.close()

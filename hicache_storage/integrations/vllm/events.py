@@ -21,7 +21,6 @@ longer be loaded. What other processes or the server remove is not known.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from vllm.distributed.kv_events import (
@@ -80,12 +79,14 @@ class HiCacheKVEvents(KVConnectorKVEvents):  # type: ignore[misc]
     """
 
     def __init__(self, num_workers: int = 1) -> None:
-        self._seen: Counter[KVCacheEvent] = Counter()
+        #: Every event reported, in order (a block stored, removed and stored again in
+        #: one step must reach the scheduler side in that order).
+        self._seen: list[Any] = []
         self._workers = max(1, int(num_workers))
 
     def add_events(self, events: list[KVCacheEvent]) -> None:
-        """Count ``events`` (one worker's)."""
-        self._seen.update(events)
+        """Add ``events`` (one worker's), in their order."""
+        self._seen.extend(events)
 
     def increment_workers(self, count: int = 1) -> None:
         """One more worker's events were added."""
@@ -94,7 +95,7 @@ class HiCacheKVEvents(KVConnectorKVEvents):  # type: ignore[misc]
     def aggregate(self) -> HiCacheKVEvents:
         """Keep only the events every worker reported."""
         common = self.take_common()
-        self._seen = Counter(common)
+        self._seen = list(common)
         self._workers = 1
         return self
 
@@ -110,15 +111,16 @@ class HiCacheKVEvents(KVConnectorKVEvents):  # type: ignore[misc]
             ranks.setdefault(event, set()).add(rank)
         out = [e for e, r in ranks.items() if len(r) >= self._workers]
         keep = set(out)
-        for item in list(self._seen):
-            event = item[1] if isinstance(item, tuple) and len(item) == 2 else item
-            if event in keep:
-                del self._seen[item]
+        self._seen = [
+            item
+            for item in self._seen
+            if (item[1] if isinstance(item, tuple) and len(item) == 2 else item) not in keep
+        ]
         return out
 
     def get_all_events(self) -> list[KVCacheEvent]:
-        """Every event counted (repeated as often as reported)."""
-        return list(self._seen.elements())
+        """Every event reported, in order (repeated as often as reported)."""
+        return list(self._seen)
 
     def get_number_of_workers(self) -> int:
         """The workers whose events were added."""

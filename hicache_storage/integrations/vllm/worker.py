@@ -184,6 +184,10 @@ class WorkerSide(ConnectorSide):
         #: and the keys of blocks stored with an event -> vLLM's hash (for removals).
         self._events: list[Any] = []
         self._hashes: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        #: Keys (with an event) being stored now, and those of them a backend removed
+        #: meanwhile (evicted by the same batch, say): those are not published as stored.
+        self._storing: collections.Counter[str] = collections.Counter()
+        self._gone_while_storing: set[str] = set()
         self._events_lock = threading.Lock()  # (never held while calling a backend)
 
     # ------------------------------------------------------------------ ConnectorSide
@@ -643,23 +647,31 @@ class WorkerSide(ConnectorSide):
         def save(job: Job[Any] | None) -> list[bool | None]:
             return movers.save(keys, groups, job) if movers is not None else [False] * len(keys)
 
+        self._expect_stores(specs)
         try:
-            done, result = self.on_lane(self._save_lane, save, "save")
-        except Exception as exc:  # noqa: BLE001 - a store that failed is only a future miss
-            self.count(hook_errors=1)
-            self._log(
-                "save",
-                "HiCacheKVConnector: a store failed (%s)",
-                self.failure(exc),
-            )
-            done, result = False, None
-        ok: list[bool | None] = list(result) if done and result is not None else []
-        ok += [False] * (len(keys) - len(ok))
-        self._count_saves(movers, groups, ok, partial, time.perf_counter() - t0, cut=False)
-        self._note_stored(specs, ok)
+            try:
+                done, result = self.on_lane(self._save_lane, save, "save")
+            except Exception as exc:  # noqa: BLE001 - a store that failed is only a future miss
+                self.count(hook_errors=1)
+                self._log(
+                    "save",
+                    "HiCacheKVConnector: a store failed (%s)",
+                    self.failure(exc),
+                )
+                done, result = False, None
+            ok: list[bool | None] = list(result) if done and result is not None else []
+            ok += [False] * (len(keys) - len(ok))
+            self._count_saves(movers, groups, ok, partial, time.perf_counter() - t0, cut=False)
+            self._note_stored(specs, ok)
+        finally:
+            self._stores_ended(specs)
 
     def _note_stored(self, specs: list[SaveSpec], ok: list[bool | None]) -> None:
-        """Keep a ``BlockStored`` event for each block stored whole (vLLM's events on)."""
+        """Keep a ``BlockStored`` event for each block stored whole (vLLM's events on).
+
+        Not for a block a backend removed while it was being stored (its own batch
+        evicted it, a clear): the store may no longer hold it.
+        """
         if not self.settings.events:
             return
         medium = medium_of(self.settings.backend_name)
@@ -670,13 +682,17 @@ class WorkerSide(ConnectorSide):
             for j, named in enumerate(spec.events[: len(spec.keys)]):
                 if named is not None and at + j < len(ok) and ok[at + j]:
                     block_hash, parent, tokens, lora = named
-                    out.append(stored_event(block_hash, parent, tokens, self.block_size,
-                                            medium, lora))  # fmt: skip
+                    out.append((spec.keys[j], stored_event(block_hash, parent, tokens,
+                                                           self.block_size, medium, lora)))  # fmt: skip
                     named_keys.append((spec.keys[j], block_hash))
             at += len(spec.keys)
         if out:
             with self._events_lock:
-                self._events.extend(out)
+                gone = self._gone_while_storing
+                if gone:
+                    out = [(k, e) for k, e in out if k not in gone]
+                    named_keys = [(k, h) for k, h in named_keys if k not in gone]
+                self._events.extend(e for _, e in out)
                 del self._events[:-MAX_EVENTS]
                 hashes = self._hashes
                 for key, block_hash in named_keys:
@@ -684,6 +700,29 @@ class WorkerSide(ConnectorSide):
                     hashes.move_to_end(key)
                 while len(hashes) > MAX_EVENTS:
                     hashes.popitem(last=False)
+
+    def _expect_stores(self, specs: list[SaveSpec]) -> None:
+        """Note the keys (with an event) a store is about to write (vLLM's events on)."""
+        if not self.settings.events:
+            return
+        named = [k for s in specs for k, e in zip(s.keys, s.events, strict=False) if e is not None]
+        if named:
+            with self._events_lock:
+                self._storing.update(named)
+
+    def _stores_ended(self, specs: list[SaveSpec]) -> None:
+        """The store of ``specs`` is over (its events noted): forget its keys."""
+        if not self.settings.events:
+            return
+        named = [k for s in specs for k, e in zip(s.keys, s.events, strict=False) if e is not None]
+        with self._events_lock:
+            for key in named:
+                left = self._storing[key] - 1
+                if left > 0:
+                    self._storing[key] = left
+                else:
+                    self._storing.pop(key, None)
+                    self._gone_while_storing.discard(key)
 
     def _on_removed(self, keys: list[str] | None) -> None:
         """A backend removed objects (``None``: cleared): their blocks' removal events.
@@ -697,8 +736,10 @@ class WorkerSide(ConnectorSide):
             if keys is None:
                 gone = list(hashes.values())
                 hashes.clear()
+                self._gone_while_storing.update(self._storing)
             else:
                 gone = [h for h in (hashes.pop(k, None) for k in keys) if h is not None]
+                self._gone_while_storing.update(k for k in keys if k in self._storing)
             if gone:
                 self._events.extend(removed_event(h, medium) for h in gone)
                 del self._events[:-MAX_EVENTS]
@@ -775,12 +816,18 @@ class WorkerSide(ConnectorSide):
                 )
                 self._note_stored(specs, ok)
             finally:  # (a store left listed would hold its request's blocks for good)
+                self._stores_ended(specs)
                 with self._lock:
                     self._stores.remove(st)
 
         with self._lock:
             self._stores.append(st)
-        st.job = self._saver.submit(save, done)
+        self._expect_stores(specs)
+        try:
+            st.job = self._saver.submit(save, done)
+        except BaseException:
+            self._stores_ended(specs)
+            raise
 
     def flush(self, timeout: float | None = None, loads: bool = False) -> bool:
         """Wait for every store queued so far (and background load, with ``loads``) to end.

@@ -349,7 +349,7 @@ def test_sglangs_scheduler_and_hit_queries_never_wait_past_the_deadline(
     while it still hangs; a clear returns; an attach that hangs returns, and the backend
     is installed when it attaches (or closed, if the adapter was closed meanwhile)."""
     pool = mha_pool("page_first")
-    b = build("file", tmp_path, engine_timeout=0.3, breaker_failures=1)
+    b = build("file", tmp_path, engine_timeout=0.3)
     b.register_mem_pool_host(pool)
     ps = pool.page_size
     tokens, keys = prompt(4, ps, seed=9)
@@ -363,8 +363,10 @@ def test_sglangs_scheduler_and_hit_queries_never_wait_past_the_deadline(
     assert hung.circuit == "closed"
     assert c._storage_hit_query(PrefetchOperation("req", tokens))[1] == 0
     assert b.exists(keys[0]) is False and b.batch_exists(keys) == 0  # at once: still hung
-    # The deadline passed counts against the store's read breaker (breaker_failures=1
-    # here): it opens, so later calls answer at once instead of queueing on the store.
+    assert hung.circuit == "closed"  # (3 failures so far: the default opens at 5)
+    assert b.batch_exists(keys) == 0 and b.batch_exists(keys) == 0
+    # The deadline passed and the queries refused while it hangs count against the
+    # store's read breaker: it opens, so SGLang's prefetch reads answer at once too.
     assert hung.circuit == "open"
     assert hung.get_stats(reset=False).breaker_opens == 1
     b.clear()  # returns after the deadline; the clear goes on once the store answers

@@ -1695,3 +1695,62 @@ def test_admission_stores_a_block_only_from_the_nth_request_that_has_it(config: 
     m = run_step(sched, worker, step([new_req("e", [9, 12, 13], BLOCK)], scheduled={"e": 60}))
     assert [s.block_ids[0] for s in m.saves] == [[12]]
     assert sched.get_num_new_matched_tokens(request("f", other), 0) == (2 * BLOCK, False)
+
+
+def test_a_block_stored_removed_and_stored_again_in_one_step_ends_stored(config: Any) -> None:
+    """One rank's events of one step keep their order through vLLM's container: a block
+    stored, evicted and stored again is published stored, removed, stored (a router's
+    last word is that the store holds it)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from hicache_storage.integrations.vllm.events import (
+        HiCacheKVEvents,
+        removed_event,
+        stored_event,
+    )
+
+    sched = HiCacheKVConnector(config, SCHED, kv_config())
+    a = stored_event(11, None, [1] * BLOCK, BLOCK, "hicache-file")
+    events = HiCacheKVEvents(1)
+    events.add_events([(0, a), (0, removed_event(11, "hicache-file")), (0, a)])
+    sched.update_connector_output(SimpleNamespace(kv_cache_events=events))
+    out = list(sched.take_events())
+    assert [type(e) for e in out] == [BlockStored, BlockRemoved, BlockStored]
+
+
+def test_a_block_its_own_store_evicted_is_not_published_as_stored(config: Any) -> None:
+    """A store of three blocks into a file store with room for two and a half: the
+    batch evicts its own first block. Only the blocks the store still holds are
+    published as stored (the evicted one was never published: no removal either)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from hicache_storage.storekit.header import HEADER_SIZE
+
+    saved = getattr(config, "kv_events_config", None)
+    config.kv_events_config = SimpleNamespace(enable_kv_cache_events=True)
+    try:
+        _, probe, _ = pair(config)
+        page = wside(probe).pools[0].page_bytes + HEADER_SIZE
+        probe.shutdown()
+        extra = config.kv_transfer_config.kv_connector_extra_config
+        extra.update(max_size=int(2.5 * page), eviction_ratio=1.0)
+        sched, worker, _ = pair(config, seed=3)
+        hashes = [bytes([i]) * 32 for i in (1, 2, 3)]
+        assert sched.get_num_new_matched_tokens(request("a", PROMPT, block_hashes=hashes), 0) == (
+            0,
+            False,
+        )
+        run_step(sched, worker, step([new_req("a", [1, 2, 3, 4], 0)], scheduled={"a": 100}))
+        events = worker.get_kv_connector_kv_cache_events()
+        sched.update_connector_output(SimpleNamespace(kv_cache_events=events))
+        out = list(sched.take_events())
+        backend = wside(worker).backends[0]
+        held = [backend.exists(k) for k in sside(sched)._reqs["a"].keys]
+        assert held == [False, True, True]
+        stored = [e.block_hashes[0] for e in out if isinstance(e, BlockStored)]
+        assert stored == [maybe_convert_block_hash(h) for h in hashes[1:]]
+        assert not [e for e in out if isinstance(e, BlockRemoved)]
+        worker.shutdown()
+    finally:
+        config.kv_events_config = saved
