@@ -22,7 +22,7 @@ import json
 import operator
 import re
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -501,16 +501,19 @@ class ObjectNamer:
     """:func:`object_name` for one namespace and shard, with recent names remembered.
 
     The prefetch path names the same pages again and again; a remembered name costs a
-    dictionary lookup instead of a validation and a hash. A key is validated (and its
-    name computed) the first time it is seen, so an invalid key is never remembered and
-    always raises :class:`InvalidKeyError`, as with :func:`object_name`.
+    dictionary lookup instead of a validation and a hash, and a batch of remembered
+    paths is one C-speed pass (:meth:`paths`). A key is validated (and its name
+    computed) the first time it is seen, so an invalid key is never remembered and always
+    raises :class:`InvalidKeyError`, as with :func:`object_name`. Only plain ``str`` keys
+    are looked up in the memory (a subclass is validated, and so made a plain ``str``,
+    first).
 
     Args:
         digest: a :attr:`KVCacheNamespace.digest`.
         shard: the shard coordinate, or ``None`` (checked here, once).
     """
 
-    __slots__ = ("_cache", "_digest", "_suffix")
+    __slots__ = ("_digest", "_names", "_path_of", "_prefix", "_suffix")
 
     #: Names remembered (about 15 MB when full, for 64-character keys); cleared when full.
     CACHE_LIMIT = 1 << 15
@@ -519,43 +522,69 @@ class ObjectNamer:
         if shard is not None and _SHARD_RE.fullmatch(shard) is None:
             raise InvalidArgumentError(f"invalid shard coordinate {shard!r}")
         self._digest = digest
+        self._prefix = digest + "/"
         self._suffix = "" if shard is None else "~" + shard
-        self._cache: dict[str, tuple[ObjectName, str]] = {}
+        self._path_of: dict[str, str] = {}  # key -> path (the hot paths need only these)
+        self._names: dict[str, ObjectName] = {}  # key -> name, made when asked for
 
-    def _entry(self, key: str) -> tuple[ObjectName, str]:
-        if type(key) is not str:
-            key = validate_key(key)  # InvalidKeyError for a non-str; a subclass's characters
+    def _new_path(self, key: str) -> str:
+        """Validate ``key``, then compute and remember its path."""
+        key = validate_key(key)  # InvalidKeyError; a str subclass becomes a plain str
         leaf = key + self._suffix
-        entry = self._cache.get(leaf)
-        if entry is None:
-            leaf = validate_key(key) + self._suffix
-            fan = hashlib.blake2b(leaf.encode("ascii"), digest_size=1).hexdigest()
-            name = ObjectName(self._digest, fan, leaf)
-            entry = (name, name.path)
-            if len(self._cache) >= self.CACHE_LIMIT:
-                self._cache.clear()
-            self._cache[leaf] = entry
-        return entry
+        fan = hashlib.blake2b(leaf.encode("ascii"), digest_size=1).hexdigest()
+        path = f"{self._prefix}{fan}/{leaf}"
+        if len(self._path_of) >= self.CACHE_LIMIT:
+            self._path_of.clear()
+            self._names.clear()
+        self._path_of[key] = path
+        return path
 
     def name(self, key: str) -> ObjectName:
         """``object_name(digest, key, shard)``."""
-        return self._entry(key)[0]
+        found = self._names.get(key) if type(key) is str else None
+        if found is None:
+            path = self.path(key)
+            fan, leaf = path[len(self._prefix) :].split("/", 1)
+            found = ObjectName(self._digest, fan, leaf)
+            if type(key) is str:
+                self._names[key] = found
+        return found
 
     def path(self, key: str) -> str:
         """``object_name(digest, key, shard).path``."""
-        if type(key) is not str:
-            return self._entry(key)[1]
-        entry = self._cache.get(key + self._suffix)
-        return (entry if entry is not None else self._entry(key))[1]
+        found = self._path_of.get(key) if type(key) is str else None
+        return found if found is not None else self._new_path(key)
+
+    def known_paths(self, keys: list[str]) -> list[str | None]:
+        """The remembered path of each key, None for a key not remembered (or not a ``str``).
+
+        One C-speed pass: no validation, no hash. :meth:`path` names the others.
+        """
+        if set(map(type, keys)) <= {str}:
+            return list(map(self._path_of.get, keys))
+        get = self._path_of.get
+        return [get(k) if type(k) is str else None for k in keys]
+
+    def each_path(self, keys: list[str], prefix: str = "") -> Iterator[str]:
+        """``prefix + path(key)`` for each key in turn, a key named only when reached.
+
+        For loops that may stop early (the leading run of ``batch_exists``): keys after
+        the first miss are never validated or hashed.
+        """
+        new = self.path
+        for key, path in zip(keys, self.known_paths(keys), strict=True):
+            yield prefix + (path if path is not None else new(key))
 
     def paths(self, keys: list[str], prefix: str = "") -> list[str]:
         """``prefix + path(key)`` for every key (one call for a batch's hot loop)."""
-        get, suffix, entry = self._cache.get, self._suffix, self._entry
-        out = []
-        for key in keys:
-            found = get(key + suffix) if type(key) is str else None
-            out.append(prefix + (found if found is not None else entry(key))[1])
-        return out
+        if set(map(type, keys)) <= {str}:
+            out = list(map(self._path_of.get, keys))  # every remembered one, at C speed
+            if None in out:
+                new = self._new_path
+                out = [p if p is not None else new(k) for k, p in zip(keys, out, strict=True)]
+        else:
+            out = [self.path(k) for k in keys]
+        return [prefix + p for p in out] if prefix else out  # type: ignore[misc]
 
 
 def object_name(digest: str, page_hash: str, shard: str | None = None) -> ObjectName:

@@ -508,21 +508,30 @@ class MmapBackend(HiCacheStorage):
         import numpy as np
 
         get = self._log.index.get
-        slots: list[int] = []
-        gens_: list[int] = []
-        for path in self.object_namer().paths(keys):
-            found = get(path)
-            if found is None:
-                break
-            slots.append(found & 0xFFFFFFFF)  # index_log.unpack, inline on the hot path
-            gens_.append(found >> 32)
-        if not slots:
+        namer = self.object_namer()
+        # Remembered paths and their index entries, each in one C-speed pass; a key named
+        # for the first time is named (validated, hashed) only when every key before it
+        # was found: a batch that misses early never pays for naming the rest.
+        paths = namer.known_paths(keys)
+        found = list(map(get, paths))
+        n = len(keys)
+        i = found.index(None) if None in found else n
+        while i < n:
+            if found[i] is None:
+                if paths[i] is not None:
+                    break  # named before, not in the index
+                entry = get(namer.path(keys[i]))
+                if entry is None:
+                    break
+                found[i] = entry
+            i += 1
+        if i == 0:
             return 0
-        n = len(slots)
-        rows = arena.slots[np.array(slots, np.int64)]
-        gens = np.array(gens_, np.uint64)
+        packed = found[:i]  # slot | generation << 32, a 63-bit generation: no numpy type
+        rows = arena.slots[np.array([f & 0xFFFFFFFF for f in packed], np.int64)]  # unpack()
+        gens = np.array([f >> 32 for f in packed], np.uint64)
         bad = np.flatnonzero((rows["generation"] != gens) | (rows["state"] != COMMITTED))
-        return n if bad.size == 0 else int(bad[0])
+        return i if bad.size == 0 else int(bad[0])
 
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:

@@ -64,7 +64,8 @@ class FileTreeStore(FileTreeReads[O], FileTreeWrites[O]):
         # inline: the path from the remembered name, one lstat, a regular file of ours
         # that nobody else can write (the trust rule for a private store). Anything else
         # (a metadata cache, a shared group, an odd file, an error) takes _exists_at.
-        paths, exists_at = self.object_namer().paths(keys, self._root_prefix), self._exists_at
+        paths = self.object_namer().each_path(keys, self._root_prefix)  # named as reached
+        exists_at = self._exists_at
         if self._meta.enabled or self.group_id is not None:
             for i, path in enumerate(paths):
                 if not exists_at(path):

@@ -350,3 +350,34 @@ def test_delete_of_a_key_that_is_not_a_string_is_a_typed_error(
         file_backend.delete(1)  # type: ignore[arg-type]
     with pytest.raises(InvalidKeyError):
         file_backend.object_path(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["file", "mmap"])
+def test_batch_exists_names_no_key_past_the_first_miss(tmp_path: Path, kind: str) -> None:
+    """A prompt whose pages were never asked about misses early: the keys after the
+    first miss are not named (validated, hashed, remembered), and keys this instance
+    never named are still found when another instance stored them."""
+
+    def make() -> Any:
+        if kind == "file":
+            return FileBackend(StorageConfig(namespace=NS), root=str(tmp_path / "kv"))
+        return MmapBackend(StorageConfig(namespace=NS), path=str(tmp_path / "arena"),
+                           max_size="8MiB", slot_size="4KiB", prefault=False)  # fmt: skip
+
+    writer, reader = make(), make()
+    try:
+        keys = keys_of(40, seed=50)
+        assert writer.batch_set(keys[:10], values(10)) == [True] * 10
+        ask = [*keys[:5], keys[30], *keys[5:30]]  # stored x5, a miss, then 25 more
+        assert reader.batch_exists(ask) == 5
+        namer = reader.object_namer()
+        assert namer.known_paths(ask[:6]) == [namer.path(k) for k in ask[:6]]
+        assert namer.known_paths(ask[6:]) == [None] * 25  # never named
+        # Named now by another call, found by the fast pass: the same answers.
+        assert reader.batch_exists(keys[:10]) == 10
+        assert reader.batch_exists(keys[:12]) == 10
+        assert writer.delete(keys[2]) is True
+        assert reader.batch_exists(keys[:10]) == 2
+    finally:
+        writer.close()
+        reader.close()
