@@ -8,6 +8,11 @@ Two parts, each a median over ``--reps`` repetitions (contenders alternate order
   an ``os.stat`` loop over 128 files named by key in one directory (for the file stores).
   Reported in microseconds per key; "SDK per key" is the backend's time minus the raw
   lookup's (what validation, naming and the guard add).
+* **batch_exists(128) of keys this instance never named** (a new prompt's pages: a
+  process that did not store them, or asks about them for the first time): ``mmap`` and
+  ``file``, two cases: all 128 stored by another instance ("cold hits"), and the first
+  key not stored ("cold, first misses", the usual answer for a new prompt). Each call uses
+  keys it has not seen before; microseconds per call.
 * **batch_set of 4 KiB objects** (small pages: page_size 1-16, MLA, per-layer objects),
   128 new keys per batch through the tensor path: ``file``, ``shm``, ``mmap`` and
   ``memory``, against a raw temp + write + link loop in one directory (what an atomic
@@ -126,6 +131,48 @@ def part_exists(base: str, reps: int, loops: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in results.items()}
 
 
+def part_cold_exists(base: str, reps: int, loops: int) -> dict[str, float]:
+    """Microseconds per batch_exists(128) call on keys the asking instance never named."""
+    values = [torch.full((SMALL,), i % 251, dtype=torch.uint8) for i in range(N)]
+    ns = namespace()
+    arena = os.path.join(base, "cold-arena")
+    root = os.path.join(base, "cold-file")
+
+    def pair(kind: str) -> tuple[HiCacheStorage, HiCacheStorage]:
+        cfg = StorageConfig(namespace=ns)
+        if kind == "mmap":
+            return tuple(  # type: ignore[return-value]
+                MmapBackend(cfg, path=arena, max_size="256MiB", slot_size="8KiB", prefault=False)
+                for _ in range(2)
+            )
+        return FileBackend(cfg, root=root), FileBackend(cfg, root=root)
+
+    made = {kind: pair(kind) for kind in ("mmap", "file")}
+    batches = {kind: [keys_of(N) for _ in range(reps * loops)] for kind in made}
+    for kind, (writer, _) in made.items():
+        for ks in batches[kind]:
+            assert all(writer.batch_set(ks, values)), kind
+        # A miss makes the mmap reader catch up with the writer's log records now (once
+        # for all of them: not what is timed); it names no stored key.
+        assert not made[kind][1].exists(keys_of(1)[0])
+    results: dict[str, list[float]] = {}
+    for r in range(reps):
+        for kind in made if r % 2 == 0 else list(made)[::-1]:
+            reader = made[kind][1]
+            mine = batches[kind][r * loops : (r + 1) * loops]
+            fresh = [keys_of(N) for _ in range(loops)]
+            t = timed(lambda b=reader, m=mine: [b.batch_exists(ks) for ks in m])
+            results.setdefault(f"{kind}, cold hits", []).append(t / loops * 1e6)
+            t = timed(lambda b=reader, m=fresh: [b.batch_exists(ks) for ks in m])
+            results.setdefault(f"{kind}, cold, first misses", []).append(t / loops * 1e6)
+    for writer, reader in made.values():
+        assert reader.batch_exists(batches["mmap"][0][:1] + keys_of(1)) <= 1
+        writer.clear()
+        writer.close()
+        reader.close()
+    return {name: statistics.median(v) for name, v in results.items()}
+
+
 def part_small_sets(base: str, reps: int, batches: int) -> dict[str, float]:
     """Objects per second of batch_set of 4 KiB values (new keys), and of the raw loop.
 
@@ -195,12 +242,14 @@ def main() -> int:
     base = tempfile.mkdtemp(prefix="hot-paths-", dir=args.dir)
     try:
         exists = part_exists(base, args.reps, args.loops)
+        cold = part_cold_exists(base, args.reps, args.loops)
         sets = part_small_sets(base, args.reps, args.batches)
     finally:
         shutil.rmtree(base, ignore_errors=True)
         for path in SHM_DIRS:
             shutil.rmtree(path, ignore_errors=True)
-    out = {"exists_us_per_key": exists, "small_set_objects_per_s": sets,
+    out = {"exists_us_per_key": exists, "cold_exists_us_per_call": cold,
+           "small_set_objects_per_s": sets,
            "reps": args.reps, "dir": args.dir}  # fmt: skip
     if args.json:
         print(json.dumps(out, indent=2))
@@ -215,6 +264,10 @@ def main() -> int:
             f"   {us / raw:5.2f}x raw, SDK per key {us - raw:+6.2f} us, "
             f"batch of {N}: {us * N:7.0f} us")  # fmt: skip
         print(f"  {name:22s} {us:7.2f}{extra}")
+    print(f"batch_exists({N}) of keys this instance never named, us per call, median of "
+          f"{args.reps} (x {args.loops} calls)")  # fmt: skip
+    for name, us in cold.items():
+        print(f"  {name:26s} {us:7.0f}")
     raw = sets["raw temp+write+link loop"]
     print(f"batch_set of {SMALL} B objects, new keys, objects/s, median of {args.reps} "
           f"({args.batches} x {N} per repetition)")  # fmt: skip

@@ -487,13 +487,19 @@ class MmapBackend(HiCacheStorage):
     @override
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         with self._in_flight():
-            start = self._leading_committed(keys)
+            n, start = len(keys), self._leading_committed(keys)
             # From the first key the in-memory index does not vouch for: _find, which
             # catches up with other processes' log records (and so may find it after all).
-            for i in range(start, len(keys)):
+            # Once caught up, the rest is one vectorized pass again (a few times at most:
+            # pages another process stored, asked about by one that never saw them).
+            for _ in range(4):
+                if start == n or self._find(self.object_path(keys[start])) is None:
+                    return start
+                start += 1 + self._leading_committed(keys[start + 1 :])
+            for i in range(start, n):
                 if self._find(self.object_path(keys[i])) is None:
                     return i
-            return len(keys)
+            return n
 
     def _leading_committed(self, keys: list[str]) -> int:
         """How many leading keys the index has, live in the shared slot table, at once.
@@ -509,18 +515,18 @@ class MmapBackend(HiCacheStorage):
 
         get = self._log.index.get
         namer = self.object_namer()
-        # Remembered paths and their index entries, each in one C-speed pass; a key named
-        # for the first time is named (validated, hashed) only when every key before it
-        # was found: a batch that misses early never pays for naming the rest.
+        # Remembered paths and their index entries, each in one C-speed pass; keys named
+        # for the first time are named (validated, hashed) a few at a time when reached:
+        # a batch that misses early never pays for naming the rest.
         paths = namer.known_paths(keys)
         found = list(map(get, paths))
         n = len(keys)
         i = found.index(None) if None in found else n
         while i < n:
             if found[i] is None:
-                if paths[i] is not None:
-                    break  # named before, not in the index
-                entry = get(namer.path(keys[i]))
+                if paths[i] is None:
+                    namer.fill(paths, keys, i)  # this key and a few after it
+                entry = get(paths[i])
                 if entry is None:
                     break
                 found[i] = entry
