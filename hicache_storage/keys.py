@@ -24,7 +24,7 @@ import re
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 from typing_extensions import override
 
@@ -568,9 +568,8 @@ class ObjectNamer:
         """``object_name(digest, key, shard)``."""
         found = self._names.get(key) if type(key) is str else None
         if found is None:
-            path = self.path(key)
-            fan, leaf = path[len(self._prefix) :].split("/", 1)
-            found = ObjectName(self._digest, fan, leaf)
+            path, at = self.path(key), len(self._prefix)
+            found = ObjectName(self._digest, path[at : at + 2], path[at + 3 :])
             if type(key) is str:
                 self._names[key] = found
         return found
@@ -601,17 +600,18 @@ class ObjectNamer:
             if path is None:
                 self.fill(paths, keys, i)
                 path = paths[i]
-            yield prefix + path  # type: ignore[operator]
+            yield prefix + cast("str", path)
 
     def paths(self, keys: list[str], prefix: str = "") -> list[str]:
         """``prefix + path(key)`` for every key (one call for a batch's hot loop)."""
         if set(map(type, keys)) <= {str}:
-            out = list(map(self._path_of.get, keys))  # every remembered one, at C speed
-            if None in out:
-                self.fill(out, keys, 0, len(keys))  # type: ignore[arg-type]
+            found = list(map(self._path_of.get, keys))  # every remembered one, at C speed
+            if None in found:
+                self.fill(found, keys, 0, len(keys))
+            out = cast("list[str]", found)
         else:
             out = [self.path(k) for k in keys]
-        return [prefix + p for p in out] if prefix else out  # type: ignore[misc]
+        return [prefix + p for p in out] if prefix else out
 
 
 def object_name(digest: str, page_hash: str, shard: str | None = None) -> ObjectName:

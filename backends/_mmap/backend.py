@@ -16,7 +16,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from typing_extensions import override
 
@@ -519,21 +519,21 @@ class MmapBackend(HiCacheStorage):
         # for the first time are named (validated, hashed) a few at a time when reached:
         # a batch that misses early never pays for naming the rest.
         paths = namer.known_paths(keys)
-        found = list(map(get, paths))
+        found: list[int | None] = list(map(get, paths))  # type: ignore[arg-type]  # (get(None))
         n = len(keys)
         i = found.index(None) if None in found else n
         while i < n:
             if found[i] is None:
                 if paths[i] is None:
                     namer.fill(paths, keys, i)  # this key and a few after it
-                entry = get(paths[i])
+                entry = get(cast("str", paths[i]))
                 if entry is None:
                     break
                 found[i] = entry
             i += 1
         if i == 0:
             return 0
-        packed = found[:i]  # slot | generation << 32, a 63-bit generation: no numpy type
+        packed = cast("list[int]", found[:i])  # slot | generation << 32 (63-bit generation)
         rows = arena.slots[np.array([f & 0xFFFFFFFF for f in packed], np.int64)]  # unpack()
         gens = np.array([f >> 32 for f in packed], np.uint64)
         bad = np.flatnonzero((rows["generation"] != gens) | (rows["state"] != COMMITTED))

@@ -282,6 +282,26 @@ class CapacityTracker:
                 self._used += nbytes
             self._recount()
 
+    def load_ordered(self, names: list[str], sizes: list[int]) -> None:
+        """Start from the objects ``names`` of ``sizes`` bytes, least recently used first.
+
+        The start-up load of a store whose objects come in LRU order already (a scan
+        snapshot): one pass, no sort. Raises :class:`ValueError` for a name given twice
+        (a damaged listing: the caller scans instead); into a tracker that holds
+        objects already, they are added as :meth:`load` would, newest last.
+        """
+        if len(names) != len(sizes):
+            raise ValueError("names and sizes differ in length")
+        with self._lock:
+            if not self._lru:
+                lru = OrderedDict(zip(names, sizes, strict=True))
+                if len(lru) != len(names):
+                    raise ValueError("an object listed twice")
+                self._lru, self._used = lru, sum(sizes)
+                self._recount()
+                return
+        self.load(zip(names, sizes, range(len(names)), strict=True))
+
     def items_oldest_first(self) -> list[tuple[str, int]]:
         """Committed ``(name, nbytes)``, least recently used first."""
         with self._lock:

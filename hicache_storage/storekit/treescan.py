@@ -18,6 +18,7 @@ import re
 import shutil
 import stat
 import time
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from hicache_storage.keys import is_object_leaf
@@ -132,6 +133,35 @@ class TreeScan:
     def scan(self) -> list[tuple[str, int, float]]:
         """The stored objects this instance accounts for, as (relative name, bytes, mtime).
 
+        See :meth:`_scan_dirs`; the objects of directories taken from the snapshot come
+        last, with their rank in the last instance's order as their time.
+        """
+        found, from_snapshot = self._scan_dirs()
+        if from_snapshot and self.snapshot is not None:
+            found.extend(self.snapshot.entries(from_snapshot))
+        return found
+
+    def scan_ordered(self) -> tuple[list[str], list[int]]:
+        """What :meth:`scan` finds, as names and sizes, least recently used first.
+
+        The snapshot's objects (older than any file scanned again: the last instance
+        ordered them) come first as it lists them, then the files scanned by mtime:
+        no tuple per object, no sort of a million of them.
+        """
+        found, from_snapshot = self._scan_dirs()
+        names: list[str] = []
+        sizes: list[int] = []
+        if from_snapshot and self.snapshot is not None:
+            names, sizes = self.snapshot.columns(from_snapshot)
+        if found:
+            found.sort(key=itemgetter(2))
+            names = [*names, *map(itemgetter(0), found)]
+            sizes = [*sizes, *map(itemgetter(1), found)]
+        return names, sizes
+
+    def _scan_dirs(self) -> tuple[list[tuple[str, int, float]], set[str]]:
+        """The objects of the directories scanned, and the directories the snapshot lists.
+
         Those of its namespace and shard, or (``per_root``) every object of
         every namespace under the root. Only names the store makes count (namespace
         directories, two-hex fan-outs, key names of that fan-out: another program's files
@@ -149,7 +179,7 @@ class TreeScan:
                         if NAMESPACE_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
                     ]
             except OSError:
-                return found
+                return found, set()
             every_shard = True
         else:
             namespaces = [self.namespace]
@@ -210,9 +240,7 @@ class TreeScan:
                 except OSError:
                     self.quiet.pop(rel_dir, None)
                     continue
-        if from_snapshot and self.snapshot is not None:
-            found.extend(self.snapshot.entries(from_snapshot))
-        return found
+        return found, from_snapshot
 
     # ------------------------------------------------------------------ scan snapshot
 
@@ -231,7 +259,7 @@ class TreeScan:
                 if tracker.shared_cap:
                     tracker.refresh_if_due()  # the first scan, timed: sets the schedule
                 else:
-                    tracker.load(self.scan())
+                    tracker.load_ordered(*self.scan_ordered())
                 # Later scans (the shared cap's re-scans) read every file: they also catch
                 # other processes' uses, which change files' mtimes and no directory's.
                 self.cache = {}

@@ -110,6 +110,25 @@ def test_load_orders_by_recency_and_discard() -> None:
     assert len(t) == 0
 
 
+def test_load_ordered_keeps_the_given_order_and_refuses_a_name_twice() -> None:
+    store = Store()
+    t = CapacityTracker(100, store.evict, eviction_ratio=1.0, quota_prefix="a/", quota_bytes=80)
+    t.load_ordered(["a/old", "b/mid", "a/new"], [30, 20, 10])
+    assert t.names_oldest_first() == ["a/old", "b/mid", "a/new"]
+    assert (t.used_bytes, t.quota_used_bytes, t.quota_objects) == (60, 40, 2)
+    r = t.reserve("b/x", 50)  # over the cap: the oldest goes first
+    assert r is not None and r.commit()
+    assert store.evicted == ["a/old"]
+    with pytest.raises(ValueError, match="twice"):
+        CapacityTracker(100, store.evict).load_ordered(["x", "y", "x"], [1, 2, 3])
+    with pytest.raises(ValueError):
+        CapacityTracker(100, store.evict).load_ordered(["x"], [1, 2])
+    # Into a tracker that holds objects already: added as the newest, in order.
+    t.load_ordered(["c/1", "c/2"], [1, 2])
+    assert t.names_oldest_first()[-2:] == ["c/1", "c/2"]
+    assert t.used_bytes == 60 - 30 + 50 + 3
+
+
 def test_invalid_settings() -> None:
     with pytest.raises(ConfigError):
         CapacityTracker(0, Store().evict)
