@@ -518,7 +518,8 @@ class ObjectNamer:
 
     __slots__ = ("_digest", "_names", "_path_of", "_prefix", "_suffix")
 
-    #: Names remembered (about 15 MB when full, for 64-character keys); cleared when full.
+    #: Keys remembered (about 30 MB when full, for 64-character keys: paths, and the
+    #: names asked for); cleared when full (a batch larger than this is kept whole).
     CACHE_LIMIT = 1 << 15
 
     def __init__(self, digest: str, shard: str | None) -> None:

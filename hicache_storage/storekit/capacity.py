@@ -282,22 +282,32 @@ class CapacityTracker:
                 self._used += nbytes
             self._recount()
 
-    def load_ordered(self, names: list[str], sizes: list[int]) -> None:
+    def load_ordered(self, names: list[str], sizes: list[int], *, strict: bool = True) -> None:
         """Start from the objects ``names`` of ``sizes`` bytes, least recently used first.
 
         The start-up load of a store whose objects come in LRU order already (a scan
-        snapshot): one pass, no sort. Raises :class:`ValueError` for a name given twice
-        (a damaged listing: the caller scans instead); into a tracker that holds
-        objects already, they are added as :meth:`load` would, newest last.
+        snapshot): one pass, no sort. A name given twice raises :class:`ValueError` when
+        ``strict`` (a damaged snapshot: the caller scans instead); otherwise its later
+        entry counts, as with :meth:`load`. Into a tracker that holds objects already,
+        they are added as :meth:`load` would, newest last.
         """
         if len(names) != len(sizes):
             raise ValueError("names and sizes differ in length")
         with self._lock:
             if not self._lru:
                 lru = OrderedDict(zip(names, sizes, strict=True))
-                if len(lru) != len(names):
+                if len(lru) == len(names):
+                    used = sum(sizes)
+                elif strict:
                     raise ValueError("an object listed twice")
-                self._lru, self._used = lru, sum(sizes)
+                else:
+                    # The later entry counts, at its own place (as load()).
+                    lru = OrderedDict()
+                    for name, nbytes in zip(names, sizes, strict=True):
+                        lru.pop(name, None)
+                        lru[name] = nbytes
+                    used = sum(lru.values())
+                self._lru, self._used = lru, used
                 self._recount()
                 return
         self.load(zip(names, sizes, range(len(names)), strict=True))

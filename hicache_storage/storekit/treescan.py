@@ -257,9 +257,14 @@ class TreeScan:
         for attempt in (0, 1):
             try:
                 if tracker.shared_cap:
+                    snapshot = self.snapshot
+                    if snapshot is not None and len(set(snapshot.names)) != len(snapshot.names):
+                        raise ValueError("an object listed twice")  # (the re-scan would log it)
                     tracker.refresh_if_due()  # the first scan, timed: sets the schedule
                 else:
-                    tracker.load_ordered(*self.scan_ordered())
+                    # A name twice in a snapshot is damage (scan instead); in a directory
+                    # listing (NFS, FUSE while files come and go) the later entry counts.
+                    tracker.load_ordered(*self.scan_ordered(), strict=bool(self.cache))
                 # Later scans (the shared cap's re-scans) read every file: they also catch
                 # other processes' uses, which change files' mtimes and no directory's.
                 self.cache = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -299,6 +300,43 @@ def test_a_damaged_or_untrusted_snapshot_is_ignored(tmp_path: Path, damage: str)
     assert c.usage() == full
     assert c.batch_exists(keys) == 20
     c.close()
+
+
+def test_shm_ignores_a_snapshot_that_lists_an_object_twice(tmp_path: Path) -> None:
+    """shm (one cap for the root) loads through its re-scan, not the file store's
+    ordered load: a name listed twice must still make the snapshot ignored, never
+    count a made-up size."""
+    from hicache_storage.backends import ShmBackend
+
+    root = Path(tempfile.mkdtemp(prefix="hot-shm-", dir="/dev/shm")) / "kv"
+
+    def shm() -> ShmBackend:
+        b = ShmBackend(StorageConfig(namespace=NS), root=str(root), max_size="64MiB")
+        b.snapshot_min_objects = 0
+        return b
+
+    try:
+        a = shm()
+        keys = keys_of(20, seed=700)
+        assert all(a.batch_set(keys, values(20)))
+        a.close()
+        age_directories(root)
+        b = shm()
+        full = b.usage()
+        b.close()
+        (snap,) = [root / n for n in os.listdir(root) if n.startswith(".hicache-scan.")]
+        data = json.loads(snap.read_text())
+        leaves = data["leaves"].split("\n")
+        data["leaves"] += "\n" + leaves[0]
+        data["dir_of"].append(data["dir_of"][0])
+        data["sizes"].append(10_000)
+        snap.write_text(json.dumps(data))
+        c = shm()
+        assert c.usage() == full
+        assert c.batch_exists(keys) == 20
+        c.close()
+    finally:
+        shutil.rmtree(root.parent, ignore_errors=True)
 
 
 def test_a_write_right_after_clear_waits_for_the_space_clear_frees(

@@ -123,6 +123,11 @@ def test_load_ordered_keeps_the_given_order_and_refuses_a_name_twice() -> None:
         CapacityTracker(100, store.evict).load_ordered(["x", "y", "x"], [1, 2, 3])
     with pytest.raises(ValueError):
         CapacityTracker(100, store.evict).load_ordered(["x"], [1, 2])
+    # Not strict (a directory listing that repeats a name): the later entry counts.
+    lenient = CapacityTracker(100, store.evict)
+    lenient.load_ordered(["x", "y", "x"], [1, 2, 3], strict=False)
+    assert lenient.items_oldest_first() == [("y", 2), ("x", 3)]
+    assert lenient.used_bytes == 5
     # Into a tracker that holds objects already: added as the newest, in order.
     t.load_ordered(["c/1", "c/2"], [1, 2])
     assert t.names_oldest_first()[-2:] == ["c/1", "c/2"]
