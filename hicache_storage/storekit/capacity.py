@@ -570,8 +570,8 @@ class CapacityTracker:
             entries = [(n, b, max(t, recent.get(n, t))) for n, b, t in entries]
             cutoff = time.time() - RECENT_USE_MEMORY
             self._recent = {n: t for n, t in recent.items() if t > cutoff}
-        entries.sort(key=lambda e: e[2])
-        self._lru = OrderedDict((name, nbytes) for name, nbytes, _ in entries)
+        entries.sort(key=itemgetter(2))
+        self._lru = OrderedDict(zip(map(itemgetter(0), entries), map(itemgetter(1), entries)))
         self._used = sum(self._lru.values())
         self._recount()
         self.refreshes += 1
