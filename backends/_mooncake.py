@@ -438,7 +438,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
     @override
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         """Store the pages not already present, each as its header then its segments."""
-        names = [self.object_name(k) for k in keys]
+        names = self.object_names(keys)
         mkeys = self._keys(names)
         out = [False] * len(keys)
         with self._errors():
@@ -530,7 +530,7 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         """Read each object into a header slot and the page's own segments, then check."""
-        names = [self.object_name(k) for k in keys]
+        names = self.object_names(keys)
         if not names:
             return []
         out = [False] * len(names)

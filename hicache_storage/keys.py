@@ -575,6 +575,19 @@ class ObjectNamer:
                 self._names[key] = found
         return found
 
+    def names(self, keys: list[str]) -> list[ObjectName]:
+        """``name(key)`` for every key, the new ones named as a batch (see :meth:`fill`)."""
+        paths = self.paths(keys)
+        if type(keys) is not list or set(map(type, keys)) > {str}:
+            return [self.name(k) for k in keys]
+        get, at, digest, out = self._names.get, len(self._prefix), self._digest, []
+        for key, path in zip(keys, paths, strict=True):
+            found = get(key)
+            if found is None:
+                found = self._names[key] = ObjectName(digest, path[at : at + 2], path[at + 3 :])
+            out.append(found)
+        return out
+
     def path(self, key: str) -> str:
         """``object_name(digest, key, shard).path``."""
         found = self._path_of.get(key) if type(key) is str else None

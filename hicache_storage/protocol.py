@@ -407,6 +407,10 @@ class HiCacheStorage(abc.ABC):
         """
         return self.object_namer().name(key)
 
+    def object_names(self, keys: list[str]) -> list[ObjectName]:
+        """:meth:`object_name` of every key, keys not seen before named as one batch."""
+        return self.object_namer().names(keys)
+
     def object_namer(self) -> ObjectNamer:
         """The :class:`~hicache_storage.keys.ObjectNamer` of this namespace and shard.
 

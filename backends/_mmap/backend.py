@@ -341,7 +341,7 @@ class MmapBackend(HiCacheStorage):
             return []
         sizes = [total_nbytes(v) for _, _, v in items]
         arena = self._arena_for(max(sizes))
-        names = [self.object_path(key) for key, _, _ in items]
+        names = self.object_namer().paths([key for key, _, _ in items])
         results = [False] * len(items)
         fits = [n <= arena.slab_size for n in sizes]
         units = [arena.units_for(n) if ok else 0 for n, ok in zip(sizes, fits, strict=True)]

@@ -603,7 +603,7 @@ class BlobStore(HiCacheStorage, Generic[O]):
     def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
         slots = list(targets) if targets is not None else [None] * len(keys)
         views = [None if t is None else target_views(t) for t in slots]
-        payloads = self._fetch("batch_get", [self.object_name(k) for k in keys], views)
+        payloads = self._fetch("batch_get", self.object_names(keys), views)
         return [
             None if p is None else self._fill(p, t, v)
             for p, t, v in zip(payloads, slots, views, strict=True)
@@ -612,7 +612,7 @@ class BlobStore(HiCacheStorage, Generic[O]):
     @override
     def batch_get_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
         views = [target_views(page) for page in pages]  # refuses read-only pages first
-        payloads = self._fetch("batch_get_pages", [self.object_name(k) for k in keys], views)
+        payloads = self._fetch("batch_get_pages", self.object_names(keys), views)
         return [
             p is not None and self._fill(p, page, v) is not None
             for p, page, v in zip(payloads, pages, views, strict=True)
@@ -625,13 +625,11 @@ class BlobStore(HiCacheStorage, Generic[O]):
     @override
     def batch_set(self, keys: list[str], values: Sequence[Any]) -> list[bool]:
         views = [source_views(v) for v in values]
-        return self._store("batch_set", [self.object_name(k) for k in keys], views)
+        return self._store("batch_set", self.object_names(keys), views)
 
     @override
     def batch_set_pages(self, keys: list[str], pages: Sequence[PageBuffer]) -> list[bool]:
-        return self._store(
-            "batch_set_pages", [self.object_name(k) for k in keys], [p.views for p in pages]
-        )
+        return self._store("batch_set_pages", self.object_names(keys), [p.views for p in pages])
 
     @override
     def exists(self, key: str) -> bool:
@@ -647,7 +645,7 @@ class BlobStore(HiCacheStorage, Generic[O]):
 
         The store is asked in growing chunks (see :attr:`exists_chunk`).
         """
-        names = [self.object_name(k) for k in keys]
+        names = self.object_names(keys)
         count = 0
         chunk = self.exists_chunk if self.exists_chunk > 0 else max(1, len(names))
         while count < len(names):
@@ -664,7 +662,7 @@ class BlobStore(HiCacheStorage, Generic[O]):
     @override
     def batch_exists_each(self, keys: list[str]) -> list[bool]:
         """Whether each key holds a value, asked for every key at once."""
-        return self._ask_exists("batch_exists_each", [self.object_name(k) for k in keys])
+        return self._ask_exists("batch_exists_each", self.object_names(keys))
 
     @override
     def delete(self, key: str) -> bool:

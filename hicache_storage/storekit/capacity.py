@@ -571,7 +571,9 @@ class CapacityTracker:
             cutoff = time.time() - RECENT_USE_MEMORY
             self._recent = {n: t for n, t in recent.items() if t > cutoff}
         entries.sort(key=itemgetter(2))
-        self._lru = OrderedDict(zip(map(itemgetter(0), entries), map(itemgetter(1), entries)))
+        self._lru = OrderedDict(
+            zip(map(itemgetter(0), entries), map(itemgetter(1), entries), strict=True)
+        )
         self._used = sum(self._lru.values())
         self._recount()
         self.refreshes += 1

@@ -255,7 +255,7 @@ class FileTreeReads(FileTreeCore[O]):
 
         On the I/O threads, unless the pages are small.
         """
-        names = [self.object_name(k) for k in keys]
+        names = self.object_names(keys)
         big = self._io.worth_threads(sum(p.nbytes for p in pages), len(pages))
         return self._map_pages(
             op, len(keys), lambda i: io(names[i], pages[i].views), self._io.map if big else None
@@ -279,7 +279,7 @@ class FileTreeReads(FileTreeCore[O]):
 
         ``spans``: the views' ``(address, bytes)`` ranges, when the caller knows them.
         """
-        names = [self.object_name(k) for k in keys]
+        names = self.object_names(keys)
         step = self.payload_batch
         out: list[Any] = []
         for at in range(0, len(keys), step):

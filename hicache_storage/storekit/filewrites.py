@@ -366,7 +366,7 @@ class FileTreeWrites(FileTreeCore[O]):
         for i, key in enumerate(keys):
             first.setdefault(key, i)
         unique = list(first.values())
-        names = [self.object_name(keys[i]) for i in unique]
+        names = self.object_names([keys[i] for i in unique])
         step = self.payload_batch
         if step:
             done: list[bool] = []
