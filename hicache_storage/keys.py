@@ -578,7 +578,7 @@ class ObjectNamer:
     def names(self, keys: list[str]) -> list[ObjectName]:
         """``name(key)`` for every key, the new ones named as a batch (see :meth:`fill`)."""
         paths = self.paths(keys)
-        if type(keys) is not list or set(map(type, keys)) > {str}:
+        if type(keys) is not list or set(map(type, keys)) != {str}:
             return [self.name(k) for k in keys]
         get, at, digest, out = self._names.get, len(self._prefix), self._digest, []
         for key, path in zip(keys, paths, strict=True):

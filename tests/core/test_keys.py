@@ -419,3 +419,50 @@ def test_a_backend_renames_after_its_namespace_is_replaced(tmp_path: Path) -> No
     assert b.object_path(key) != first
     assert b.object_path(key).startswith(b.namespace.digest + "/")
     b.close()
+
+
+class _Folded(str):
+    """A key whose equality ignores case: it must never share a remembered name."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and self.lower() == other.lower()
+
+    def __hash__(self) -> int:
+        return hash(self.lower())
+
+
+@pytest.mark.parametrize("shard", [None, "h0-7"])
+def test_namer_batches_name_every_key_as_object_name_does(
+    shard: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch naming (names, paths, each_path, known_paths) agrees with object_name for
+    plain keys, repeats and str subclasses, across memory clears, and never lets a
+    subclass key answer for a plain one (or the reverse)."""
+    from hicache_storage.keys import ObjectNamer, object_name
+
+    monkeypatch.setattr(ObjectNamer, "CACHE_LIMIT", 5)
+    digest = "abcd1234"
+    namer = ObjectNamer(digest, shard)
+    keys = [f"k{i}" for i in range(12)] + ["k3", "k0"]
+    want = [object_name(digest, k, shard) for k in keys]
+    assert namer.names(keys) == want
+    assert namer.paths(keys, "/r/") == ["/r/" + n.path for n in want]
+    assert list(namer.each_path(keys)) == [n.path for n in want]
+    assert namer.names(list(reversed(keys))) == list(reversed(want))
+    namer = ObjectNamer(digest, shard)
+    assert namer.names(["abc"])[0] == object_name(digest, "abc", shard)
+    folded = namer.names([_Folded("ABC")])[0]
+    assert folded == object_name(digest, "ABC", shard)
+    assert namer.names([_Folded("ABC"), "abc"])[1] == object_name(digest, "abc", shard)
+    other = ObjectNamer(digest, shard)
+    other.names([_Folded("ABC")])
+    assert other.names(["abc"]) == [object_name(digest, "abc", shard)]
+    assert other.name("abc") == object_name(digest, "abc", shard)
+    assert other.known_paths([_Folded("ABC")]) == [None]  # subclasses are never looked up
+    with pytest.raises(InvalidKeyError):
+        namer.names(["ok", "../x"])
+    assert namer.known_paths(["ok", "../x"]) == [None, None]  # nothing remembered
+    ok = namer.path("ok")
+    assert namer.known_paths(["ok", "../x"]) == [ok, None]
