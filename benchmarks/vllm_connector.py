@@ -85,9 +85,10 @@ def build(backend: str, options: dict[str, Any], shape: tuple, model: Path) -> d
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=dim,
                              dtype=torch.bfloat16)  # fmt: skip
-    kcc = KVCacheConfig(num_blocks=2 * blocks, kv_cache_tensors=[],
+    kcc = KVCacheConfig(num_blocks=2 * blocks + 1, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(names, spec)], kv_cache_layout="LBHNC")  # fmt: skip
-    big = torch.empty(layers, 2 * blocks, heads, BLOCK, 2 * dim, dtype=torch.bfloat16)
+    # Block 0 is vLLM's null block (never stored or loaded): blocks 1.. are the pages.
+    big = torch.empty(layers, 2 * blocks + 1, heads, BLOCK, 2 * dim, dtype=torch.bfloat16)
     big.view(torch.int16).random_(-(2**15), 2**15 - 1)
     kv = {n: big[i] for i, n in enumerate(names)}
     worker = _worker(backend, options, model, kcc, kv)
@@ -96,7 +97,7 @@ def build(backend: str, options: dict[str, Any], shape: tuple, model: Path) -> d
     assert type(worker.mover.pool).__name__ == "StagedKVBlocks", "not the staged pool"
     sched = HiCacheKVConnector(config, KVConnectorRole.SCHEDULER, kcc)
     # The backend's own v1 path: a host pool of the same pages, another namespace.
-    pool = HostKVPool(2 * blocks, BLOCK, layers, heads, dim, torch.bfloat16,
+    pool = HostKVPool(2 * blocks + 1, BLOCK, layers, heads, dim, torch.bfloat16,
                       layout="page_first")  # fmt: skip
     assert pool.page_bytes == worker.mover.pool.page_bytes, (pool.page_bytes,)
     pool.kv_buffer.view(torch.int16).random_(-(2**15), 2**15 - 1)
@@ -117,21 +118,23 @@ def round_(parts: dict[str, Any], shape: tuple, n: int, order: int) -> dict[str,
     _, _, _, _, blocks, per_req = shape
     raw, big = parts["raw"], parts["kv"]
     keys = [f"{n:08x}{i:056x}" for i in range(blocks)]
-    src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
+    src, dst = list(range(1, blocks + 1)), list(range(blocks + 1, 2 * blocks + 1))
     chunks = range(0, blocks, per_req)
 
     def conn_save(worker: Any, prefix: str) -> None:
         meta = HiCacheConnectorMetadata(saves=[
             SaveSpec(f"r{i}", [prefix + k[1:] for k in keys[i : i + per_req]],
-                     src[i : i + per_req]) for i in chunks])  # fmt: skip
+                     [src[i : i + per_req]]) for i in chunks])  # fmt: skip
         worker.bind_connector_metadata(meta)
         worker.wait_for_save()
+        # Stores run off the critical path (async_saves): a store is timed to its end.
+        assert worker._worker().flush(timeout=60)
         worker.clear_connector_metadata()
 
     def conn_load(worker: Any, prefix: str) -> None:
         meta = HiCacheConnectorMetadata(loads=[
             LoadSpec(f"r{i}", [prefix + k[1:] for k in keys[i : i + per_req]],
-                     dst[i : i + per_req]) for i in chunks])  # fmt: skip
+                     [dst[i : i + per_req]]) for i in chunks])  # fmt: skip
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         worker.clear_connector_metadata()
@@ -160,8 +163,10 @@ def round_(parts: dict[str, Any], shape: tuple, n: int, order: int) -> dict[str,
             assert worker.totals["save_failed_blocks"] == before["save_failed_blocks"]
             assert worker.totals["load_failed_blocks"] == before["load_failed_blocks"]
             # Checks, outside the timings: every block loaded is the block stored.
-            assert torch.equal(bits[:, blocks:], bits[:, :blocks]), f"{name} loaded other bytes"
-            big[:, blocks:].zero_()
+            assert torch.equal(bits[:, blocks + 1 :], bits[:, 1 : blocks + 1]), (
+                f"{name} loaded other bytes"
+            )
+            big[:, blocks + 1 :].zero_()
     pool = parts["pool"].kv_buffer
     for i in range(blocks):
         s = parts["pool"].page_buffers(block_slots([src[i]], BLOCK))[0].tobytes()
@@ -193,11 +198,12 @@ def scheduler_latency(parts: dict[str, Any], reps: int) -> dict[str, float]:
     # Store the first 64 blocks of each prompt (through the worker), then look up again.
     for i, p in enumerate(prompts):
         keys = sched.keys_for(req(i, p))[:64]
-        blocks = list(range(64))
+        blocks = [list(range(1, 65))]  # one list per KV cache group; 0 is the null block
         worker.bind_connector_metadata(
             HiCacheConnectorMetadata(saves=[SaveSpec("s", keys, blocks)])
         )
         worker.wait_for_save()
+        assert worker._worker().flush(timeout=60)  # (stores run off the critical path)
     hit = [timed(lambda p=p, i=i: sched.get_num_new_matched_tokens(req(i, p), 0))
            for i, p in enumerate(prompts)]  # fmt: skip
     keys_all = [sched.keys_for(req(i, p)) for i, p in enumerate(prompts)]
