@@ -584,14 +584,7 @@ class Slots:
             victims += live[~own][np.isin(slab[~own], slabs)].tolist()
         if not victims:
             return
-        records: list[Record] = []
-        for s in victims:
-            entry = log.entry(log.by_slot[s])
-            assert entry is not None
-            records.append((RecordKind.DEL, log.by_slot[s], entry))
-        log.append(records)  # logged first: a crash here leaves them deleted, never half
-        self.retire(arena, victims)
-        self._on_evict([name for _, name, _ in records])
+        self._evict_slots(arena, log, victims)
 
     def _keep_quota(
         self,
@@ -642,16 +635,19 @@ class Slots:
             order = np.argsort(arena.slots["last_access"][mine], kind="stable")
             mine = mine[order]
             upto = int(np.searchsorted(np.cumsum(log.lengths[mine].astype(np.int64)), need)) + 1
-            victims = mine[:upto].tolist()
-            records: list[Record] = []
-            for s in victims:
-                entry = log.entry(log.by_slot[s])
-                assert entry is not None
-                records.append((RecordKind.DEL, log.by_slot[s], entry))
-            log.append(records)  # logged first: a crash here leaves them deleted, never half
-            self.retire(arena, victims)
-            self._on_evict([name for _, name, _ in records])
+            self._evict_slots(arena, log, mine[:upto].tolist())
         return fit
+
+    def _evict_slots(self, arena: Arena, log: IndexLog, victims: list[int]) -> None:
+        """Delete the objects in slots ``victims``: DEL records, then retire the slots."""
+        records: list[Record] = []
+        for s in victims:
+            entry = log.entry(log.by_slot[s])
+            assert entry is not None
+            records.append((RecordKind.DEL, log.by_slot[s], entry))
+        log.append(records)  # logged first: a crash here leaves them deleted, never half
+        self.retire(arena, victims)
+        self._on_evict([name for _, name, _ in records])
 
     def quota_landed(self, nbytes: int) -> None:
         """A batch's bytes in flight were committed (the index counts them) or dropped."""
