@@ -13,7 +13,10 @@ rotates each repetition), medians reported. Contenders:
 * ``adapter v1``: the same through SGLang's zero-copy pair (``interface_v1``), pages moved
   straight between a host pool and the files;
 * ``native v1``: our ``file`` backend's own ``batch_set_v1``/``batch_get_v1``, no adapter:
-  the adapter's cost is the difference to ``adapter v1``.
+  the adapter's cost is the difference to ``adapter v1``;
+* ``raw verified``: the ceiling of a verified read on this machine, no SDK: one file per
+  page, read by 4 threads (our default ``max_concurrency``), each an ``open``, one
+  ``preadv`` into the target and an xxh3 of it checked against the digest kept at write.
 
 That difference is inside the run-to-run noise of 256 MiB of file I/O, so the adapter's
 cost is also measured on its own: a second part calls the same backend instance with
@@ -36,9 +39,11 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
 from hicache_storage import HostKVPool, StorageConfig, create_backend
@@ -51,6 +56,38 @@ def sglang_config(extra: dict[str, Any] | None) -> HiCacheStorageConfig:
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
         model_name="bench-model", extra_config=extra,
     )  # fmt: skip
+
+
+class RawVerified:
+    """A file per page, read in parallel and verified with xxh3: the ceiling, no SDK."""
+
+    def __init__(self, root: str, threads: int = 4) -> None:
+        self.root, self.digests = root, {}
+        self.pool = ThreadPoolExecutor(threads)
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> bool:
+        for key, value in zip(keys, values, strict=True):
+            view = memoryview(value.numpy())
+            with open(os.path.join(self.root, key), "wb") as f:
+                f.write(view)
+            self.digests[key] = xxhash.xxh3_64_intdigest(view)
+        return True
+
+    def _get(self, key: str, target: torch.Tensor) -> torch.Tensor | None:
+        view = memoryview(target.numpy())
+        fd = os.open(os.path.join(self.root, key), os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [view], 0)
+        finally:
+            os.close(fd)
+        ok = got == len(view) and xxhash.xxh3_64_intdigest(view) == self.digests[key]
+        return target if ok else None
+
+    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[Any]:
+        return list(self.pool.map(self._get, keys, targets))
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 def main() -> None:
@@ -128,6 +165,7 @@ def main() -> None:
         ("adapter tensors", adapter, run_tensors),
         ("adapter v1", adapter, run_v1),
         ("native v1", native, run_v1),
+        ("raw verified", RawVerified, run_tensors),
     ]
     results: dict[str, dict[str, list[float]]] = {c[0]: {"set": [], "get": []} for c in contenders}
     total = n * page_bytes

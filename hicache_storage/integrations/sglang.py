@@ -523,11 +523,28 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[Any]:
-        """``get`` of each key, one result per key."""
-        if target_locations is None:
-            return [self.get(k) for k in keys]
+        """``get`` of each key, one result per key.
+
+        Targets given: one ``batch_get`` of the backend (its I/O threads read the pages
+        in parallel); a target this adapter refuses (an address outside the host pool)
+        is a None of its own.
+        """
+        if target_locations is None or any(t is None for t in target_locations):
+            sizes = target_sizes if target_sizes is not None else [None] * len(keys)
+            locations = target_locations if target_locations is not None else [None] * len(keys)
+            return [self.get(k, t, s) for k, t, s in zip(keys, locations, sizes, strict=True)]
+        backend = self._backend("batch_get")
+        if backend is None:
+            return [None] * len(keys)
         sizes = target_sizes if target_sizes is not None else [None] * len(keys)
-        return [self.get(k, t, s) for k, t, s in zip(keys, target_locations, sizes, strict=True)]
+        targets = [self._target(t, s) for t, s in zip(target_locations, sizes, strict=True)]
+        live = [i for i, t in enumerate(targets) if t is not None]
+        got = backend.batch_get([keys[i] for i in live], [targets[i] for i in live])
+        out: list[Any] = [None] * len(keys)
+        for i, g in zip(live, got, strict=True):
+            if g is not None:
+                out[i] = target_locations[i]
+        return out
 
     @failsafe(lambda self, args: False)
     def set(
@@ -558,16 +575,22 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """Store every value; True only if every one was stored (SGLang's contract)."""
         n = len(keys)
         t0 = time.perf_counter()
-        if values is not None:
-            results = [self.set(k, v) for k, v in zip(keys, values, strict=True)]
-        else:
+        backend = self._backend("batch_set")
+        if backend is None:
+            return False
+        if values is None:
             locations = target_locations if target_locations is not None else [None] * n
             sizes = target_sizes if target_sizes is not None else [None] * n
-            results = [
-                self.set(k, None, t, s) for k, t, s in zip(keys, locations, sizes, strict=True)
-            ]
-        self._note("backup", sum(results), 0, time.perf_counter() - t0)
-        return all(results) and len(results) == n
+            values = [self._target(t, s) for t, s in zip(locations, sizes, strict=True)]
+        # One batch_set of the backend (its I/O threads write in parallel); a value this
+        # adapter refused (None) is not stored.
+        if len(values) != n:
+            raise ValueError(f"{n} keys but {len(values)} values")
+        live = [i for i, v in enumerate(values) if v is not None]
+        stored = backend.batch_set([keys[i] for i in live], [values[i] for i in live])
+        done = sum(bool(ok) for ok in stored)
+        self._note("backup", done, 0, time.perf_counter() - t0)
+        return done == n
 
     @failsafe(lambda self, args: False)
     def exists(self, key: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,10 @@ if TYPE_CHECKING:
     from hicache_storage.keys import ObjectName
 
 __all__ = ["FileTreeReads", "ReadItem"]
+
+#: How :meth:`FileTreeReads._read_quick` opens an object: no link followed, no FIFO waited
+#: on. (``O_NONBLOCK`` stays set: it changes nothing for a regular file.)
+_QUICK_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 #: Mean object size from which batched reads verify their checksums on the I/O threads.
 THREADED_VERIFY = 512 << 10
@@ -126,7 +131,12 @@ class FileTreeReads(FileTreeCore[O]):
         """Read an object into ``views`` (or a new tensor); None on miss, mismatch or corruption.
 
         The bytes come through :meth:`move_payloads` (one ``preadv`` of payload and trailer).
+        A read into given views takes :meth:`_read_quick` first where the store allows it.
         """
+        if views is not None and self._quick_reads:
+            done = self._read_quick(name, views)
+            if done is not None:
+                return True if done else None
         item = self._open_for_read(name, views)
         if item is None:
             return None
@@ -136,6 +146,55 @@ class FileTreeReads(FileTreeCore[O]):
             item.header = self._check_header(item, item.trailer)
             self._finish_read(item)
         return item.out if item.ok else None
+
+    @functools.cached_property
+    def _quick_reads(self) -> bool:
+        """True if :meth:`_read_quick` may serve this store's reads.
+
+        Not in a store that recycles files (a read must lock them), nor in one whose bytes
+        move by other means than this class's ``move_payloads``.
+        """
+        own_move = type(self).move_payloads is FileTreeCore.move_payloads
+        return own_move and not self.recycles_files
+
+    def _read_quick(self, name: ObjectName, views: list[memoryview]) -> bool | None:
+        """The common read, in the fewest steps: True once read and verified, False on a miss.
+
+        ``open`` (no link followed, never blocking), ``fstat``, one ``preadv`` of payload and
+        trailer, the trailer and checksum checks: the same rules as the careful path, with
+        no objects, context managers or extra system calls between them. Anything else (a
+        file not trusted or not regular, a size that differs, a short read, damage, an
+        error) returns None, and the careful path reads the object again and decides.
+        """
+        path = self._path(name)
+        try:
+            fd = os.open(path, _QUICK_OPEN)
+        except FileNotFoundError:
+            self._meta.discard(path)
+            return False
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            payload = st.st_size - HEADER_SIZE
+            if payload != total_nbytes(views):
+                return None
+            check_file(path, st, self.group_id)
+            trailer = bytearray(HEADER_SIZE)
+            if os.preadv(fd, [*views, trailer], 0) != payload + HEADER_SIZE:
+                return None
+            header = decode_header(trailer, name.path, trailer=True)
+            if header.payload_len != payload:
+                return None
+            if self.options.verify_checksum:
+                verify_payload(header, views)
+            self._record(bytes_read=payload)
+            self._touch(name, path, st, fd)
+            return True
+        except (CorruptObjectError, UnsafePathError, OSError):
+            return None
+        finally:
+            os.close(fd)
 
     def _open_for_read(self, name: ObjectName, views: list[memoryview] | None) -> ReadItem | None:
         """Open ``name``'s object for a read into ``views``; None on a miss or a size mismatch.
@@ -236,13 +295,37 @@ class FileTreeReads(FileTreeCore[O]):
 
     @override
     def batch_get(self, keys: list[str], targets: Sequence[Any] | None = None) -> list[Any]:
-        if not self.payload_batch:
-            return super().batch_get(keys, targets)
         views = [None] * len(keys) if targets is None else [target_views(t) for t in targets]
-        got = self._read_each("batch_get", keys, views)
+        if self.payload_batch:
+            got = self._read_each("batch_get", keys, views)
+        else:
+            got = self._read_one_by_one("batch_get", keys, views)
         if targets is None:
             return got
         return [None if g is None else t for g, t in zip(got, targets, strict=True)]
+
+    def _read_one_by_one(
+        self, op: str, keys: list[str], views: Sequence[list[memoryview] | None]
+    ) -> list[Any]:
+        """Read each key into its views (None: a new tensor); None for each miss.
+
+        On the I/O threads when the targets are large, as ``batch_get_pages``: the
+        default loop would read them one by one in the caller's thread. A page that
+        fails (an I/O error) is a None of its own; the others are still read.
+        """
+        names = self.object_names(keys)
+        out: list[Any] = [None] * len(keys)
+
+        def one(i: int) -> bool:
+            out[i] = self._read(names[i], views[i])
+            return out[i] is not None
+
+        sized = [v for v in views if v is not None]
+        big = len(sized) == len(views) and self._io.worth_threads(
+            sum(total_nbytes(v) for v in sized), len(views)
+        )
+        self._map_pages(op, len(keys), one, self._io.map if big else None)
+        return out
 
     def _each_page(
         self,

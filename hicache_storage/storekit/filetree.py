@@ -12,6 +12,7 @@ puts them together.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -360,7 +361,12 @@ class FileTreeCore(HiCacheStorage, Generic[O]):
     # ------------------------------------------------------------------ helpers
 
     def _path(self, name: ObjectName) -> str:
-        return os.path.join(self.root, name.namespace, name.fanout, name.leaf)
+        # = os.path.join(root, namespace, fanout, leaf): none of these starts with "/"
+        return self._root_prefix + name.path
+
+    @functools.cached_property
+    def _root_prefix(self) -> str:
+        return os.path.join(self.root, "")
 
     def _free_space(self) -> int:
         path = self.root

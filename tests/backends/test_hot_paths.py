@@ -420,3 +420,92 @@ def test_batch_exists_names_no_key_past_the_first_miss(tmp_path: Path, kind: str
     finally:
         writer.close()
         reader.close()
+
+
+QUICK_PLANTS = [
+    "symlink", "world-writable", "directory", "other-owner", "fifo",
+    "flipped-byte", "swapped", "truncated", "newer-version", "wrong-size",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("plant", QUICK_PLANTS)
+def test_file_quick_reads_send_every_unusual_object_to_the_careful_path(
+    file_backend: FileBackend, plant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads into given targets take a short path (open, fstat, one preadv, checks).
+
+    Each object planted here must still be a miss, counted where it is damage, and the
+    others of the batch hits; the good ones must have gone the short way (else this test
+    would test nothing)."""
+    b = file_backend
+    keys = keys_of(5)
+    assert b.batch_set(keys, values(5)) == [True] * 5
+    victim = path_of(b, keys[2])
+    if plant == "symlink":  # to another key's good page of the same size
+        os.unlink(victim)
+        os.symlink(path_of(b, keys[0]), victim)
+    elif plant == "world-writable":
+        os.chmod(victim, 0o666)
+    elif plant == "directory":
+        os.unlink(victim)
+        os.mkdir(victim)
+    elif plant == "other-owner":
+        if os.geteuid() != 0:
+            pytest.fail("this check needs root (to give a file away); CI runs as root")
+        os.chown(victim, 54321, 54321)
+    elif plant == "fifo":
+        os.unlink(victim)
+        os.mkfifo(victim, 0o600)
+    elif plant == "flipped-byte":
+        with open(victim, "r+b") as f:
+            f.seek(7)
+            byte = f.read(1)
+            f.seek(7)
+            f.write(bytes([byte[0] ^ 1]))
+    elif plant == "swapped":  # another key's intact object, renamed over this one
+        os.replace(path_of(b, keys[4]), victim)
+    elif plant == "truncated":
+        os.truncate(victim, os.path.getsize(victim) - 1)
+    elif plant == "newer-version":  # a well-formed trailer of a later format version
+        import zlib
+
+        from hicache_storage.storekit import header as h
+
+        with open(victim, "r+b") as f:
+            f.seek(-h.HEADER_SIZE, os.SEEK_END)
+            fields = list(h._FMT.unpack(f.read(h._FMT.size)))
+            fields[1] = h.VERSION + 1
+            head = h._FMT.pack(*fields)
+            f.seek(-h.HEADER_SIZE, os.SEEK_END)
+            f.write(head + h._TAIL.pack(zlib.crc32(head), 0))
+    used: list[bool | None] = []
+    quick = b._read_quick
+
+    def spy(name: Any, views: Any) -> bool | None:
+        used.append(quick(name, views))
+        return used[-1]
+
+    monkeypatch.setattr(b, "_read_quick", spy)
+    want = values(5)
+    size = 63 if plant == "wrong-size" else 64
+    targets = [torch.zeros(64, dtype=torch.uint8) for _ in range(5)]
+    targets[2] = torch.zeros(size, dtype=torch.uint8)
+    before = b.get_stats()
+    got = b.batch_get(keys, targets)
+    assert got[2] is None
+    for i in (0, 1, 3) + (() if plant == "swapped" else (4,)):
+        assert got[i] is targets[i] and torch.equal(targets[i], want[i])
+    assert used.count(True) == (3 if plant == "swapped" else 4)  # the good ones: short way
+    stats = b.get_stats()
+    if plant == "wrong-size":
+        assert stats.size_mismatches == before.size_mismatches + 1
+        assert os.path.exists(victim)  # a size the caller got wrong is no damage
+    elif plant == "truncated":  # (its size no longer matches the target's: told apart)
+        assert stats.size_mismatches == before.size_mismatches + 1
+    elif plant == "newer-version":
+        assert stats.corrupt_objects == before.corrupt_objects
+        assert os.path.exists(victim)  # kept for the newer release that wrote it
+    else:
+        assert stats.corrupt_objects >= before.corrupt_objects + 1
+    if plant == "symlink":  # the link's target is untouched and still served
+        assert torch.equal(b.get(keys[0]), want[0])

@@ -98,7 +98,13 @@ def test_batch_set_is_one_bool_false_when_any_page_failed(
     # whatever the others did. A list would be truthy here and count as a backup.
     assert b.backend is not None
     real_set = b.backend.set
-    monkeypatch.setattr(b.backend, "set", lambda key, value: key != "e" and real_set(key, value))
+    monkeypatch.setattr(
+        b.backend,
+        "batch_set",
+        lambda keys, values: [
+            k != "e" and real_set(k, v) for k, v in zip(keys, values, strict=True)
+        ],
+    )
     assert b.batch_set(["d", "e", "f"], ok) is False
     assert b.exists("d") and not b.exists("e") and b.exists("f")
     b.close()

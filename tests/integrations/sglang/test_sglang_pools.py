@@ -191,6 +191,14 @@ class FailFrom(WrapperBackend):
     def set(self, key: str, value: Any) -> bool:
         return bool(self._take("set", 1)) and self.inner.set(key, value)
 
+    @override
+    def batch_get(self, keys: list[str], targets: Any = None) -> list[Any]:
+        return [self.get(k, t) for k, t in zip(keys, targets or [None] * len(keys), strict=True)]
+
+    @override
+    def batch_set(self, keys: list[str], values: Any) -> list[bool]:
+        return [self.set(k, v) for k, v in zip(keys, values, strict=True)]
+
 
 def test_the_controllers_prefetch_and_backup_threads_on_one_adapter(tmp_path: Path) -> None:
     """SGLang's backup thread work (3 batches of up to 128 pages) and its prefetch thread
