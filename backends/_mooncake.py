@@ -33,10 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from typing_extensions import override
 
 from hicache_storage.breaker import Health
+from hicache_storage.buffers import is_tensor
 from hicache_storage.config import Size, StorageConfig, redact_text, redacting_repr
 from hicache_storage.errors import BackendError, BackendUnavailableError, ConfigError, ErrorMap
 from hicache_storage.protocol import Capabilities
@@ -51,6 +51,8 @@ from hicache_storage.storekit.header import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+
+    import torch
 
     from hicache_storage.buffers import PageBuffer
     from hicache_storage.keys import ObjectName
@@ -230,6 +232,8 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         """This thread's registered arena of at least ``n`` header slots (zeroed)."""
         arena: torch.Tensor | None = getattr(self._local, "arena", None)
         if arena is None or arena.numel() < n * HEADER_SIZE:
+            import torch
+
             arena = torch.zeros(max(n, 128) * HEADER_SIZE, dtype=torch.uint8)
             self._register(arena)
             self._local.arena = arena
@@ -270,9 +274,10 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
                     self._mc.unregister_buffer(ptr)
                     del self._registered[ptr]
             self._pool_regions = []
-        buffers = getattr(mem_pool_host, "kv_buffer", None)
+        buffers: Any = getattr(mem_pool_host, "kv_buffer", None)
+        t: Any
         for t in buffers if isinstance(buffers, (list, tuple)) else [buffers]:
-            if isinstance(t, torch.Tensor) and t.numel():
+            if is_tensor(t) and t.numel():
                 self._pool_regions.append(self._register(t))
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -416,6 +421,8 @@ class MooncakeBackend(BlobStore[MooncakeOptions]):
         """This thread's registered staging buffer of at least ``nbytes`` bytes."""
         buf: torch.Tensor | None = getattr(self._local, "staging", None)
         if buf is None or buf.numel() < nbytes:
+            import torch
+
             buf = torch.empty(max(nbytes, int(self.options.staging_size)), dtype=torch.uint8)
             self._register(buf)
             self._local.staging = buf

@@ -17,7 +17,25 @@ from hicache_storage.errors import ConfigError, HostIndicesError
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["PoolView", "buffer_ranges", "pool_is_mla"]
+__all__ = ["PoolView", "buffer_ranges", "pool_fact", "pool_is_mla"]
+
+
+def pool_fact(pool: Any, name: str) -> Any:
+    """``pool.<name>``; a pool without it is a :class:`ConfigError` that names it.
+
+    Engines and their tests hand over stand-ins of their host pools: one that lacks an
+    attribute the SDK reads must fail the attach with a message, not an AttributeError.
+    """
+    try:
+        value = getattr(pool, name)
+    except AttributeError:
+        value = None
+    if value is None:
+        raise ConfigError(
+            f"the host pool ({type(pool).__name__}) has no {name!r}: a host pool must give "
+            "its dtype, page_size and layout (and its memory: kv_buffer)"
+        )
+    return value
 
 
 def pool_is_mla(pool: Any) -> bool | None:
@@ -54,9 +72,9 @@ class PoolView:
 
     def __init__(self, pool: Any, mla: bool, dtype: str, layout: str | None = None) -> None:
         self.pool = pool
-        self.page_size = int(pool.page_size or 1)
+        self.page_size = int(pool_fact(pool, "page_size") or 1)
         self.dtype = dtype  # the logical KV dtype (the pool's may be uint8 for fp8)
-        self.layout = layout if layout is not None else str(pool.layout)
+        self.layout = layout if layout is not None else str(pool_fact(pool, "layout"))
         self.mla = mla
         # What head groups read of an MHA pool's geometry (hicache_storage.headgroups).
         self.head_num = getattr(pool, "head_num", None)

@@ -17,6 +17,7 @@ resolved lazily (a backend's module is imported only when it is used). Other spe
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import logging
 from dataclasses import dataclass, field
@@ -215,6 +216,9 @@ def load_backend_class(name: str) -> type[HiCacheStorage]:
     if not candidates:
         installed = ", ".join(sorted(eps)) or "none"
         msg = f"unknown storage backend {name!r}; installed: {installed}"
+        close = difflib.get_close_matches(base, sorted(set(eps) | set(INSTALL_HINTS)), n=1)
+        if close and not wanted_dist:
+            msg += f". Did you mean {close[0]!r}?"
         hint = INSTALL_HINTS.get(base)
         if hint and not wanted_dist:
             msg += f". {base!r} is a known backend: {hint}"

@@ -37,6 +37,18 @@ class _ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless it has none or its help already says it."""
+
+    @override
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unset = action.default is None or action.default is False
+        if unset or action.default == argparse.SUPPRESS or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
@@ -80,7 +92,8 @@ def _add_backend_args(p: argparse.ArgumentParser, default: str | None = None) ->
         "--hicache-storage-backend-extra-config",
         dest="extra_config",
         default=None,
-        help="backend options as a JSON object, or @path to a JSON/TOML file",
+        help="backend options as a JSON object, or @path to a JSON/TOML file (default: the "
+        "backend's own; file keeps its pages under /tmp/hicache-storage-<uid>)",
     )
 
 
@@ -454,39 +467,36 @@ def _cmd_sglang_args(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hicache-storage``."""
-    parser = _ArgumentParser(prog="hicache-storage", description=__doc__.splitlines()[0])
+    parser = _ArgumentParser(
+        prog="hicache-storage", description=__doc__.splitlines()[0].replace("``", "")
+    )
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser(
-        "backends", help="list installed backends, their capabilities and load errors"
-    )
+    def add_parser(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
+
+    p = add_parser("backends", help="list installed backends, their capabilities and load errors")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_backends)
 
-    p = sub.add_parser(
-        "bench", help="v1 set/exists/get throughput of a backend, every byte verified"
-    )
+    p = add_parser("bench", help="v1 set/exists/get throughput of a backend, every byte verified")
     _add_backend_args(p, default="file")
-    p.add_argument(
-        "--pages", type=_positive_int, default=128, help="pages to write and read (default 128)"
-    )
+    p.add_argument("--pages", type=_positive_int, default=128, help="pages to write and read")
     p.add_argument(
         "--batch",
         type=_positive_int,
         default=128,
-        help="pages per batch call (default 128, the engine's largest)",
+        help="pages per batch call (128 is the engine's largest)",
     )
-    p.add_argument(
-        "--page-size", type=_positive_int, default=16, help="tokens per page (default 16)"
-    )
-    p.add_argument("--layer-num", type=_positive_int, default=32)
-    p.add_argument("--kv-heads", type=_positive_int, default=8)
-    p.add_argument("--head-dim", type=_positive_int, default=128)
+    p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page")
+    p.add_argument("--layer-num", type=_positive_int, default=32, help="model layers")
+    p.add_argument("--kv-heads", type=_positive_int, default=8, help="KV heads per layer")
+    p.add_argument("--head-dim", type=_positive_int, default=128, help="head dimension")
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="torch dtype of the KV cache")
-    p.add_argument("--layout", default="page_first", choices=list(LAYOUTS))
+    p.add_argument("--layout", default="page_first", choices=list(LAYOUTS), help="host pool layout")
     p.add_argument(
         "--mla", action="store_true", help="MLA pool (one latent vector per token and layer)"
     )
@@ -499,17 +509,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser(
+    p = add_parser(
         "run",
         help="the tiered-cache workload on a backend (device, host, L3), every reused page checked",
     )
     _add_backend_args(p, default="file")
-    from hicache_storage.cli.run import add_run_args
+    from hicache_storage.cli.run_args import add_run_args
 
     add_run_args(p, _positive_int)
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser(
+    p = add_parser(
         "conformance", help="run the conformance kit on a backend; exit 1 if a claimed check fails"
     )
     _add_backend_args(p)
@@ -519,14 +529,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed check")
     p.set_defaults(func=_cmd_conformance)
 
-    p = sub.add_parser(
+    p = add_parser(
         "sglang-args",
         help="print the SGLang server flags that run this backend as SGLang's HiCache L3",
     )
     _add_backend_args(p)
     p.set_defaults(func=_cmd_sglang_args)
 
-    p = sub.add_parser(
+    p = add_parser(
         "vllm-args",
         help="print the vLLM kv_transfer_config that runs this backend as vLLM's KV store",
     )

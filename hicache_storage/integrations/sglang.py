@@ -76,7 +76,7 @@ from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
 from hicache_storage.integrations.adapterkit import backend_name_of, failsafe, failure_text
 from hicache_storage.integrations.deadline import Lane, call_with_deadline
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
-from hicache_storage.poolview import PoolView, buffer_ranges, pool_is_mla
+from hicache_storage.poolview import PoolView, buffer_ranges, pool_fact, pool_is_mla
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.registry import create_backend
 from hicache_storage.sidepools import SidePool, exists_fold, pool_name
@@ -176,6 +176,11 @@ def _metrics_class() -> type:
     return Real  # type: ignore[no-any-return]
 
 
+def _is_tensor(obj: Any) -> bool:
+    """True for a tensor (SGLang's tensor form), not an address or a buffer."""
+    return hasattr(obj, "data_ptr")
+
+
 def _n(args: tuple[Any, ...]) -> int:
     keys = args[0] if args else ()
     return len(keys) if isinstance(keys, Sized) else 0
@@ -219,6 +224,8 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         #: the KV pool's namespace and config, for the side pools' (set at attach)
         self._kv_attach: tuple[KVCacheNamespace, StorageConfig] | None = None
         self._sides: dict[str, SidePool] = {}  # a hybrid model's other pools, by name
+        #: the backend of tensor calls made before any pool (see tensor_namespace)
+        self._tensors: HiCacheStorage | None = None
         self._metrics = StorageMetrics()
         self._log = RateLimitedLog(logger)
 
@@ -241,7 +248,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         server arguments, say which; if neither does, the attach fails rather than mixing
         two formats' pages.
         """
-        stored = normalize_dtype(pool.dtype)
+        stored = normalize_dtype(pool_fact(pool, "dtype"))
         named = self.options.kv_cache_dtype or _server_kv_cache_dtype()
         if stored not in ("uint8", "int8"):
             return stored
@@ -274,8 +281,8 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         fields: dict[str, Any] = {
             "model_id": str(model_id),
             "dtype": self._kv_dtype(pool),
-            "page_size": int(pool.page_size),
-            "object_layout": str(pool.layout),
+            "page_size": int(pool_fact(pool, "page_size")),
+            "object_layout": str(pool_fact(pool, "layout")),
             "rank_replicated": mla,
             "weights_fingerprint": self.options.weights_fingerprint,
         }
@@ -465,8 +472,16 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             )
         return done, result
 
-    def _backend(self, op: str) -> HiCacheStorage | None:
+    def _backend(self, op: str, tensors: bool = False) -> HiCacheStorage | None:
+        """The backend for ``op``; None (logged) when there is none.
+
+        ``tensors``: a call of the tensor form, which a backend without a host pool can
+        serve (SGLang's own storage tests make them so): before any pool is registered it
+        goes to :meth:`_tensor_backend`.
+        """
         backend = self.backend
+        if backend is None and tensors and self._attaches == 0:
+            backend = self._tensor_backend()
         if backend is None:
             self._log(
                 "nopool:" + op,
@@ -474,6 +489,59 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
                 op,
             )
         return backend
+
+    def tensor_namespace(self) -> KVCacheNamespace:
+        """The namespace of tensor calls made before any host pool is registered.
+
+        Without a pool nothing says what a page's bytes are (dtype, tokens per page), so
+        these pages are bytes of their own namespace: the config's model, TP rank (MLA:
+        shared by every rank), layout flag and tenant, dtype ``uint8``, one "token" per
+        page, and the tenant part ``tensors``. They never mix with a pool's pages, and a
+        read checks the stored size against the target's and its checksum, as always.
+        """
+        cfg = self.storage_config
+        model_id = self.options.model_id or getattr(cfg, "model_name", None)
+        if not model_id:
+            raise ConfigError(
+                "SGLang gives no served model name: set model_id in the extra config "
+                "(pages of different models must never share a namespace)"
+            )
+        page_first = bool(getattr(cfg, "is_page_first_layout", True))
+        apart = [self.options.tenant, "tensors"] + [
+            f"{what}{rank}of{size}"
+            for what, rank, size in (
+                ("cp", getattr(cfg, "attn_cp_rank", 0), getattr(cfg, "attn_cp_size", 1)),
+                ("dcp", getattr(cfg, "dcp_rank", 0), getattr(cfg, "dcp_size", 1)),
+            )
+            if int(size or 1) > 1
+        ]
+        return KVCacheNamespace(
+            model_id=str(model_id),
+            dtype="uint8",
+            page_size=1,
+            object_layout="page_first" if page_first else "layer_first",
+            rank_replicated=bool(getattr(cfg, "is_mla_model", False)),
+            weights_fingerprint=self.options.weights_fingerprint,
+            tenant="-".join(a for a in apart if a),
+        )
+
+    def _tensor_backend(self) -> HiCacheStorage | None:
+        """The backend of the tensor calls made before any pool (built on first use)."""
+        with self._lock:
+            if self._tensors is not None or self._attaches:
+                return self._tensors
+            cfg = self.storage_config
+            options = {k: v for k, v in self.extra_config.items() if k not in ADAPTER_KEYS}
+            config = StorageConfig(
+                namespace=self.tensor_namespace(),
+                tp_rank=int(getattr(cfg, "tp_rank", 0) or 0),
+                tp_size=int(getattr(cfg, "tp_size", 1) or 1),
+                pp_rank=int(getattr(cfg, "pp_rank", 0) or 0),
+                pp_size=int(getattr(cfg, "pp_size", 1) or 1),
+                extra_config=options,
+            )
+            self._tensors = create_backend(self.backend_name, config)
+            return self._tensors
 
     # ------------------------------------------------------------------ pointer form
 
@@ -508,7 +576,8 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
     @failsafe(lambda self, args: None)
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         """The page of ``key`` (into ``target_location`` when given), or None."""
-        backend = self._backend("get")
+        tensors = target_location is None or _is_tensor(target_location)
+        backend = self._backend("get", tensors=tensors)
         if backend is None:
             return None
         target = self._target(target_location, target_sizes)
@@ -533,7 +602,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             sizes = target_sizes if target_sizes is not None else [None] * len(keys)
             locations = target_locations if target_locations is not None else [None] * len(keys)
             return [self.get(k, t, s) for k, t, s in zip(keys, locations, sizes, strict=True)]
-        backend = self._backend("batch_get")
+        backend = self._backend("batch_get", tensors=all(map(_is_tensor, target_locations)))
         if backend is None:
             return [None] * len(keys)
         sizes = target_sizes if target_sizes is not None else [None] * len(keys)
@@ -555,7 +624,9 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         target_sizes: Any = None,
     ) -> bool:
         """Store ``value`` (or the bytes at ``target_location``) under ``key``."""
-        backend = self._backend("set")
+        backend = self._backend(
+            "set", tensors=_is_tensor(target_location if value is None else value)
+        )
         if backend is None:
             return False
         if value is None:
@@ -575,7 +646,9 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """Store every value; True only if every one was stored (SGLang's contract)."""
         n = len(keys)
         t0 = time.perf_counter()
-        backend = self._backend("batch_set")
+        given = target_locations if values is None else values
+        tensors = given is not None and all(map(_is_tensor, given))
+        backend = self._backend("batch_set", tensors=tensors)
         if backend is None:
             return False
         if values is None:
@@ -600,7 +673,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
     @failsafe(lambda self, args: 0)
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """The number of leading keys stored (0 past the deadline, or while a query hangs)."""
-        backend = self._backend("batch_exists")
+        backend = self._backend("batch_exists", tensors=True)
         if backend is None:
             return 0
         done, count = self._query(lambda: int(backend.batch_exists(keys)), "exists")
@@ -730,7 +803,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
 
     def clear(self) -> None:
         """Remove this deployment's pages (this namespace only), if the backend can."""
-        backend = self._backend("clear")
+        backend = self._backend("clear", tensors=True)
         if backend is None:
             return
         if not backend.capabilities.delete:
@@ -763,8 +836,9 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             self._attaches += 1  # (an attach still running closes what it built)
             sides, self._sides = list(self._sides.values()), {}
             self._kv_attach = None  # (a pool registered after this gets no backend)
+            tensors, self._tensors = self._tensors, None
         self._exists_lane.close()
-        for b in [backend, *(side.backend for side in sides)]:
+        for b in [backend, tensors, *(side.backend for side in sides)]:
             if b is not None:
                 self._with_deadline(b.close, "close")
 

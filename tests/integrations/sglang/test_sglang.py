@@ -131,13 +131,25 @@ def test_the_pointer_form_reads_and_writes_only_inside_the_host_pool(tmp_path: P
     b.close()
 
 
-def test_calls_before_the_pool_is_registered_fail_cleanly(tmp_path: Path) -> None:
+def test_before_the_pool_tensor_calls_are_served_and_the_others_fail_cleanly(
+    tmp_path: Path,
+) -> None:
+    """Tensor calls need no pool (SGLang's own tests make them so; see
+    test_sglang_own_tests.py); host indices and addresses mean nothing without one."""
     b = build("memory", tmp_path)
     assert b.get("k") is None
-    assert b.set("k", torch.ones(4, dtype=torch.uint8)) is False
-    assert b.batch_exists(["k"]) == 0
+    assert b.set("k", torch.ones(4, dtype=torch.uint8)) is True
+    assert b.batch_exists(["k"]) == 1
     assert b.batch_get_v1(["k"], torch.arange(4)) == [False]
+    assert b.batch_set_v1(["j"], torch.arange(4)) == [False]
+    page = bytearray(16)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    assert b.set("j", None, address, 16) is False
+    assert b.get("k", address, 4) is None
+    # After close nothing is served, tensor calls included.
     b.close()
+    assert b.set("m", torch.ones(4, dtype=torch.uint8)) is False
+    assert b.batch_exists(["k"]) == 0
 
 
 def test_an_unknown_backend_name_is_a_clear_error_at_construction() -> None:
