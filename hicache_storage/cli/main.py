@@ -273,12 +273,16 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
             argv += ["-k", args.k]
         if args.exitfirst:
             argv.append("-x")
-        code = int(pytest.main(argv))
+        from hicache_storage.cli.kitprogress import KitProgress
+
+        progress = KitProgress()
+        code = int(pytest.main(argv, plugins=[progress]))
         try:
             with open(report) as f:
                 summary = json.load(f)["summary"]
         except (OSError, ValueError, KeyError):
             summary = None
+    print(progress.summary(args.backend, args.report, args.markdown))
     if summary is not None:
         print(
             f"conformance of {args.backend!r}: {summary.get('passed', 0)} passed, "
