@@ -38,12 +38,11 @@ class KitProgress:
     """Bars per rule area while the kit runs; a table and the report paths at the end."""
 
     def __init__(self, stream: TextIO | None = None, bars: bool | None = None) -> None:
+        self._own: TextIO | None = None
         if stream is None:
             # A copy of the terminal's descriptor: pytest captures fd 2 while checks run.
             stream = os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
             self._own = stream
-        else:
-            self._own = None
         self.stream = stream
         self.bars = self.stream.isatty() if bars is None else bars
         self.area: dict[str, str] = {}  # nodeid -> area

@@ -236,7 +236,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(
             "the conformance kit runs on pytest, which is not installed: "
-            "pip install 'hicache-storage[conformance]'"
+            "pip install 'hicache-storage[conformance]' (docs/vendors.md, section 3)"
         ) from exc
 
     with tempfile.TemporaryDirectory(prefix="hicache-conformance-") as tmp:

@@ -234,8 +234,12 @@ def _print(r: dict[str, Any]) -> None:
         ("backend / device", f"{r['backend']} / {r['device']}"),
         ("pools", (f"device {r['device_pages']} pages, host {r['host_pages']} pages, "
                   f"working set {r['working_set_pages']} pages of {r['page_bytes']} B")),
-        ("hit ratio", (f"{r['hit_ratio']:.3f} (ideal {r['ideal_hit_ratio']:.3f}: "
-                      f"{r['hit_ratio_vs_ideal']:.3f} of it)")),
+        ("hit ratio", (f"{r['hit_ratio']:.3f} = {r['hit_ratio_within_run']:.3f} within this "
+                      f"run + {r['hit_ratio_cross_run']:.3f} from pages earlier runs stored")),
+        ("  within this run vs ideal", (
+            f"{r['hit_ratio_within_run']:.3f} of an ideal {r['ideal_hit_ratio']:.3f} "
+            f"({r['hit_ratio_vs_ideal']:.3f} of it; ideal: an unbounded cache, empty at "
+            "the start of this run)")),
         ("  device / host / storage", (f"{r['hit_ratio_device']:.3f} / {r['hit_ratio_host']:.3f} / "
                                       f"{r['hit_ratio_storage']:.3f}")),
         ("prefill tokens saved", (f"{r['prefill_tokens_saved']} of {r['prompt_tokens']} "
@@ -279,28 +283,40 @@ def _plot(result: RunResult, report: dict[str, Any], path: str) -> None:
 
     line = result.timeline
     t = [p["t"] for p in line]
-    fig, (a, b, c) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    fig, (a, b, c) = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
     fig.suptitle(
         f"hicache-storage run on {report['backend']}: {len(line)} requests, "
         f"{report['page_bytes'] // 1024} KiB pages, admit after {report['admit_after']}"
     )
-    a.plot(t, [p["hit_ratio"] for p in line], label="all tiers")
-    a.plot(t, [p["hit_ratio_storage"] for p in line], label="from storage (L3)")
-    a.axhline(report["ideal_hit_ratio"], linestyle="--", color="grey", label="ideal")
-    a.set_ylabel("token hit ratio (cumulative)")
+    a.stackplot(
+        t,
+        [p["hit_ratio_device"] for p in line],
+        [p["hit_ratio_host"] for p in line],
+        [p["hit_ratio_storage"] for p in line],
+        labels=["device (L1)", "host (L2)", "storage (L3)"],
+        alpha=0.8,
+    )
+    if any(p["hit_ratio_cross_run"] for p in line):
+        a.plot(t, [p["hit_ratio_cross_run"] for p in line], color="black", lw=1,
+               label="of which pages earlier runs stored")  # fmt: skip
+    a.axhline(
+        report["ideal_hit_ratio"], linestyle="--", color="grey",
+        label="ideal (unbounded cache, empty at the start)",
+    )  # fmt: skip
+    a.set_ylabel("prompt tokens hit (cumulative)")
     a.set_ylim(0, 1.05)
-    a.legend(loc="lower right", fontsize="small")
-    # Bandwidth over windows of requests (per request it is too spiky to read).
-    step = max(1, len(line) // 40)
+
+    # Bandwidth over 30 equal spans of the run's time (per request it is too spiky to
+    # read): the cumulative bytes at each span's ends, interpolated between requests.
+    import numpy as np
+
+    edges = np.linspace(0.0, t[-1] if t else 1.0, 31)
+    mids = (edges[1:] + edges[:-1]) / 2
     for key, label in (("bytes_read", "storage read"), ("bytes_written", "storage written")):
-        xs, ys = [], []
-        for i in range(step, len(line), step):
-            dt = max(t[i] - t[i - step], 1e-6)
-            xs.append(t[i])
-            ys.append((line[i][key] - line[i - step][key]) / dt / 1e9)
-        b.plot(xs, ys, label=label)
-    b.set_ylabel(f"GB/s (per {step} requests)")
-    b.legend(loc="upper right", fontsize="small")
+        done = np.interp(edges, [0.0, *t], [0.0, *(p[key] for p in line)])
+        b.step(mids, np.diff(done) / np.diff(edges) / 1e9, where="mid", label=label)
+    b.set_ylabel("GB/s (30 spans of the run)")
+    b.set_ylim(bottom=0)
     for key, label in (
         ("breaker_rejections", "calls answered without the store"),
         ("backup_failed_tokens", "backups failed (tokens)"),
@@ -308,8 +324,10 @@ def _plot(result: RunResult, report: dict[str, Any], path: str) -> None:
     ):
         c.plot(t, [p[key] for p in line], label=label)
     c.set_ylabel("count (cumulative)")
+    c.set_ylim(bottom=0)
     c.set_xlabel("seconds")
-    c.legend(loc="upper left", fontsize="small")
+    for ax in (a, b, c):  # (beside the panels: the hit stack fills its panel)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     # Shade the spans where the breaker was open (the store was bypassed).
     start = None
     for i, p in enumerate([*line, {"t": t[-1] if t else 0.0, "circuit_open": 0.0}]):

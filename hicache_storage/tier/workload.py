@@ -40,6 +40,7 @@ __all__ = [
     "Workload",
     "fill_page",
     "ideal_hit_tokens",
+    "ideal_runs",
     "page_differs",
     "replay",
 ]
@@ -100,22 +101,33 @@ class Request:
     answer: list[int]
 
 
-def ideal_hit_tokens(requests: list[Request], page_size: int) -> tuple[int, int]:
-    """``(hit, total)`` prompt tokens of full pages, for a cache that never forgets.
+def ideal_runs(requests: list[Request], page_size: int) -> list[int]:
+    """Per request, the prompt pages a cache that never forgets would hit.
 
-    A prompt page hits when its hash was seen before (in any earlier prompt or answer).
+    The cache starts empty with the first request (it knows nothing of earlier runs): a
+    prompt page hits when its hash was seen before in this list (in any earlier prompt
+    or answer), and the hits are the leading run of those.
     """
     seen: set[str] = set()
-    hit = total = 0
+    runs = []
     for r in requests:
         n = len(r.prompt) // page_size
         keys = page_hashes(r.prompt + r.answer, page_size)
         run = 0
         while run < n and keys[run] in seen:
             run += 1
-        hit += run * page_size
-        total += n * page_size
+        runs.append(run)
         seen.update(keys)
+    return runs
+
+
+def ideal_hit_tokens(requests: list[Request], page_size: int) -> tuple[int, int]:
+    """``(hit, total)`` prompt tokens of full pages, for a cache that never forgets.
+
+    The hits are :func:`ideal_runs`' pages.
+    """
+    hit = sum(ideal_runs(requests, page_size)) * page_size
+    total = sum(len(r.prompt) // page_size for r in requests) * page_size
     return hit, total
 
 
@@ -162,6 +174,8 @@ class RunResult:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
+    #: hits on pages this run had not produced yet: stored by earlier runs (or processes)
+    cross_run_hit_tokens: int = 0
     ideal_hit_tokens: int = 0
     verified_pages: int = 0
     verification_errors: int = 0
@@ -190,11 +204,11 @@ def replay(
     """
     requests = list(workload.requests())
     ps = cache.page_size
-    ideal, _ = ideal_hit_tokens(requests, ps)
-    out = RunResult(ideal_hit_tokens=ideal)
+    runs = ideal_runs(requests, ps)
+    out = RunResult(ideal_hit_tokens=sum(runs) * ps)
     start = time.perf_counter()
     backend = cache.backend
-    for r in requests:
+    for r, ideal_run in zip(requests, runs, strict=True):
         keys = cache.keys_of(r.prompt + r.answer)
         n_prompt = len(r.prompt) // ps
         match = cache.match_prefix(keys[:n_prompt])
@@ -216,6 +230,7 @@ def replay(
             out.storage_hit_tokens += from_storage * ps
             out.host_hit_tokens += (reused - on_device - from_storage) * ps
             out.prompt_tokens += n_prompt * ps
+            out.cross_run_hit_tokens += max(0, reused - ideal_run) * ps
             if verify:
                 for i in range(lease.reused):
                     out.verified_pages += 1
@@ -232,6 +247,9 @@ def replay(
                 "t": out.seconds,
                 "hit_ratio": out.hit_tokens / max(1, out.prompt_tokens),
                 "hit_ratio_storage": out.storage_hit_tokens / max(1, out.prompt_tokens),
+                "hit_ratio_device": out.device_hit_tokens / max(1, out.prompt_tokens),
+                "hit_ratio_host": out.host_hit_tokens / max(1, out.prompt_tokens),
+                "hit_ratio_cross_run": out.cross_run_hit_tokens / max(1, out.prompt_tokens),
                 "bytes_read": float(cache.stats.bytes_read),
                 "bytes_written": float(cache.stats.bytes_written),
                 "circuit_open": float(backend.circuit in ("open", "half_open")),
@@ -260,6 +278,7 @@ def summary(result: RunResult, cache: TieredCache) -> dict[str, Any]:
     """One JSON-ready object of a run's figures."""
     s, total = cache.stats, max(1, result.prompt_tokens)
     ideal = result.ideal_hit_tokens
+    within = result.hit_tokens - result.cross_run_hit_tokens
     return {
         "requests": result.requests,
         "seconds": round(result.seconds, 3),
@@ -270,8 +289,12 @@ def summary(result: RunResult, cache: TieredCache) -> dict[str, Any]:
         "hit_ratio_device": result.device_hit_tokens / total,
         "hit_ratio_host": result.host_hit_tokens / total,
         "hit_ratio_storage": result.storage_hit_tokens / total,
+        # Within the run: hits an unbounded cache over this run's requests alone could
+        # have; across runs: hits on pages stored before this run began.
+        "hit_ratio_within_run": within / total,
+        "hit_ratio_cross_run": result.cross_run_hit_tokens / total,
         "ideal_hit_ratio": ideal / total,
-        "hit_ratio_vs_ideal": result.hit_tokens / ideal if ideal else 1.0,
+        "hit_ratio_vs_ideal": within / ideal if ideal else 1.0,
         "prefill_tokens_saved": result.hit_tokens,
         "prefill_tokens_saved_ideal": ideal,
         "verified_pages": result.verified_pages,

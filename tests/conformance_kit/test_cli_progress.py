@@ -81,7 +81,7 @@ def test_the_bars_count_every_check_once() -> None:
     out = io.StringIO()
     p = KitProgress(out, bars=False)
     items = [Item("a", "exact-length"), Item("b", "read-your-writes"), Item("c", "delete")]
-    p.pytest_collection_finish(type("S", (), {"items": items})())  # type: ignore[arg-type]
+    p.pytest_collection_finish(type("S", (), {"items": items})())
     for nodeid, when, outcome in [("a", "setup", "passed"), ("a", "call", "passed"),
                                   ("a", "teardown", "passed"), ("b", "setup", "skipped"),
                                   ("c", "call", "failed")]:  # fmt: skip
