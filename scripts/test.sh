@@ -2,11 +2,11 @@
 # The whole test suite, from nothing: set up .venv, lint, type-check, run pytest, the
 # Mooncake tests in a private network namespace (unshare -n), then the SGLang integration
 # tests (tests/integrations/sglang/) in .venv-sglang with the real SGLang (built by
-# scripts/sglang_env.sh, about 50 s and 2.3 GB the first time), the vLLM engine tests
-# (tests/integrations/vllm/) in .venv-vllm with the real vLLM (built by scripts/vllm_env.sh, about
-# 3 minutes and 3.7 GB the first time), then the vendor smoke (the built wheel in a fresh
-# venv passes the kit, about 15 s). The two engine venvs are built in the background
-# while the main tests run; their logs are in build/.
+# scripts/sglang_env.sh), the vLLM engine tests (tests/integrations/vllm/) in .venv-vllm
+# with the real vLLM (built by scripts/vllm_env.sh), then the vendor smoke (the built
+# wheel in a fresh venv passes the kit). The two engine venvs are built in the
+# background while the main tests run; their logs are in build/, their sizes and build
+# times in CONTRIBUTING.md.
 # Extra arguments go to the main pytest run (e.g. scripts/test.sh -k file -x) and skip the
 # engine tests and the smoke. The engine tests alone:
 #   bash scripts/sglang_env.sh &&

