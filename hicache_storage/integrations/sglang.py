@@ -20,8 +20,14 @@ use the zero-copy ``batch_get_v1``/``batch_set_v1`` pair.
 different deployments' pages apart. The namespace holds the model name, the dtype, the
 page size, the host layout, MLA (rank-replicated pages) and the heads per rank; the
 shard holds the TP rank (or the KV heads it holds) and the pipeline stage; context
-parallel ranks (``attn_cp``, ``dcp``) are kept apart in the namespace's tenant. Calls
-made before the pool is registered fail cleanly (their failure shape, logged).
+parallel ranks (``attn_cp``, ``dcp``) are kept apart in the namespace's tenant.
+
+Tensor calls made before any pool is registered (``set``/``get``/``exists`` and their
+batches, as SGLang's own storage tests make them on a backend its factory built without
+a pool) are served by a backend of their own (:meth:`SGLangStorage.tensor_namespace`):
+the bytes of each tensor under its key, in a namespace that no pool's pages share. The
+other calls before the pool (the zero-copy pair, addresses into a pool) fail cleanly
+(their failure shape, logged).
 
 **Deadlines.** SGLang calls a backend from its scheduler thread when it attaches,
 clears and detaches storage, and asks for hits from its prefetch thread: none of these
