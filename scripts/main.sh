@@ -6,6 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh main
-exec .venv/bin/hicache-storage run \
+exec "${HICACHE_VENV:-.venv}/bin/hicache-storage" run \
   --hicache-storage-backend file \
   --hicache-storage-backend-extra-config '{"root": ".hicache-work/file"}' "$@"

@@ -276,7 +276,12 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         from hicache_storage.cli.kitprogress import KitProgress
 
         progress = KitProgress()
-        code = int(pytest.main(argv, plugins=[progress]))
+        try:
+            code = int(pytest.main(argv, plugins=[progress]))
+        finally:
+            progress.close()
+        if code == int(pytest.ExitCode.NO_TESTS_COLLECTED):
+            raise ConfigError(f"-k {args.k!r} selects none of the kit's checks")
         try:
             with open(report) as f:
                 summary = json.load(f)["summary"]

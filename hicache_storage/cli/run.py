@@ -42,7 +42,10 @@ def run_workload(args: argparse.Namespace, options: dict[str, Any]) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+            raise ConfigError(
+                "--plot needs matplotlib: pip install 'hicache-storage[plot]' "
+                "(in this repository: .venv/bin/pip install -e '.[plot]')"
+            ) from None
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ConfigError(f"--plot: cannot write into {folder}")
@@ -237,9 +240,9 @@ def _print(r: dict[str, Any]) -> None:
         ("hit ratio", (f"{r['hit_ratio']:.3f} = {r['hit_ratio_within_run']:.3f} within this "
                       f"run + {r['hit_ratio_cross_run']:.3f} from pages earlier runs stored")),
         ("  within this run vs ideal", (
-            f"{r['hit_ratio_within_run']:.3f} of an ideal {r['ideal_hit_ratio']:.3f} "
-            f"({r['hit_ratio_vs_ideal']:.3f} of it; ideal: an unbounded cache, empty at "
-            "the start of this run)")),
+            f"{r['hit_ratio_within_run']:.3f} of an ideal {r['ideal_hit_ratio']:.3f} ("
+            + (f"{r['hit_ratio_vs_ideal']:.3f} of it" if r["ideal_hit_ratio"] else "n/a")
+            + "; ideal: an unbounded cache, empty at the start of this run)")),
         ("  device / host / storage", (f"{r['hit_ratio_device']:.3f} / {r['hit_ratio_host']:.3f} / "
                                       f"{r['hit_ratio_storage']:.3f}")),
         ("prefill tokens saved", (f"{r['prefill_tokens_saved']} of {r['prompt_tokens']} "
@@ -282,6 +285,8 @@ def _plot(result: RunResult, report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     line = result.timeline
+    if len(line) == 1:  # (one point draws nothing: start the run's lines at 0 s)
+        line = [{**line[0], "t": 0.0}, *line]
     t = [p["t"] for p in line]
     fig, (a, b, c) = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
     fig.suptitle(

@@ -72,10 +72,11 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
     ) from exc
 
 from hicache_storage.breaker import report_timeout
-from hicache_storage.buffers import memoryview_at
+from hicache_storage.buffers import memoryview_at, source_views, target_views
 from hicache_storage.config import StorageConfig, parse_options
 from hicache_storage.errors import (
     ConfigError,
+    HiCacheStorageError,
     NamespaceMismatchError,
 )
 from hicache_storage.integrations import SGLANG_ADAPTER_KEYS
@@ -182,6 +183,24 @@ def _metrics_class() -> type:
     return Real  # type: ignore[no-any-return]
 
 
+#: Seconds before a failed build of the pool-less backend is tried again.
+TENSOR_RETRY = 5.0
+
+
+def _usable(views: Callable[[Any], object], obj: Any) -> bool:
+    """True if the backend takes ``obj`` as a target or value (``views`` does not refuse it).
+
+    Checked per item before a batch call, so one tensor the SDK refuses (not contiguous,
+    not in CPU memory, of a type it does not read) fails alone, as in a loop of ``get``.
+    """
+    try:
+        views(obj)
+    except HiCacheStorageError as exc:
+        logger.debug("SGLangStorage: a target or value refused: %s", exc)
+        return False
+    return True
+
+
 def _is_tensor(obj: Any) -> bool:
     """True for a tensor (SGLang's tensor form), not an address or a buffer."""
     return hasattr(obj, "data_ptr")
@@ -230,8 +249,11 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         #: the KV pool's namespace and config, for the side pools' (set at attach)
         self._kv_attach: tuple[KVCacheNamespace, StorageConfig] | None = None
         self._sides: dict[str, SidePool] = {}  # a hybrid model's other pools, by name
-        #: the backend of tensor calls made before any pool (see tensor_namespace)
+        #: the backend of tensor calls made before any pool (see tensor_namespace); none
+        #: once a pool has been offered (even one the attach refused)
         self._tensors: HiCacheStorage | None = None
+        self._tensors_retry_at = 0.0
+        self._pool_seen = False
         self._metrics = StorageMetrics()
         self._log = RateLimitedLog(logger)
 
@@ -389,6 +411,11 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         Raises (SGLang fails the attach) when the backend cannot take the pool: a layout
         it does not support names the layouts it does.
         """
+        with self._lock:  # pool-less tensor calls end here, whatever the attach does
+            self._pool_seen = True
+            tensors, self._tensors = self._tensors, None
+        if tensors is not None:
+            self._with_deadline(tensors.close, "close")
         namespace = self.namespace_for(mem_pool_host)
         cfg = self.storage_config
         if int(getattr(cfg, "dcp_size", 1) or 1) > 1 and self.extra_config.get("interface_v1"):
@@ -486,7 +513,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         goes to :meth:`_tensor_backend`.
         """
         backend = self.backend
-        if backend is None and tensors and self._attaches == 0:
+        if backend is None and tensors and not self._pool_seen:
             backend = self._tensor_backend()
         if backend is None:
             self._log(
@@ -532,22 +559,50 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         )
 
     def _tensor_backend(self) -> HiCacheStorage | None:
-        """The backend of the tensor calls made before any pool (built on first use)."""
+        """The backend of the tensor calls made before any pool (built on first use).
+
+        Built outside the lock and within ``engine_timeout`` (a store that hangs at
+        connect costs the calls misses, never a wait past the deadline, and never holds
+        up ``close`` or the pool's attach); a failed build is tried again only after
+        :data:`TENSOR_RETRY` seconds. Installed only while no pool has been offered.
+        """
         with self._lock:
-            if self._tensors is not None or self._attaches:
+            if self._tensors is not None or self._pool_seen:
                 return self._tensors
-            cfg = self.storage_config
-            options = {k: v for k, v in self.extra_config.items() if k not in ADAPTER_KEYS}
-            config = StorageConfig(
-                namespace=self.tensor_namespace(),
-                tp_rank=int(getattr(cfg, "tp_rank", 0) or 0),
-                tp_size=int(getattr(cfg, "tp_size", 1) or 1),
-                pp_rank=int(getattr(cfg, "pp_rank", 0) or 0),
-                pp_size=int(getattr(cfg, "pp_size", 1) or 1),
-                extra_config=options,
-            )
-            self._tensors = create_backend(self.backend_name, config)
-            return self._tensors
+            if time.monotonic() < self._tensors_retry_at:
+                return None
+        cfg = self.storage_config
+        options = {k: v for k, v in self.extra_config.items() if k not in ADAPTER_KEYS}
+        config = StorageConfig(
+            namespace=self.tensor_namespace(),
+            tp_rank=int(getattr(cfg, "tp_rank", 0) or 0),
+            tp_size=int(getattr(cfg, "tp_size", 1) or 1),
+            pp_rank=int(getattr(cfg, "pp_rank", 0) or 0),
+            pp_size=int(getattr(cfg, "pp_size", 1) or 1),
+            extra_config=options,
+        )
+
+        def build() -> HiCacheStorage | None:
+            backend = create_backend(self.backend_name, config)
+            with self._lock:
+                if self._tensors is None and not self._pool_seen:
+                    self._tensors = backend
+                    return backend
+                current = self._tensors
+            backend.close()  # another call built one first, or a pool came meanwhile
+            return current
+
+        try:
+            done, backend = self._with_deadline(build, "tensor-attach")
+        except Exception:
+            with self._lock:
+                self._tensors_retry_at = time.monotonic() + TENSOR_RETRY
+            raise
+        if not done:
+            with self._lock:
+                self._tensors_retry_at = time.monotonic() + TENSOR_RETRY
+            return None
+        return backend
 
     # ------------------------------------------------------------------ pointer form
 
@@ -613,7 +668,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             return [None] * len(keys)
         sizes = target_sizes if target_sizes is not None else [None] * len(keys)
         targets = [self._target(t, s) for t, s in zip(target_locations, sizes, strict=True)]
-        live = [i for i, t in enumerate(targets) if t is not None]
+        live = [i for i, t in enumerate(targets) if t is not None and _usable(target_views, t)]
         got = backend.batch_get([keys[i] for i in live], [targets[i] for i in live])
         out: list[Any] = [None] * len(keys)
         for i, g in zip(live, got, strict=True):
@@ -630,9 +685,8 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         target_sizes: Any = None,
     ) -> bool:
         """Store ``value`` (or the bytes at ``target_location``) under ``key``."""
-        backend = self._backend(
-            "set", tensors=_is_tensor(target_location if value is None else value)
-        )
+        # (a value is data; a location is data only as a tensor: an address needs a pool)
+        backend = self._backend("set", tensors=value is not None or _is_tensor(target_location))
         if backend is None:
             return False
         if value is None:
@@ -652,8 +706,9 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         """Store every value; True only if every one was stored (SGLang's contract)."""
         n = len(keys)
         t0 = time.perf_counter()
-        given = target_locations if values is None else values
-        tensors = given is not None and all(map(_is_tensor, given))
+        tensors = values is not None or (
+            target_locations is not None and all(map(_is_tensor, target_locations))
+        )
         backend = self._backend("batch_set", tensors=tensors)
         if backend is None:
             return False
@@ -665,7 +720,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
         # adapter refused (None) is not stored.
         if len(values) != n:
             raise ValueError(f"{n} keys but {len(values)} values")
-        live = [i for i, v in enumerate(values) if v is not None]
+        live = [i for i, v in enumerate(values) if v is not None and _usable(source_views, v)]
         stored = backend.batch_set([keys[i] for i in live], [values[i] for i in live])
         done = sum(bool(ok) for ok in stored)
         self._note("backup", done, 0, time.perf_counter() - t0)
@@ -843,6 +898,7 @@ class SGLangStorage(_SGLangHiCacheStorage):  # type: ignore[misc]
             sides, self._sides = list(self._sides.values()), {}
             self._kv_attach = None  # (a pool registered after this gets no backend)
             tensors, self._tensors = self._tensors, None
+            self._pool_seen = True  # (no pool-less backend after close either)
         self._exists_lane.close()
         for b in [backend, tensors, *(side.backend for side in sides)]:
             if b is not None:

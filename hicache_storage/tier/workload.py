@@ -294,7 +294,7 @@ def summary(result: RunResult, cache: TieredCache) -> dict[str, Any]:
         "hit_ratio_within_run": within / total,
         "hit_ratio_cross_run": result.cross_run_hit_tokens / total,
         "ideal_hit_ratio": ideal / total,
-        "hit_ratio_vs_ideal": within / ideal if ideal else 1.0,
+        "hit_ratio_vs_ideal": within / ideal if ideal else None,  # (no reuse possible)
         "prefill_tokens_saved": result.hit_tokens,
         "prefill_tokens_saved_ideal": ideal,
         "verified_pages": result.verified_pages,

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hicache_storage.cli.kitprogress import KitProgress
 from hicache_storage.conformance.rules import RULES_BY_AREA
 
@@ -89,3 +91,57 @@ def test_the_bars_count_every_check_once() -> None:
     text = p.summary("memory", None, None)
     assert "result shapes" in text and "1 check, 1 passed" in text
     assert "2 checks, 0 passed, 1 failed, 1 not claimed" in text
+
+
+def test_one_outcome_per_check_errors_apart_and_checks_not_run_said() -> None:
+    class Item:
+        def __init__(self, nodeid: str) -> None:
+            self.nodeid = nodeid
+
+        def get_closest_marker(self, name: str) -> object:
+            return type("M", (), {"args": ("read-your-writes",)})()
+
+    class Report:
+        def __init__(self, nodeid: str, when: str, outcome: str) -> None:
+            self.nodeid, self.when, self.outcome = nodeid, when, outcome
+            self.passed, self.failed, self.skipped = (
+                outcome == o for o in ("passed", "failed", "skipped")
+            )
+
+    import io
+
+    p = KitProgress(io.StringIO(), bars=False)
+    p.pytest_collection_finish(type("S", (), {"items": [Item(x) for x in "abcd"]})())
+    reports = [("a", "call", "passed"), ("a", "teardown", "failed"),  # passed, then broke
+               ("b", "setup", "failed"), ("c", "call", "passed")]  # fmt: skip
+    statuses = []
+    for nodeid, when, outcome in reports:
+        r = Report(nodeid, when, outcome)
+        statuses.append(p.pytest_report_teststatus(r))  # type: ignore[arg-type]
+        p.pytest_runtest_logreport(r)  # type: ignore[arg-type]
+    # pytest's own categories: errors at setup or teardown stay errors (for -rfE).
+    assert [s[0] if s else None for s in statuses] == ["passed", "error", "error", "passed"]
+    text = p.summary("memory", None, None)
+    assert "4 checks, 1 passed, 2 error, 1 not run" in text
+
+
+def test_in_process_with_a_stderr_that_has_no_descriptor(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import io
+
+    from hicache_storage.cli.main import main
+
+    saved = sys.stderr
+    sys.stderr = io.StringIO()
+    try:
+        code = main(["conformance", "--hicache-storage-backend", "memory", "-k", "test_delete"])
+    finally:
+        sys.stderr = saved
+    assert code == 0
+    assert "by rule area" in capsys.readouterr().out
+
+
+def test_a_k_that_selects_nothing_is_a_usage_error(tmp_path: Path) -> None:
+    done = conformance(tmp_path, "-k", "no_such_check")
+    assert done.returncode == 2 and "selects none of the kit's checks" in done.stderr

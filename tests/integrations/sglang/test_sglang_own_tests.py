@@ -10,6 +10,7 @@ another size), ours must be a clean miss instead.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang_pools import backend_options, mha_pool, mla_pool
 
+from hicache_storage.backends import FileBackend
 from hicache_storage.errors import ConfigError
 from hicache_storage.integrations.sglang import SGLangStorage
 
@@ -172,3 +174,53 @@ def test_a_pool_missing_what_the_adapter_reads_is_a_config_error_naming_it(
         store.register_mem_pool_host(PoolWithoutDtype())
     store.close()
     assert isinstance(store, SGLangStorage)
+
+
+def test_one_target_the_sdk_refuses_fails_alone_in_a_batch(tmp_path: Path) -> None:
+    store = ours("file", tmp_path, rank=0, size=1, mla=False)
+    good = [value(i) for i in range(3)]
+    assert store.batch_set(["a", "b", "c"], good) is True
+    odd = torch.empty(192, dtype=torch.bfloat16)[::2]  # not contiguous: refused
+    targets = [torch.empty(96, dtype=torch.bfloat16), odd, torch.empty(96, dtype=torch.bfloat16)]
+    got = store.batch_get(["a", "b", "c"], targets)
+    assert got[0] is targets[0] and got[1] is None and got[2] is targets[2]
+    assert answer(targets[2]) == answer(good[2])
+    # A batch_set with one refused value stores the others, and is not done.
+    assert store.batch_set(["d", "e"], [object(), value(5)]) is False
+    assert store.exists("e") and not store.exists("d")
+    store.close()
+
+
+def test_a_refused_attach_ends_the_pool_less_calls(tmp_path: Path) -> None:
+    """Pages of a refused pool (here: fp8 stored as uint8 with no kv_cache_dtype) must
+    not go to the pool-less namespace, which knows no dtype."""
+    store = ours("file", tmp_path, rank=0, size=1, mla=False)
+    assert store.set("k", value(1)) is True
+    with pytest.raises(ConfigError):
+        store.register_mem_pool_host(mha_pool("page_first", dtype=torch.uint8))
+    assert store.set("j", value(2)) is False
+    assert store.batch_exists(["k"]) == 0
+    store.close()
+
+
+class SlowFile(FileBackend):
+    """A file backend that takes 30 s to start (a store that hangs at connect)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        time.sleep(30)
+        super().__init__(*args, **kwargs)
+
+
+def test_a_pool_less_backend_that_hangs_at_start_costs_misses_within_the_deadline(
+    tmp_path: Path,
+) -> None:
+    extra = {"backend_name": f"{__name__}:SlowFile", "module_path": MODULE,
+             "class_name": "SGLangStorage", "engine_timeout": 0.5, "root": str(tmp_path)}  # fmt: skip
+    store = StorageBackendFactory.create_backend(
+        "dynamic", config(extra, rank=0, size=1, mla=False), None
+    )
+    t0 = time.monotonic()
+    assert store.set("k", value(1)) is False
+    assert store.exists("k") is False  # (no second build while the first is pending)
+    store.close()
+    assert time.monotonic() - t0 < 5
