@@ -10,15 +10,20 @@ from pathlib import Path
 
 import pytest
 
-# tests/integrations/sglang/ and tests/integrations/vllm/ run in their own venvs
-# (.venv-sglang, .venv-vllm, with the real engines), so a run over tests/ leaves them out;
+# tests/integrations/sglang/, tests/integrations/vllm/ and tests/integrations/lmcache/ run
+# in their own venvs (.venv-sglang, .venv-vllm, .venv-lmcache, with the real engines), so a run over tests/ leaves them out;
 # each is collected only when named on the command line, and its conftest then fails the
 # run if its engine cannot be imported. scripts/test.sh does both. (The rest of
 # tests/integrations/ tests the adapters' engine-free parts, in .venv.)
 # tests/backends/test_mooncake.py runs inside a private network namespace (the Mooncake
 # client binds wildcard addresses): scripts/test.sh runs it there, alone; named on the
 # command line elsewhere, it fails at import and says how to run it.
-collect_ignore = ["integrations/sglang", "integrations/vllm", "backends/test_mooncake.py"]
+collect_ignore = [
+    "integrations/sglang",
+    "integrations/vllm",
+    "integrations/lmcache",
+    "backends/test_mooncake.py",
+]
 
 #: Markers by path (relative to tests/): every test of a matching file or folder gets the
 #: marker, so ``-m redis`` or ``-m vllm`` selects what it says (see pyproject's list).
@@ -30,6 +35,7 @@ PATH_MARKERS = (
     ("backends/test_nixl", "nixl"),
     ("integrations/sglang/", "sglang"),
     ("integrations/vllm/", "vllm"),
+    ("integrations/lmcache/", "lmcache"),
 )
 TESTS = Path(__file__).parent
 

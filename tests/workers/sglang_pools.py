@@ -14,7 +14,6 @@ torchvision stand-in installed: tests/integrations/sglang/conftest.py does both)
 from __future__ import annotations
 
 import queue
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 __all__ = [
     "MHA_LAYOUTS",
     "MLA_LAYOUTS",
-    "backend_options",
     "fill_random",
     "mamba_pool",
     "mha_pool",
@@ -136,45 +134,6 @@ def page_bytes(pool: Any, first_index: int) -> bytes:
     """The bytes of the page starting at host index ``first_index``, by SGLang's tensor path."""
     page = pool.get_data_page(first_index, flat=True)
     return bytes(page.contiguous().view(torch.uint8).numpy().tobytes())
-
-
-#: The URL of the redis-server the integration tests run (set by their conftest).
-REDIS_URL: list[str] = []
-
-
-#: The address of the Mooncake master the integration tests run (set by their conftest).
-MOONCAKE_MASTER: list[str] = []
-
-#: The s3 backend's options for the moto server the integration tests run (set by their
-#: conftest: endpoint_url, bucket, key, secret, region).
-S3_OPTIONS: dict[str, Any] = {}
-
-
-def backend_options(name: str, tmp_path: Path) -> dict[str, Any]:
-    """Options of each backend, in ``tmp_path``, for the adapter's extra config."""
-    if name == "redis":
-        if not REDIS_URL:
-            raise RuntimeError("no redis-server: tests/integrations/sglang/conftest.py starts one")
-        return {"url": REDIS_URL[0], "prefix": f"sglang-{tmp_path.name}:"}
-    if name == "mooncake":
-        if not MOONCAKE_MASTER:
-            raise RuntimeError(
-                "no Mooncake store: tests/integrations/sglang/conftest.py starts one"
-            )
-        return {"master_server_address": MOONCAKE_MASTER[0], "global_segment_size": 0,
-                "local_buffer_size": "32MiB", "prefix": f"sglang-{tmp_path.name}/"}  # fmt: skip
-    if name == "s3":
-        if not S3_OPTIONS:
-            raise RuntimeError("no S3 server: tests/integrations/sglang/conftest.py starts one")
-        return {**S3_OPTIONS, "prefix": f"sglang-{tmp_path.name}"}
-    options: dict[str, dict[str, Any]] = {
-        "file": {"root": str(tmp_path / "file")},
-        "nixl": {"root": str(tmp_path / "nixl")},
-        "shm": {"root": str(tmp_path / "shm")},
-        "mmap": {"path": str(tmp_path / "arena"), "max_size": "64MiB", "prefault": False},
-        "memory": {"store": f"sglang-{tmp_path.name}"},
-    }
-    return options[name]
 
 
 def controller(storage: Any, pool: Any, *, v1: bool = True) -> Any:

@@ -42,40 +42,40 @@ with warnings.catch_warnings():
 @pytest.fixture(scope="session", autouse=True)
 def redis_server(tmp_path_factory: pytest.TempPathFactory):  # -> Iterator[str]
     """One real redis-server on 127.0.0.1 for the tests that run SGLang on ``redis``."""
-    import sglang_pools
+    import engine_servers
     from redis_server import running
 
     with running(tmp_path_factory.mktemp("redis")) as server:
-        sglang_pools.REDIS_URL[:] = [server.url]
+        engine_servers.REDIS_URL[:] = [server.url]
         yield server.url
-        sglang_pools.REDIS_URL.clear()
+        engine_servers.REDIS_URL.clear()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def s3_server():  # -> Iterator[str]
     """One real S3 server (moto's) on 127.0.0.1 for the tests that run SGLang on ``s3``."""
-    import sglang_pools
+    import engine_servers
     from moto_server import running_moto
 
     with running_moto() as server:
         server.make_bucket("hicache-sglang")
-        sglang_pools.S3_OPTIONS.update(
+        engine_servers.S3_OPTIONS.update(
             endpoint_url=server.endpoint, bucket="hicache-sglang", key=server.key,
             secret=server.secret, region="us-east-1",
         )  # fmt: skip
         yield server.endpoint
-        sglang_pools.S3_OPTIONS.clear()
+        engine_servers.S3_OPTIONS.clear()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def mooncake_store():  # -> Iterator[str]
     """A Mooncake master and one storage node, for the tests that run SGLang on
     ``mooncake`` (this run is inside a private network namespace: scripts/test.sh)."""
-    import sglang_pools
+    import engine_servers
     from mooncake_master import require_private_network, running_store
 
     require_private_network()
     with running_store(256 << 20) as (master, _holder):
-        sglang_pools.MOONCAKE_MASTER[:] = [master.address]
+        engine_servers.MOONCAKE_MASTER[:] = [master.address]
         yield master.address
-        sglang_pools.MOONCAKE_MASTER.clear()
+        engine_servers.MOONCAKE_MASTER.clear()

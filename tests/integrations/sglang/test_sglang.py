@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from engine_servers import backend_options
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as SGLangHiCacheStorage
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage import StorageBackendFactory
-from sglang_pools import backend_options
 
 from hicache_storage import HostKVPool, page_hashes
 from hicache_storage.errors import ConfigError, UnknownBackendError

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from engine_servers import backend_options
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 from sglang.srt.mem_cache.storage import StorageBackendFactory
-from sglang_pools import backend_options, mha_pool, mla_pool
+from sglang_pools import mha_pool, mla_pool
 
 from hicache_storage.backends import FileBackend
 from hicache_storage.errors import ConfigError

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_servers import backend_options
 from sglang.srt.managers.cache_controller import (
     PrefetchOperation,
     StorageOperation,
@@ -40,7 +41,6 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang_pools import (
     MHA_LAYOUTS,
     MLA_LAYOUTS,
-    backend_options,
     controller,
     fill_random,
     first_indices,

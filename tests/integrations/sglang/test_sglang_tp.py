@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from engine_servers import backend_options
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang_pools import (
     MHA_LAYOUTS,
-    backend_options,
     controller,
     mamba_pool,
     mha_pool,

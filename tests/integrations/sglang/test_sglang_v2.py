@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_servers import backend_options
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheFile,
     HiCacheStorageConfig,
@@ -26,7 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
 )
 from sglang.srt.mem_cache.storage import StorageBackendFactory
-from sglang_pools import backend_options, mamba_pool, mha_pool, mla_pool, page_bytes
+from sglang_pools import mamba_pool, mha_pool, mla_pool, page_bytes
 
 from hicache_storage.errors import ConfigError
 from hicache_storage.integrations.sglang import SGLangStorage
