@@ -1,0 +1,208 @@
+"""The hicache plugin inside the real LMCacheEngine (CPU; LMCache's mock GPU connector).
+
+Every built-in backend serves LMCache: chunks stored by ``store`` come back byte for byte
+through ``lookup`` and ``retrieve``, across engines and processes; a damaged object, a
+foreign deployment, a dead or hung store cost misses within the deadline, never a wrong
+chunk or a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_servers import backend_options
+from lmcache_engine import (
+    CHUNK,
+    all_tokens,
+    engine,
+    mask,
+    plugin_config,
+    remote_connector,
+)
+
+from hicache_storage.errors import ConfigError
+from hicache_storage.integrations.lmcache import PluginOptions, plugin_options
+
+BACKENDS = ["file", "shm", "mmap", "memory", "redis", "s3", "mooncake", "nixl"]
+WORKERS = Path(__file__).parents[2] / "workers"
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 20.0) -> bool:
+    """Stores are asynchronous in LMCache: poll until ``check()`` holds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def store_and_wait(eng: Any, tokens: torch.Tensor, n_chunks: int) -> None:
+    eng.store(tokens, mask=mask(tokens))
+    assert wait_until(lambda: eng.lookup(tokens) == n_chunks * CHUNK), eng.lookup(tokens)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_every_backend_serves_lmcache_chunks_byte_exact(name: str, tmp_path: Path) -> None:
+    extra = plugin_config(name, backend_options(name, tmp_path))
+    tokens = all_tokens(3)
+    with engine(extra) as (eng, gpu):
+        conn = remote_connector(eng)
+        assert type(conn).__name__ == "HiCacheRemoteConnector"
+        store_and_wait(eng, tokens, 3)
+        got = eng.retrieve(tokens, mask=mask(tokens))
+        assert int(got.sum()) == 3 * CHUNK
+        assert sorted(gpu.retrieved) == [0, CHUNK, 2 * CHUNK]
+        assert gpu.wrong_chunks() == []
+        # The chunks went through the backend (not a cache of LMCache's own).
+        stats = [b.get_stats(reset=False) for b in conn._backends.values()]
+        assert sum(s.bytes_written for s in stats) >= 3 * conn.full_chunk_size_bytes
+        assert sum(s.bytes_read for s in stats) >= 3 * conn.full_chunk_size_bytes
+    # Another engine on the same store (a restart) finds and serves them.
+    with engine(extra) as (eng, gpu):
+        assert eng.lookup(tokens) == 3 * CHUNK
+        assert int(eng.retrieve(tokens, mask=mask(tokens)).sum()) == 3 * CHUNK
+        assert gpu.wrong_chunks() == []
+
+
+def test_a_damaged_object_is_a_miss_never_a_wrong_chunk(tmp_path: Path) -> None:
+    extra = plugin_config("file", backend_options("file", tmp_path))
+    tokens = all_tokens(3)
+    with engine(extra) as (eng, gpu):
+        store_and_wait(eng, tokens, 3)
+        files = sorted(p for p in (tmp_path / "file").rglob("*") if p.is_file() and
+                       p.stat().st_size >= remote_connector(eng).full_chunk_size_bytes)  # fmt: skip
+        assert len(files) == 3
+        for f in files:  # flip one payload byte of every chunk but one
+            data = bytearray(f.read_bytes())
+            data[100] ^= 0xFF
+            f.write_bytes(bytes(data))
+        got = eng.retrieve(tokens, mask=mask(tokens))
+        assert gpu.wrong_chunks() == []  # whatever came back is right
+        assert int(got.sum()) < 3 * CHUNK
+        assert remote_connector(eng)._backends  # (and the store counted the damage)
+        corrupt = sum(b.get_stats(reset=False).corrupt_objects
+                      for b in remote_connector(eng)._backends.values())  # fmt: skip
+        assert corrupt >= 1
+
+
+@pytest.mark.parametrize(
+    "other",
+    [{"model": "acme/another-model"}, {"dtype": torch.float16}, {"tenant": "b"}],
+    ids=["model", "dtype", "tenant"],
+)
+def test_another_deployment_never_sees_the_chunks(other: dict[str, Any], tmp_path: Path) -> None:
+    options = backend_options("file", tmp_path)
+    tokens = all_tokens(2)
+    with engine(plugin_config("file", options)) as (eng, _):
+        store_and_wait(eng, tokens, 2)
+    tenant = other.pop("tenant", "")
+    extra = plugin_config("file", options, **({"tenant": tenant} if tenant else {}))
+    with engine(extra, **other) as (eng, gpu):
+        assert eng.lookup(tokens) == 0
+        assert int(eng.retrieve(tokens, mask=mask(tokens)).sum()) == 0
+        assert gpu.retrieved == {}
+
+
+def test_a_dead_store_costs_misses_within_the_deadline(tmp_path: Path) -> None:
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    extra = plugin_config("redis", {"url": server.url, "socket_timeout": 1.0}, timeout=1.0)
+    tokens = all_tokens(2)
+    try:
+        with engine(extra, timeout=2.0) as (eng, gpu):
+            store_and_wait(eng, tokens, 2)
+            server.stop()  # killed mid-run
+            t0 = time.monotonic()
+            assert eng.lookup(tokens) == 0
+            got = eng.retrieve(tokens, mask=mask(tokens))
+            assert time.monotonic() - t0 < 10
+            assert int(got.sum()) == 0 and gpu.wrong_chunks() == []
+            eng.store(all_tokens(2, offset=999), mask=mask(all_tokens(2)))  # no raise
+            # The server comes back (empty: it kept nothing): stores and hits again.
+            server.start()
+
+            def recovered() -> bool:
+                eng.store(tokens, mask=mask(tokens))
+                return wait_until(lambda: eng.lookup(tokens) == 2 * CHUNK, timeout=2)
+
+            assert wait_until(recovered, timeout=60)
+            assert int(eng.retrieve(tokens, mask=mask(tokens)).sum()) == 2 * CHUNK
+            assert gpu.wrong_chunks() == []
+    finally:
+        server.stop()
+
+
+def test_a_hung_store_costs_a_miss_within_the_plugin_timeout(tmp_path: Path) -> None:
+    extra = plugin_config("lmcache_hang:HangingFile", {"root": str(tmp_path / "hang")},
+                          timeout=0.5)  # fmt: skip
+    tokens = all_tokens(2)
+    with engine(extra) as (eng, _):
+        t0 = time.monotonic()
+        assert eng.lookup(tokens) == 0
+        assert time.monotonic() - t0 < 3
+
+
+def test_two_engines_in_two_processes_share_one_store(tmp_path: Path) -> None:
+    options = backend_options("file", tmp_path)
+    tokens = all_tokens(4)
+    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(WORKERS)}
+    script = f"""
+import json, time, torch
+from lmcache_engine import engine, mask, plugin_config, all_tokens, CHUNK
+tokens = all_tokens(4)
+with engine(plugin_config("file", {options!r})) as (eng, _):
+    eng.store(tokens, mask=mask(tokens))
+    end = time.monotonic() + 20
+    while eng.lookup(tokens) < 4 * CHUNK and time.monotonic() < end:
+        time.sleep(0.05)
+    print(eng.lookup(tokens))
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(4 * CHUNK)
+    with engine(plugin_config("file", options)) as (eng, gpu):
+        assert eng.lookup(tokens) == 4 * CHUNK
+        assert int(eng.retrieve(tokens, mask=mask(tokens)).sum()) == 4 * CHUNK
+        assert gpu.wrong_chunks() == []
+
+
+def test_partial_chunks_round_trip_when_lmcache_stores_them(tmp_path: Path) -> None:
+    extra = plugin_config("file", backend_options("file", tmp_path))
+    tokens = all_tokens(2)  # 2 chunks and 5 tokens
+    with engine(extra, save_unfull_chunk=True) as (eng, gpu):
+        eng.store(tokens, mask=mask(tokens))
+        assert wait_until(lambda: eng.lookup(tokens) == len(tokens))
+        assert int(eng.retrieve(tokens, mask=mask(tokens)).sum()) == len(tokens)
+        assert sorted(gpu.retrieved) == [0, CHUNK, 2 * CHUNK]
+        assert gpu.retrieved[2 * CHUNK].shape[2] == 5
+        assert gpu.wrong_chunks() == []
+
+
+def test_the_plugins_options_are_checked() -> None:
+    class Config:
+        extra_config = {
+            "remote_storage_plugin.hicache.backend_name": "file",
+            "remote_storage_plugin.hicache.backend_options": '{"root": "/tmp/x"}',
+        }
+
+    opts = plugin_options(Config(), "hicache")
+    assert opts.backend_kwargs() == {"root": "/tmp/x"}
+    Config.extra_config["remote_storage_plugin.hicache.root"] = "/tmp/y"
+    with pytest.raises(ConfigError, match="backend_options"):
+        plugin_options(Config(), "hicache")
+    with pytest.raises(ConfigError, match="backend_name"):
+        PluginOptions()
+    with pytest.raises(ConfigError, match="JSON"):
+        PluginOptions(backend_name="file", backend_options="{not json").backend_kwargs()
