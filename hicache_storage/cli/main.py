@@ -449,6 +449,63 @@ def vllm_kv_transfer_config(
     return config, _env_vars(name, secrets)
 
 
+#: Where LMCache finds the plugin (``module_path``, ``class_name``).
+LMCACHE_PLUGIN = ("hicache_storage.integrations.lmcache", "HiCacheConnectorAdapter")
+
+
+def lmcache_extra_config(
+    backend: str,
+    options: dict[str, Any],
+    name: str = "hicache",
+    timeout: float | None = None,
+    tenant: str = "",
+) -> tuple[dict[str, Any], list[str]]:
+    """LMCache's ``extra_config`` entries of plugin ``name`` on ``backend``, and the secrets.
+
+    ``options`` are the backend's; ``timeout`` and ``tenant`` the plugin's own. Secret
+    options are left out (LMCache logs its configuration) and returned as the
+    environment variables the backend reads them from.
+    """
+    if name != "hicache" and not name.startswith("hicache."):
+        raise ConfigError(
+            f"plugin name {name!r}: it must be 'hicache' or start with 'hicache.' (LMCache "
+            "gives other names, such as fs* or redis*, to its own connectors)"
+        )
+    backend_name, secrets = _engine_options(backend, options, frozenset(), set(), "lmcache-args")
+    prefix = f"remote_storage_plugin.{name}."
+    extra: dict[str, Any] = {
+        prefix + "module_path": LMCACHE_PLUGIN[0],
+        prefix + "class_name": LMCACHE_PLUGIN[1],
+        prefix + "backend_name": backend,
+        prefix + "backend_options": {k: v for k, v in options.items() if k not in secrets},
+    }
+    if timeout is not None:
+        extra[prefix + "timeout"] = timeout
+    if tenant:
+        extra[prefix + "tenant"] = tenant
+    return extra, _env_vars(backend_name, secrets)
+
+
+def _cmd_lmcache_args(args: argparse.Namespace) -> int:
+    import shlex
+
+    options = _load_options(args)
+    extra, env_vars = lmcache_extra_config(
+        args.backend, options, args.name, args.timeout, args.tenant
+    )
+    if args.env:
+        print(f"LMCACHE_REMOTE_STORAGE_PLUGINS={args.name}")
+        print("LMCACHE_EXTRA_CONFIG=" + shlex.quote(json.dumps(extra, sort_keys=True)))
+    else:  # YAML for LMCACHE_CONFIG_FILE (JSON values are YAML)
+        print(f"remote_storage_plugins: [{json.dumps(args.name)}]")
+        print("extra_config:")
+        for key, value in extra.items():
+            print(f"  {key}: {json.dumps(value, sort_keys=True)}")
+    for var in env_vars:
+        print(f"# set {var} in LMCache's environment (secret: not in the config)", file=sys.stderr)
+    return 0
+
+
 def _cmd_vllm_args(args: argparse.Namespace) -> int:
     import shlex
 
@@ -565,6 +622,26 @@ def build_parser() -> argparse.ArgumentParser:
         "not the vllm serve flag",
     )  # fmt: skip
     p.set_defaults(func=_cmd_vllm_args)
+
+    p = add_parser(
+        "lmcache-args",
+        help="print the LMCache config that makes this backend an LMCache remote storage plugin",
+    )
+    _add_backend_args(p)
+    p.add_argument(
+        "--name", default="hicache",
+        help="the plugin's name in LMCache ('hicache' or 'hicache.<anything>')",
+    )  # fmt: skip
+    p.add_argument(
+        "--timeout", type=float, default=None,
+        help="seconds an existence query may take before it is a miss (the plugin's: 5)",
+    )  # fmt: skip
+    p.add_argument("--tenant", default="", help="keep these objects apart from other tenants'")
+    p.add_argument(
+        "--env", action="store_true",
+        help="print LMCACHE_* environment variables instead of YAML for LMCACHE_CONFIG_FILE",
+    )  # fmt: skip
+    p.set_defaults(func=_cmd_lmcache_args)
     return parser
 
 

@@ -1,6 +1,6 @@
 """The CLI's text commands answer without torch or a backend's client libraries.
 
-``--help``, ``backends``, ``sglang-args`` and ``vllm-args`` print text; importing torch
+``--help``, ``backends`` and the ``*-args`` commands print text; importing torch
 alone takes 1-3 s (docs/performance.md, "CLI start-up"). Each is run in a fresh
 interpreter and must leave torch unimported.
 """
@@ -43,6 +43,7 @@ def probe(*argv: str) -> dict:
         ["bench", "--help"],
         ["sglang-args", "--hicache-storage-backend", "file"],
         ["vllm-args", "--hicache-storage-backend", "file"],
+        ["lmcache-args", "--hicache-storage-backend", "file"],
     ],
     ids=lambda a: " ".join(a[:2]),
 )

@@ -8,6 +8,7 @@ chunk or a hang.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -206,3 +207,25 @@ def test_the_plugins_options_are_checked() -> None:
         PluginOptions()
     with pytest.raises(ConfigError, match="JSON"):
         PluginOptions(backend_name="file", backend_options="{not json").backend_kwargs()
+
+
+def test_the_config_lmcache_args_prints_runs_a_real_engine(tmp_path: Path) -> None:
+    import yaml
+
+    root = str(tmp_path / "kv")
+    done = subprocess.run(
+        [sys.executable, "-m", "hicache_storage.cli.main", "lmcache-args",
+         "--hicache-storage-backend", "file", "--name", "hicache.disk",
+         "--hicache-storage-backend-extra-config", json.dumps({"root": root}),
+         "--timeout", "2"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    config = yaml.safe_load(done.stdout)
+    assert config["remote_storage_plugins"] == ["hicache.disk"]
+    tokens = all_tokens(2)
+    with engine(config["extra_config"], plugins=config["remote_storage_plugins"]) as (eng, gpu):
+        assert type(remote_connector(eng, "hicache.disk")).__name__ == "HiCacheRemoteConnector"
+        store_and_wait(eng, tokens, 2)
+        assert int(eng.retrieve(tokens, mask=mask(tokens)).sum()) == 2 * CHUNK
+        assert gpu.wrong_chunks() == []
+    assert any(Path(root).rglob("*"))
