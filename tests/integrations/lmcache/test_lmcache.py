@@ -210,7 +210,7 @@ def test_the_plugins_options_are_checked() -> None:
 
 
 def test_the_config_lmcache_args_prints_runs_a_real_engine(tmp_path: Path) -> None:
-    import yaml
+    import yaml  # type: ignore[import-untyped]
 
     root = str(tmp_path / "kv")
     done = subprocess.run(
