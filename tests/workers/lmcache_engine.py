@@ -23,10 +23,20 @@ LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 16, 16
 _ids = itertools.count()
 
 
-def chunk_values(shape: Any, dtype: torch.dtype, start: int, seed: int) -> torch.Tensor:
+def seeded_values(shape: Any, dtype: torch.dtype, start: int, seed: int) -> torch.Tensor:
     """The content of the chunk that starts at token ``start`` (for ``seed``)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + start)
     return torch.randn(tuple(shape), generator=g).to(dtype)
+
+
+def chunk_values(shape: Any, dtype: torch.dtype, start: int, seed: int) -> torch.Tensor:
+    """What :class:`SeededConnector` stores at ``start``: :data:`FILL`'s values."""
+    return FILL(shape, dtype, start, seed)
+
+
+#: The chunk contents the connector stores (a benchmark swaps in a cheaper one: seeded
+#: random numbers for 8 MiB chunks cost more than the store being measured).
+FILL = seeded_values
 
 
 class SeededConnector(MockGPUConnector):  # type: ignore[misc]
@@ -78,13 +88,20 @@ def engine(
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     timeout: float = 2.0,
+    max_local_cpu_size: float = 0.05,
+    destroy: bool = True,
     **config: Any,
 ) -> Iterator[tuple[Any, SeededConnector]]:
-    """A started ``LMCacheEngine`` whose only remote store is the configured plugin(s)."""
+    """A started ``LMCacheEngine`` whose only remote store is the configured plugin(s).
+
+    ``destroy=False`` leaves it running at the end (LMCache's own redis connector does not
+    return from its close here, 0.5.6).
+    """
     kv_shape = (LAYERS, 2, CHUNK, HEADS, HEAD_DIM)
     cfg = LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05,
-        blocking_timeout_secs=timeout, remote_storage_plugins=plugins or ["hicache"],
+        chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=max_local_cpu_size,
+        blocking_timeout_secs=timeout,
+        remote_storage_plugins=plugins if plugins is not None else ["hicache"],
         extra_config=extra_config, **config,
     )  # fmt: skip
     md = LMCacheMetadata(
@@ -98,7 +115,8 @@ def engine(
         eng.post_init()
         yield eng, gpu
     finally:
-        LMCacheEngineBuilder.destroy(name)
+        if destroy:
+            LMCacheEngineBuilder.destroy(name)
 
 
 def remote_connector(eng: Any, plugin: str = "hicache") -> Any:
