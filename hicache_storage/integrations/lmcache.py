@@ -386,6 +386,27 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
             self._failed("get", exc)
             return [None] * len(keys)
 
+    @override
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    @override
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any]) -> list[Any]:
+        """The leading run of ``keys`` that is stored, read in one batch.
+
+        The objects read after the first miss are released, as LMCache's contract asks.
+        """
+        got = await self.batched_get(keys)
+        out: list[Any] = []
+        for i, obj in enumerate(got):
+            if obj is None:
+                for rest in got[i + 1 :]:
+                    if rest is not None:
+                        rest.ref_count_down()
+                break
+            out.append(obj)
+        return out
+
     # ------------------------------------------------------------------ writes
 
     def _put_many(self, keys: list[Any], objs: list[Any]) -> None:

@@ -30,7 +30,7 @@ from lmcache_engine import (
 )
 
 from hicache_storage.errors import ConfigError
-from hicache_storage.integrations.lmcache import PluginOptions, plugin_options
+from hicache_storage.integrations.lmcache import PluginOptions, object_key, plugin_options
 
 BACKENDS = ["file", "shm", "mmap", "memory", "redis", "s3", "mooncake", "nixl"]
 WORKERS = Path(__file__).parents[2] / "workers"
@@ -229,3 +229,32 @@ def test_the_config_lmcache_args_prints_runs_a_real_engine(tmp_path: Path) -> No
         assert int(eng.retrieve(tokens, mask=mask(tokens)).sum()) == 2 * CHUNK
         assert gpu.wrong_chunks() == []
     assert any(Path(root).rglob("*"))
+
+
+def test_the_non_blocking_batch_gives_the_leading_run_and_releases_the_rest(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+
+    extra = plugin_config("file", backend_options("file", tmp_path))
+    tokens = all_tokens(4)
+    with engine(extra) as (eng, _):
+        store_and_wait(eng, tokens, 4)
+        conn = remote_connector(eng)
+        keys = [key for _, _, key in eng.token_database.process_tokens(tokens)][:4]
+        # Chunk 1 goes missing: the run is chunk 0 only, and chunks 2-3 (read in the
+        # same batch) are handed back to LMCache's allocator.
+        conn._backend(keys[1]).delete(object_key(keys[1]))
+        allocator = conn.local_cpu_backend.memory_allocator.pin_allocator
+
+        def in_use() -> int:
+            return int(allocator.total_allocated_size)
+
+        before = in_use()
+        fut = asyncio.run_coroutine_threadsafe(conn.batched_get_non_blocking("l", keys), conn.loop)
+        got = fut.result(timeout=30)
+        assert len(got) == 1
+        assert bytes(got[0].byte_array) != bytes(len(got[0].byte_array))
+        assert in_use() > before  # (the one it returned is held)
+        got[0].ref_count_down()
+        assert in_use() == before
