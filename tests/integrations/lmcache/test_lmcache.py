@@ -258,3 +258,30 @@ def test_the_non_blocking_batch_gives_the_leading_run_and_releases_the_rest(
         assert in_use() > before  # (the one it returned is held)
         got[0].ref_count_down()
         assert in_use() == before
+
+
+def test_the_non_blocking_batch_releases_every_object_past_the_first_miss(
+    tmp_path: Path,
+) -> None:
+    """The caller's logic alone (what batched_get returned is a stand-in here)."""
+    import asyncio
+
+    class Obj:
+        def __init__(self) -> None:
+            self.released = 0
+
+        def ref_count_down(self) -> None:
+            self.released += 1
+
+    extra = plugin_config("file", backend_options("file", tmp_path))
+    with engine(extra) as (eng, _):
+        conn = remote_connector(eng)
+        objs = [Obj(), None, Obj(), Obj()]
+
+        async def batched_get(keys: list[Any]) -> list[Any]:
+            return list(objs)
+
+        conn.batched_get = batched_get
+        got = asyncio.run(conn.batched_get_non_blocking("l", ["a", "b", "c", "d"]))
+        assert got == [objs[0]]
+        assert [o.released for o in (objs[0], objs[2], objs[3])] == [0, 1, 1]
