@@ -276,12 +276,13 @@ def test_the_non_blocking_batch_releases_every_object_past_the_first_miss(
     extra = plugin_config("file", backend_options("file", tmp_path))
     with engine(extra) as (eng, _):
         conn = remote_connector(eng)
-        objs = [Obj(), None, Obj(), Obj()]
+        held, later = Obj(), [Obj(), Obj()]
+        objs = [held, None, *later]
 
         async def batched_get(keys: list[Any]) -> list[Any]:
             return list(objs)
 
         conn.batched_get = batched_get
         got = asyncio.run(conn.batched_get_non_blocking("l", ["a", "b", "c", "d"]))
-        assert got == [objs[0]]
-        assert [o.released for o in (objs[0], objs[2], objs[3])] == [0, 1, 1]
+        assert got == [held]
+        assert [o.released for o in (held, *later)] == [0, 1, 1]
