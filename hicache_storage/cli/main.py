@@ -466,10 +466,12 @@ def lmcache_extra_config(
     options are left out (LMCache logs its configuration) and returned as the
     environment variables the backend reads them from.
     """
-    if name != "hicache" and not name.startswith("hicache."):
+    import re
+
+    if re.fullmatch(r"hicache(\.[A-Za-z0-9_-]+)?", name) is None:
         raise ConfigError(
-            f"plugin name {name!r}: it must be 'hicache' or start with 'hicache.' (LMCache "
-            "gives other names, such as fs* or redis*, to its own connectors)"
+            f"plugin name {name!r}: it must be 'hicache' or 'hicache.<letters, digits, _ or ->' "
+            "(LMCache gives other names, such as fs* or redis*, to its own connectors)"
         )
     backend_name, secrets = _engine_options(backend, options, frozenset(), set(), "lmcache-args")
     prefix = f"remote_storage_plugin.{name}."
@@ -494,13 +496,13 @@ def _cmd_lmcache_args(args: argparse.Namespace) -> int:
         args.backend, options, args.name, args.timeout, args.tenant
     )
     if args.env:
-        print(f"LMCACHE_REMOTE_STORAGE_PLUGINS={args.name}")
+        print("LMCACHE_REMOTE_STORAGE_PLUGINS=" + shlex.quote(args.name))
         print("LMCACHE_EXTRA_CONFIG=" + shlex.quote(json.dumps(extra, sort_keys=True)))
     else:  # YAML for LMCACHE_CONFIG_FILE (JSON values are YAML)
         print(f"remote_storage_plugins: [{json.dumps(args.name)}]")
         print("extra_config:")
         for key, value in extra.items():
-            print(f"  {key}: {json.dumps(value, sort_keys=True)}")
+            print(f"  {json.dumps(key)}: {json.dumps(value, sort_keys=True)}")
     for var in env_vars:
         print(f"# set {var} in LMCache's environment (secret: not in the config)", file=sys.stderr)
     return 0

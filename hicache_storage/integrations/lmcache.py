@@ -40,7 +40,11 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import queue
+import re
 import threading
+import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +54,7 @@ from typing_extensions import override
 
 from hicache_storage.config import StorageConfig, parse_options
 from hicache_storage.errors import ConfigError
-from hicache_storage.integrations.deadline import call_with_deadline
+from hicache_storage.integrations.deadline import Lane
 from hicache_storage.keys import KVCacheNamespace, normalize_dtype
 from hicache_storage.ratelimit import RateLimitedLog
 from hicache_storage.registry import create_backend
@@ -71,6 +75,12 @@ logger = logging.getLogger(__name__)
 
 #: Every plugin name this module serves starts with it (``hicache``, ``hicache.<any>``).
 PLUGIN_PREFIX = "hicache"
+#: The plugin names this module serves: ``hicache`` or ``hicache.<letters, digits, _ ->``.
+PLUGIN_NAME = re.compile(r"hicache(\.[A-Za-z0-9_-]+)?")
+
+#: LMCache's health check writes and reads this key (model ``test``, chunk hash 0) with new
+#: bytes each time: it gets an object of its own per write (first writer wins elsewhere).
+HEALTH_CHECK_MODEL, HEALTH_CHECK_HASH = "test", 0
 
 #: The plugin's own keys under ``remote_storage_plugin.<name>.``; the rest of the
 #: backend's options go in ``backend_options``.
@@ -125,7 +135,12 @@ def plugin_options(config: Any, name: str) -> PluginOptions:
     """The options of plugin ``name`` in LMCache's ``extra_config``."""
     extra = getattr(config, "extra_config", None) or {}
     prefix = f"remote_storage_plugin.{name}."
-    mine = {k[len(prefix) :]: v for k, v in extra.items() if k.startswith(prefix)}
+    # (only keys with no further dot: "hicache.b"'s keys are not "hicache"'s)
+    mine = {
+        k[len(prefix) :]: v
+        for k, v in extra.items()
+        if k.startswith(prefix) and "." not in k[len(prefix) :]
+    }
     unknown = sorted(set(mine) - set(OWN_KEYS))
     if unknown:
         raise ConfigError(
@@ -148,6 +163,81 @@ def object_key(key: Any) -> str:
 
 def _fmt_name(fmt: Any) -> str:
     return str(getattr(fmt, "name", fmt))
+
+
+class _Workers:
+    """Daemon threads that run submitted calls; the process never waits for them at exit.
+
+    ``pending`` counts calls queued or running; :meth:`close` refuses new ones, cancels
+    the queued ones and waits for the running ones to return.
+    """
+
+    def __init__(self, n: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Any] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Condition()
+        self.pending = 0
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                fut.set_exception(ConfigError("the LMCache plugin is closed"))
+                return fut
+            self.pending += 1
+        self._jobs.put((fut, lambda: fn(*args)))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fut, call = item
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(call())
+                    except BaseException as exc:  # noqa: BLE001 - the caller's to see
+                        fut.set_exception(exc)
+            finally:
+                with self._lock:
+                    self.pending -= 1
+                    self._lock.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Refuse new calls, cancel the queued ones, wait for the running ones.
+
+        Waits at most ``timeout`` seconds; False if a call was still running then.
+        """
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+                with self._lock:
+                    self.pending -= 1
+        for _ in self._threads:
+            self._jobs.put(None)
+        end = time.monotonic() + timeout
+        with self._lock:
+            while self.pending > 0:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
 
 
 class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
@@ -177,10 +267,21 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
         self._secrets = secret_values(self._backend_options)
         self._partial_chunks = bool(getattr(config, "save_unfull_chunk", False))
         self._backends: dict[tuple[str, int, int, str], HiCacheStorage] = {}
+        serde = getattr(config, "remote_serde", "naive") or "naive"
+        if serde != "naive":
+            raise ConfigError(
+                f"remote_serde {serde!r}: the hicache plugin stores LMCache's chunks as they "
+                "are (remote_serde: naive); a compressed chunk would read back as a miss"
+            )
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            self.options.io_threads, thread_name_prefix=f"hicache-lmcache-{self.plugin_name}"
-        )
+        tag = f"hicache-lmcache-{self.plugin_name}"
+        # Reads and writes on threads of their own (a hung store's writes never hold up
+        # reads); queries on a lane that answers "busy" while its last query still hangs.
+        self._reads = _Workers(self.options.io_threads, tag + "-read")
+        self._writes = _Workers(self.options.io_threads, tag + "-write")
+        self._queries = Lane(tag + "-query")
+        self._health_name: str | None = None
+        self.dropped_puts = 0  # puts refused because the store had too many in flight
         self._log = RateLimitedLog(logger)
         self._closed = False
         # A full chunk's shape without its token dimension, and the format: the object
@@ -225,9 +326,30 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
         return backend
 
     def _check_backend(self) -> None:
+        """Refuse an unknown backend, or options it does not take.
+
+        LMCache only logs an error at start; every call would be a miss after it.
+        """
         from hicache_storage.registry import load_backend_class
 
-        load_backend_class(self.options.backend_name)
+        try:
+            cls = load_backend_class(self.options.backend_name)
+            options_class = getattr(cls, "options_class", None)
+            if options_class is not None:
+                name = getattr(cls, "name", "") or self.options.backend_name
+                parse_options(options_class, name, dict(self._backend_options))
+        except Exception as exc:
+            text = scrub(f"{type(exc).__name__}: {exc}", self._secrets)
+            logger.error("hicache LMCache plugin %s: cannot start: %s", self.plugin_name, text)
+            raise
+
+    def _name(self, key: Any, write: bool = False) -> str:
+        """The object name of ``key``; LMCache's health-check key gets a new one per write."""
+        if str(key.model_name) == HEALTH_CHECK_MODEL and int(key.chunk_hash) == HEALTH_CHECK_HASH:
+            if write:
+                self._health_name = f"health-{uuid.uuid4().hex}"
+            return self._health_name or "health-none"
+        return object_key(key)
 
     def _groups(self, keys: list[Any]) -> dict[HiCacheStorage, list[int]]:
         """The positions of ``keys`` by the backend that holds them (in key order)."""
@@ -240,13 +362,22 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
         text = scrub(f"{type(exc).__name__}: {exc}", self._secrets)
         self._log(what, "hicache LMCache plugin %s: %s failed (%s)", self.plugin_name, what, text)
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` on this plugin's threads (the SDK's calls block)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    def _query(self, keys: list[Any]) -> int:
+        """:meth:`_count` within ``timeout``, on the query lane.
 
-    async def _bounded(self, fn: Any, *args: Any) -> Any:
-        """As :meth:`_run`, within ``timeout`` seconds (``asyncio.TimeoutError`` past it)."""
-        return await asyncio.wait_for(self._run(fn, *args), self.options.timeout)
+        0 past the deadline, and 0 at once while the last query still hangs: one stuck
+        thread at most, never one per call.
+        """
+        outcome, job = self._queries.run(lambda _job: self._count(keys), self.options.timeout)
+        if outcome != "done":
+            self._failed("contains", TimeoutError(f"{outcome}: past {self.options.timeout} s"))
+            return 0
+        return int(job.result or 0)
+
+    async def _query_async(self, keys: list[Any]) -> int:
+        """:meth:`_query` off LMCache's event loop (it waits at most ``timeout``)."""
+        fut = self._reads.submit(self._query, keys)
+        return int(await asyncio.wrap_future(fut))
 
     # ------------------------------------------------------------------ queries
 
@@ -261,7 +392,7 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
             end = at + 1
             while end < len(keys) and self._backend(keys[end]) is backend:
                 end += 1
-            hits = int(backend.batch_exists([object_key(k) for k in keys[at:end]]))
+            hits = int(backend.batch_exists([self._name(k) for k in keys[at:end]]))
             if hits < end - at:
                 return at + max(0, hits)
             at = end
@@ -270,8 +401,8 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
     @override
     async def exists(self, key: Any) -> bool:
         try:
-            return bool(await self._bounded(self._count, [key]))
-        except (TimeoutError, Exception) as exc:  # noqa: BLE001 - a miss
+            return bool(await self._query_async([key]))
+        except Exception as exc:  # noqa: BLE001 - a miss
             self._failed("exists", exc)
             return False
 
@@ -288,24 +419,18 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
         if not keys:
             return 0
         try:
-            done, count = call_with_deadline(
-                lambda: self._count(list(keys)), self.options.timeout, "hicache-lmcache-contains"
-            )
+            return self._query(list(keys))
         except Exception as exc:  # noqa: BLE001 - a miss
             self._failed("batched_contains", exc)
             return 0
-        if not done:
-            self._failed("batched_contains", TimeoutError(f"past {self.options.timeout} s"))
-            return 0
-        return int(count or 0)
 
     @override
     async def batched_async_contains(
         self, lookup_id: str, keys: list[Any], pin: bool = False
     ) -> int:
         try:
-            return int(await self._bounded(self._count, list(keys)))
-        except (TimeoutError, Exception) as exc:  # noqa: BLE001 - a miss
+            return await self._query_async(list(keys))
+        except Exception as exc:  # noqa: BLE001 - a miss
             self._failed("batched_async_contains", exc)
             return 0
 
@@ -320,7 +445,7 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
         """Read each key into its allocated full-chunk object; True where it landed."""
         out = [False] * len(keys)
         for backend, positions in self._groups(keys).items():
-            names = [object_key(keys[i]) for i in positions]
+            names = [self._name(keys[i]) for i in positions]
             targets = [objs[i].byte_array.cast("B") for i in positions]
             got = backend.batch_get(names, targets)
             for i, g in zip(positions, got, strict=True):
@@ -330,7 +455,7 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
     def _read_partial(self, key: Any) -> Any:
         """A chunk of fewer tokens than a full one (``save_unfull_chunk``), or None."""
         backend = self._backend(key)
-        data = backend.get(object_key(key))
+        data = backend.get(self._name(key))
         if data is None:
             return None
         n = int(data.numel())
@@ -361,13 +486,23 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
                 obj.ref_count_down()
             raise
         out: list[Any] = []
-        for i, key in enumerate(keys):
-            if i < len(objs) and landed[i]:
-                out.append(objs[i])
-                continue
-            if i < len(objs):
-                objs[i].ref_count_down()
-            out.append(self._read_partial(key) if self._partial_chunks else None)
+        try:
+            for i, key in enumerate(keys):
+                if i < len(objs) and landed[i]:
+                    out.append(objs[i])
+                    continue
+                if i < len(objs):
+                    obj, objs[i] = objs[i], None
+                    obj.ref_count_down()
+                missing = i >= len(objs)  # (no room in the buffer: no partial read either)
+                out.append(
+                    self._read_partial(key) if self._partial_chunks and not missing else None
+                )
+        except BaseException:
+            for obj in [*out, *objs[len(out) :]]:
+                if obj is not None:
+                    obj.ref_count_down()
+            raise
         return out
 
     @override
@@ -380,8 +515,14 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
 
     @override
     async def batched_get(self, keys: list[Any]) -> list[Any]:
+        fut = self._reads.submit(self._get_many, list(keys))
         try:
-            return list(await self._run(self._get_many, list(keys)))
+            return list(await asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            # LMCache gave up (blocking_timeout_secs): whatever the read still returns is
+            # nobody's, so it is released when it does.
+            fut.add_done_callback(_release_result)
+            raise
         except Exception as exc:  # noqa: BLE001 - misses
             self._failed("get", exc)
             return [None] * len(keys)
@@ -409,11 +550,10 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ writes
 
-    def _put_many(self, keys: list[Any], objs: list[Any]) -> None:
+    def _put_many(self, keys: list[Any], staged: list[bytearray]) -> None:
         for backend, positions in self._groups(keys).items():
-            names = [object_key(keys[i]) for i in positions]
-            values = [objs[i].byte_array.cast("B") for i in positions]
-            backend.batch_set(names, values)
+            names = [self._name(keys[i], write=True) for i in positions]
+            backend.batch_set(names, [staged[i] for i in positions])
 
     @override
     async def put(self, key: Any, memory_obj: Any) -> None:
@@ -425,11 +565,29 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
 
     @override
     async def batched_put(self, keys: list[Any], memory_objs: list[Any]) -> None:
-        # Done before returning: LMCache releases the buffers once this returns.
+        # The chunks are copied out of LMCache's buffers first and written from the copy:
+        # LMCache frees its buffers when an engine closes, before it closes its remote
+        # backends (0.5.6), so a write in flight or queued must never read them. This returns once
+        # the write did (a get right after it finds the chunk). A store with more puts in
+        # flight than twice the threads (slow or hung) gets no more: the put is dropped at
+        # once, and the copies held stay bounded.
+        if self._writes.pending >= 2 * self.options.io_threads:
+            self.dropped_puts += len(keys)
+            self._failed("put", RuntimeError("too many puts in flight; this one is dropped"))
+            return
+        # (copied here, on LMCache's loop, while LMCache holds the buffers for this call:
+        # a queued write thread could start after LMCache freed them)
+        staged = [bytearray(obj.byte_array.cast("B")) for obj in memory_objs]
+        fut = self._writes.submit(self._put_many, list(keys), staged)
+        fut.add_done_callback(self._put_done)
         try:
-            await self._run(self._put_many, list(keys), list(memory_objs))
-        except Exception as exc:  # noqa: BLE001 - a put that fails is not stored
-            self._failed("put", exc)
+            await asyncio.shield(asyncio.wrap_future(fut))
+        except Exception:  # noqa: BLE001, S110 - logged by _put_done; a failed put is not stored
+            pass
+
+    def _put_done(self, fut: concurrent.futures.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self._failed("put", fut.exception())  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ the rest
 
@@ -445,17 +603,22 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
             return 0 if all(b.health().usable for b in backends) else 1
 
         try:
-            return int(await self._bounded(health))
+            fut = self._reads.submit(health)
+            return int(await asyncio.wait_for(asyncio.wrap_future(fut), self.options.timeout))
         except (TimeoutError, Exception) as exc:  # noqa: BLE001
             self._failed("ping", exc)
             return 1
 
     @override
     def remove_sync(self, key: Any) -> bool:
-        backend = self._backend(key)
-        if not backend.capabilities.delete:
+        try:
+            backend = self._backend(key)
+            if not backend.capabilities.delete:
+                return False
+            return bool(backend.delete(self._name(key)))
+        except Exception as exc:  # noqa: BLE001 - not removed
+            self._failed("remove", exc)
             return False
-        return bool(backend.delete(object_key(key)))
 
     @override
     async def list(self) -> list[str]:
@@ -463,15 +626,37 @@ class HiCacheRemoteConnector(RemoteConnector):  # type: ignore[misc]
 
     @override
     async def close(self) -> None:
+        # Off LMCache's event loop: waiting for the calls in flight (they read and write
+        # LMCache's buffers, which it frees after this returns) and closing the backends.
+        await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
         with self._lock:
             self._closed = True
+        self._queries.close()
+        # Writes read only their own copies; reads write into chunks LMCache allocated,
+        # which it frees after this returns: wait for both, within twice the timeout (a
+        # store that hangs longer must not hang the engine's shutdown).
+        bound = 2 * self.options.timeout
+        for workers, what in ((self._writes, "writes"), (self._reads, "reads")):
+            if not workers.close(bound):
+                self._failed("close", TimeoutError(f"{what} still running after {bound} s"))
+        with self._lock:
             backends, self._backends = list(self._backends.values()), {}
         for b in backends:
             try:
                 b.close()
             except Exception as exc:  # noqa: BLE001
                 self._failed("close", exc)
-        self._pool.shutdown(wait=False)
+
+
+def _release_result(fut: concurrent.futures.Future[Any]) -> None:
+    """Release the chunks a read returned after its caller left (see batched_get)."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    for obj in fut.result() or ():
+        if obj is not None:
+            obj.ref_count_down()
 
 
 def _own_plugin_name(config: Any) -> str:
@@ -503,8 +688,7 @@ class HiCacheConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
     def can_parse(self, url: str) -> bool:
         if not url.startswith("plugin://"):
             return False
-        name = url[len("plugin://") :]
-        return name == PLUGIN_PREFIX or name.startswith(PLUGIN_PREFIX + ".")
+        return PLUGIN_NAME.fullmatch(url[len("plugin://") :]) is not None
 
     @override
     def create_connector(self, context: ConnectorContext) -> RemoteConnector:

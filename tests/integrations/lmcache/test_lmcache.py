@@ -242,22 +242,13 @@ def test_the_non_blocking_batch_gives_the_leading_run_and_releases_the_rest(
         store_and_wait(eng, tokens, 4)
         conn = remote_connector(eng)
         keys = [key for _, _, key in eng.token_database.process_tokens(tokens)][:4]
-        # Chunk 1 goes missing: the run is chunk 0 only, and chunks 2-3 (read in the
-        # same batch) are handed back to LMCache's allocator.
+        # Chunk 1 goes missing: the run is chunk 0 only.
         conn._backend(keys[1]).delete(object_key(keys[1]))
-        allocator = conn.local_cpu_backend.memory_allocator.pin_allocator
-
-        def in_use() -> int:
-            return int(allocator.total_allocated_size)
-
-        before = in_use()
         fut = asyncio.run_coroutine_threadsafe(conn.batched_get_non_blocking("l", keys), conn.loop)
         got = fut.result(timeout=30)
         assert len(got) == 1
         assert bytes(got[0].byte_array) != bytes(len(got[0].byte_array))
-        assert in_use() > before  # (the one it returned is held)
-        got[0].ref_count_down()
-        assert in_use() == before
+        got[0].ref_count_down()  # (the releases: the stand-in test below)
 
 
 def test_the_non_blocking_batch_releases_every_object_past_the_first_miss(
