@@ -15,8 +15,9 @@ bfloat16: 8 MiB a chunk) and retrieves them, with each contender as its only sto
 * ``hicache redis`` and ``lmcache redis``: our plugin on the ``redis`` backend, and
   LMCache's redis connector, on one redis-server this script starts.
 
-Each contender gets one engine, warmed up by an untimed store and retrieve of other
-tokens. Store: from ``store()`` until ``lookup()`` reports every chunk (LMCache stores
+Each contender's round runs in a process of its own (LMCache's redis connector never
+closes, and an engine left running slows whoever runs next), with one engine, warmed up
+by an untimed store and retrieve of other tokens. Store: from ``store()`` until ``lookup()`` reports every chunk (LMCache stores
 in the background; ``lookup`` is polled every 10 ms). Retrieve: the median of three
 ``retrieve()`` calls of every chunk, in that engine, whose CPU cache is off
 (``local_cpu=False``), so every chunk comes from the store under test (files are in the
@@ -28,9 +29,11 @@ chunks per second and GB/s, with the ratio to LMCache's own store of the same ki
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -131,7 +134,19 @@ def run_one(settings: dict[str, Any], chunks: int, seed: int) -> tuple[float, fl
     return results[-1]
 
 
+def run_child(name: str, tag: str, seed: str, redis_url: str, work: str, chunks: str) -> None:
+    """One contender's round, in this process; prints ``[store_s, retrieve_s]``."""
+    import logging
+
+    logging.disable(logging.WARNING)
+    settings = contenders(work, redis_url)[name](tag)
+    print(json.dumps(run_one(settings, int(chunks), int(seed))))
+
+
 def main() -> None:
+    if len(sys.argv) == 8 and sys.argv[1] == "--child":
+        run_child(*sys.argv[2:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
@@ -151,10 +166,16 @@ def main() -> None:
                 order = names[r % len(names) :] + names[: r % len(names)]
                 for name in order:
                     tag = f"{name.replace(' ', '-')}-{r}"
-                    try:
-                        store_s, get_s = run_one(makers[name](tag), args.chunks, seed=r + 1)
-                    except RuntimeError as exc:
-                        raise SystemExit(f"{name}: {exc}") from None
+                    # (each in a process of its own: LMCache's redis connector never
+                    # closes, and an engine left running slows whoever runs next)
+                    child = subprocess.run(
+                        [sys.executable, __file__, "--child", name, tag, str(r + 1), srv.url,
+                         work, str(args.chunks)],
+                        capture_output=True, text=True, timeout=600, check=False,
+                    )  # fmt: skip
+                    if child.returncode != 0:
+                        raise SystemExit(f"{name}: {child.stderr[-2000:]}")
+                    store_s, get_s = json.loads(child.stdout.strip().splitlines()[-1])
                     res = results.setdefault(name, {"store": [], "retrieve": []})
                     res["store"].append(store_s)
                     res["retrieve"].append(get_s)
