@@ -468,7 +468,7 @@ def lmcache_extra_config(
     """
     import re
 
-    if re.fullmatch(r"hicache(\.[A-Za-z0-9_-]+)?", name) is None:
+    if re.fullmatch(r"hicache|hicache\.[A-Za-z0-9_-]+", name) is None:
         raise ConfigError(
             f"plugin name {name!r}: it must be 'hicache' or 'hicache.<letters, digits, _ or ->' "
             "(LMCache gives other names, such as fs* or redis*, to its own connectors)"

@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 #: Every plugin name this module serves starts with it (``hicache``, ``hicache.<any>``).
 PLUGIN_PREFIX = "hicache"
 #: The plugin names this module serves: ``hicache`` or ``hicache.<letters, digits, _ ->``.
-PLUGIN_NAME = re.compile(r"hicache(\.[A-Za-z0-9_-]+)?")
+PLUGIN_NAME = re.compile(r"hicache|hicache\.[A-Za-z0-9_-]+")
 
 #: LMCache's health check writes and reads this key (model ``test``, chunk hash 0) with new
 #: bytes each time: it gets an object of its own per write (first writer wins elsewhere).
